@@ -1,0 +1,178 @@
+"""Argument checks shared by the public API, and their error messages.
+
+Every check names the argument, what was expected and what was given
+(DESIGN.md, "Bad input"). Shapes, dtypes and parameters are checked here,
+before any kernel runs. Checks on the *values* of the large arrays (NaN/Inf,
+constant rows with eps = 0) need every value read once, so the kernels count
+bad rows during their own first pass and :func:`raise_bad_rows` turns a non-zero
+count into the same kind of message, found again here on the slow path.
+"""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any
+
+import numpy as np
+
+FLOAT_DTYPES = (np.dtype(np.float32), np.dtype(np.float64))
+#: Default memory budget of dense outputs (Jacobians): 2 GiB.
+DENSE_MAX_BYTES = 2 * 2**30
+MODES = ("full", "frozen_scale")
+
+
+def float_array(name: str, a: Any) -> np.ndarray:
+    """``a`` as an ndarray of float32/float64 (not copied), or a TypeError naming ``name``."""
+    arr = np.asarray(a)
+    if arr.dtype in FLOAT_DTYPES:
+        return arr
+    kind = arr.dtype.kind
+    if kind in "biu":
+        hint = f"convert it first, e.g. {name}.astype(np.float64)"
+    elif kind == "f":  # float16, longdouble
+        hint = f"convert it to float32 or float64, e.g. {name}.astype(np.float32)"
+    elif kind == "c":
+        hint = "complex input is not supported; pass the real part or split real and imaginary parts"
+    else:
+        hint = "pass a numeric array"
+    raise TypeError(f"{name} must be a float32 or float64 array; got dtype {arr.dtype}: {hint}")
+
+
+def rows(name: str, a: Any) -> tuple[np.ndarray, tuple[int, ...]]:
+    """Validate ``a`` of shape (..., d), d >= 2; return its C-contiguous (n, d) view and shape."""
+    arr = float_array(name, a)
+    if arr.ndim == 0:
+        raise ValueError(f"{name} must have shape (..., d); got a scalar")
+    d = arr.shape[-1]
+    if d < 2:
+        raise ValueError(f"{name} must have a last axis d >= 2 to normalize over; got shape {arr.shape}")
+    return np.ascontiguousarray(arr).reshape(-1, d), arr.shape
+
+
+def tangent(name: str, a: Any, x2: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """A tangent (v or u): the shape of x, converted to x's dtype, as (n, d)."""
+    arr = float_array(name, a)
+    if arr.shape != shape:
+        raise ValueError(f"{name} must have the shape of x, {shape}; got {arr.shape}")
+    return np.ascontiguousarray(arr, dtype=x2.dtype).reshape(x2.shape)
+
+
+def param(name: str, a: Any, x2: np.ndarray, fill: float) -> np.ndarray:
+    """gamma or beta: shape (d,), finite, in x's dtype; ``None`` means all ``fill``."""
+    d = x2.shape[1]
+    if a is None:
+        return np.full(d, fill, dtype=x2.dtype)
+    arr = float_array(name, a)
+    if arr.shape != (d,):
+        raise ValueError(f"{name} must have shape (d,) = ({d},) to match x; got {arr.shape}")
+    if not np.isfinite(arr).all():
+        i = int(np.flatnonzero(~np.isfinite(arr))[0])
+        raise ValueError(f"{name} contains NaN or Inf (first at index {i}: {arr[i]})")
+    return np.ascontiguousarray(arr, dtype=x2.dtype)
+
+
+def eps(value: Any) -> float:
+    """eps: a finite real number >= 0."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"eps must be a real number >= 0; got {value!r}")
+    value = float(value)
+    if not (np.isfinite(value) and value >= 0):
+        raise ValueError(f"eps must be a finite number >= 0; got {value}")
+    return value
+
+
+def frozen(mode: Any) -> bool:
+    """mode: 'full' (the true derivative) or 'frozen_scale' (scale held constant)."""
+    if mode not in MODES:
+        raise ValueError(f"mode must be 'full' or 'frozen_scale'; got {mode!r}")
+    return mode == "frozen_scale"
+
+
+def output(
+    out: Any, shape: tuple[int, ...], dtype: np.dtype, inputs: tuple[Any, ...], core: int = 1
+) -> tuple[np.ndarray, np.ndarray]:
+    """The result array (``out`` or a new one) and its C-contiguous kernel view.
+
+    ``shape`` is the full output shape; the kernel view keeps the last ``core``
+    axes (1: (n, d); 2 for Jacobians: (n, d, d)) and merges the rest into one
+    token axis.
+    """
+    if out is None:
+        res = np.empty(shape, dtype=dtype)
+    else:
+        if not isinstance(out, np.ndarray):
+            raise TypeError(f"out must be a numpy.ndarray; got {type(out).__name__}")
+        if out.shape != shape:
+            raise ValueError(f"out must have shape {shape}; got {out.shape}")
+        if out.dtype != dtype:
+            raise ValueError(f"out must have dtype {dtype} (the dtype of x); got {out.dtype}")
+        if not out.flags.c_contiguous:
+            raise ValueError("out must be C-contiguous")
+        if not out.flags.writeable:
+            raise ValueError("out must be writeable")
+        for a in inputs:
+            if isinstance(a, np.ndarray) and np.may_share_memory(out, a):
+                raise ValueError("out must not overlap any input array")
+        res = out
+    return res, res.reshape((-1,) + shape[len(shape) - core :])
+
+
+def dense_budget(shape: tuple[int, ...], dtype: np.dtype, max_bytes: Any) -> None:
+    """Refuse a dense output larger than ``max_bytes`` before allocating it."""
+    limit = DENSE_MAX_BYTES if max_bytes is None else max_bytes
+    if isinstance(limit, bool) or not isinstance(limit, numbers.Real) or limit <= 0:
+        raise ValueError(f"max_bytes must be a positive number of bytes; got {max_bytes!r}")
+    need = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
+    if need > limit:
+        raise ValueError(
+            f"the dense Jacobian of shape {shape} ({dtype}) needs {need / 2**30:.2f} GiB, over the "
+            f"budget max_bytes = {limit / 2**30:.2f} GiB; use the matrix-free *_jvp / *_vjp "
+            f"functions, fewer tokens, or pass a larger max_bytes"
+        )
+
+
+def raise_bad_rows(
+    nbad: int,
+    x2: np.ndarray,
+    shape: tuple[int, ...],
+    eps_value: float,
+    norm: str,
+    tangent_name: str | None = None,
+    t2: np.ndarray | None = None,
+) -> None:
+    """Turn a kernel's bad-row count into a ValueError that names the argument and row."""
+    if nbad == 0:
+        return
+    lead = shape[:-1]
+
+    def where(flat_row: int) -> str:
+        return str(tuple(int(i) for i in np.unravel_index(flat_row, lead)))
+
+    for name, arr in (("x", x2), (tangent_name, t2)):
+        if arr is not None:
+            finite = np.isfinite(arr)
+            if not finite.all():
+                i, j = (int(k) for k in np.argwhere(~finite)[0])
+                raise ValueError(
+                    f"{name} contains NaN or Inf ({nbad} bad row(s); first in row {where(i)}, "
+                    f"entry {j}: {arr[i, j]})"
+                )
+    xd = x2.astype(np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        if norm == "layer_norm":
+            stat = np.var(xd, axis=1)
+            what, cure = "constant (zero variance)", "LayerNorm divides by zero"
+        else:
+            stat = np.mean(xd * xd, axis=1)
+            what, cure = "all zeros", "RMSNorm divides by zero"
+    zero = np.flatnonzero(stat + eps_value <= 0)
+    if zero.size:
+        raise ValueError(
+            f"x row {where(int(zero[0]))} is {what} and eps = 0, so {cure} "
+            f"({nbad} such row(s)); use eps > 0"
+        )
+    i = int(np.flatnonzero(~np.isfinite(stat))[0]) if not np.isfinite(stat).all() else 0
+    raise ValueError(
+        f"x row {where(i)}: the row statistics overflow float64 ({nbad} bad row(s)); "
+        "rescale x (normalization is scale-invariant up to eps)"
+    )

@@ -1,0 +1,221 @@
+"""The one registry of backends: ``(kernel id, backend name) -> callable``.
+
+Backends are ``"cpp"`` (the compiled extension ``pyengine._core``), ``"numba"``
+and ``"numpy"`` (the reference, ``pyengine._reference``). ``"auto"`` picks the
+first available of :data:`AUTO_ORDER`. Each backend module registers its kernels
+with :func:`register` when it is first imported, and it is imported only when a
+kernel of that backend is first asked for, so ``import pyengine`` stays fast and
+loads neither Numba nor the extension. A backend that cannot load records why,
+and :func:`available_backends` reports it.
+
+The backend is chosen per call (``backend=`` on every public function) or for a
+block of code with :func:`use_backend`; nothing is fixed at import time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import importlib
+import inspect
+import re
+from collections.abc import Callable, Iterator
+from typing import Any, NamedTuple, TypeVar
+
+__all__ = [
+    "BACKENDS",
+    "KERNELS",
+    "BackendInfo",
+    "available_backends",
+    "get_num_threads",
+    "num_threads",
+    "register",
+    "resolve",
+    "set_num_threads",
+    "use_backend",
+]
+
+F = TypeVar("F", bound=Callable[..., Any])
+
+#: Every kernel id; each must have a ``numpy`` (reference) entry.
+KERNELS: tuple[str, ...] = (
+    "layer_norm",
+    "layer_norm_jvp",
+    "layer_norm_vjp",
+    "layer_norm_jacobian",
+    "rms_norm",
+    "rms_norm_jvp",
+    "rms_norm_vjp",
+    "rms_norm_jacobian",
+)
+
+#: Backend name -> the module that registers its kernels when imported.
+_MODULES: dict[str, str] = {
+    "cpp": "pyengine._cpp",
+    "numba": "pyengine._numba",
+    "numpy": "pyengine._reference",
+}
+BACKENDS: tuple[str, ...] = tuple(_MODULES)
+#: Preference order of ``backend="auto"``: fastest first.
+AUTO_ORDER: tuple[str, ...] = ("cpp", "numba", "numpy")
+
+_TABLE: dict[tuple[str, str], Callable[..., Any]] = {}
+_FAILED: dict[str, str] = {}
+_LOADED: set[str] = set()
+_DEFAULT: contextvars.ContextVar[str] = contextvars.ContextVar("pyengine_backend", default="auto")
+
+
+class BackendInfo(NamedTuple):
+    """Whether a backend loads, and if not, why."""
+
+    name: str
+    available: bool
+    reason: str
+
+
+def _param_names(fn: Callable[..., Any]) -> tuple[str, ...]:
+    """Parameter names of a Python function, or of a pybind11 function (from its docstring)."""
+    try:
+        return tuple(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        doc = fn.__doc__ or ""
+        # pybind11 writes "name(a: type, b: type) -> ret"; for overloads, "1. name(...)".
+        m = re.search(rf"{re.escape(fn.__name__)}\((.*?)\) ->", doc)
+        if m is None:
+            raise TypeError(f"cannot read the signature of {fn!r}") from None
+        return tuple(re.findall(r"(?:^|, )(\w+): ", m.group(1)))
+
+
+def register(kernel: str, backend: str) -> Callable[[F], F]:
+    """Decorator: register ``fn`` as ``backend``'s implementation of ``kernel``.
+
+    Fails loudly, at import, if the kernel id is unknown or the parameter names
+    differ from the reference's.
+    """
+
+    def deco(fn: F) -> F:
+        if kernel not in KERNELS:
+            raise KeyError(f"unknown kernel id {kernel!r}; known: {', '.join(KERNELS)}")
+        if backend not in _MODULES:
+            raise KeyError(f"unknown backend {backend!r}; known: {', '.join(BACKENDS)}")
+        if backend != "numpy":
+            ref = resolve(kernel, "numpy")
+            if _param_names(fn) != _param_names(ref):
+                raise TypeError(
+                    f"{backend} kernel {kernel} has parameters {_param_names(fn)}, "
+                    f"the reference has {_param_names(ref)}"
+                )
+        _TABLE[kernel, backend] = fn
+        return fn
+
+    return deco
+
+
+def _load(backend: str) -> bool:
+    """Import a backend's module once; record the reason if it fails."""
+    if backend not in _LOADED and backend not in _FAILED:
+        try:
+            importlib.import_module(_MODULES[backend])
+        except ImportError as exc:  # missing numba, or _core not built
+            _FAILED[backend] = f"{type(exc).__name__}: {exc}"
+        else:
+            _LOADED.add(backend)
+    return backend in _LOADED
+
+
+def _check_name(backend: object) -> str:
+    if not isinstance(backend, str) or (backend != "auto" and backend not in _MODULES):
+        raise ValueError(
+            f"backend must be one of 'auto', {', '.join(map(repr, BACKENDS))}; got {backend!r}"
+        )
+    return backend
+
+
+def resolve(kernel: str, backend: str = "auto") -> Callable[..., Any]:
+    """Return the callable for ``kernel`` on ``backend`` (``"auto"``: fastest available)."""
+    if kernel not in KERNELS:
+        raise KeyError(f"unknown kernel id {kernel!r}")
+    backend = _check_name(backend)
+    if backend == "auto":
+        backend = _DEFAULT.get()
+    candidates = AUTO_ORDER if backend == "auto" else (backend,)
+    for name in candidates:
+        if _load(name) and (kernel, name) in _TABLE:
+            return _TABLE[kernel, name]
+    if backend == "auto":
+        raise RuntimeError(f"no backend provides {kernel!r}")  # unreachable: numpy has all
+    if backend in _FAILED:
+        raise ValueError(f"backend {backend!r} is not available: {_FAILED[backend]}")
+    raise ValueError(f"backend {backend!r} has no kernel {kernel!r}")
+
+
+def auto_backend(kernel: str) -> str:
+    """Name of the backend that ``backend="auto"`` selects for ``kernel``."""
+    fn = resolve(kernel)
+    return next(b for (k, b), f in _TABLE.items() if k == kernel and f is fn)
+
+
+def available_backends() -> dict[str, BackendInfo]:
+    """Load every backend and report which are available and, for the others, why.
+
+    Returns
+    -------
+    dict
+        ``{name: BackendInfo(name, available, reason)}`` in preference order.
+    """
+    return {
+        name: BackendInfo(name, _load(name), _FAILED.get(name, ""))
+        for name in AUTO_ORDER
+    }
+
+
+@contextlib.contextmanager
+def use_backend(backend: str) -> Iterator[None]:
+    """Make ``backend`` what ``backend="auto"`` means inside a ``with`` block."""
+    token = _DEFAULT.set(_check_name(backend))
+    try:
+        yield
+    finally:
+        _DEFAULT.reset(token)
+
+
+def set_num_threads(n: int) -> None:
+    """Use ``n`` threads in the compiled backends (the C++ OpenMP pool and Numba).
+
+    Results do not depend on it: every token is computed by one thread in a fixed
+    order. BLAS threads are separate; limit them with ``threadpoolctl``.
+    """
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise ValueError(f"n must be a positive int; got {n!r}")
+    if _load("cpp"):
+        from . import _core
+
+        _core.set_num_threads(n)
+    if _load("numba"):
+        import numba
+
+        numba.set_num_threads(min(n, numba.config.NUMBA_NUM_THREADS))
+
+
+@contextlib.contextmanager
+def num_threads(n: int) -> Iterator[None]:
+    """Run the compiled backends with ``n`` threads inside a ``with`` block."""
+    before = get_num_threads()
+    set_num_threads(n)
+    try:
+        yield
+    finally:
+        set_num_threads(before)
+
+
+def get_num_threads() -> int:
+    """Threads used by the compiled backends (the C++ pool's, else Numba's, else 1)."""
+    if _load("cpp"):
+        from . import _core
+
+        return int(_core.get_num_threads())
+    if _load("numba"):
+        import numba
+
+        return int(numba.get_num_threads())
+    return 1

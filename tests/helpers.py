@@ -1,0 +1,30 @@
+"""Test helpers: the tolerance table, comparisons and test data."""
+
+from __future__ import annotations
+
+import numpy as np
+
+#: Comparison tolerances against the reference, per dtype: (rtol, atol relative to max |ref|).
+TOL = {np.float32: (2e-6, 2e-6), np.float64: (1e-11, 1e-12)}
+DTYPES = (np.float32, np.float64)
+
+
+def assert_close(actual, desired, dtype, scale=None):
+    """Compare with the tolerance table; atol is relative to the largest |desired|."""
+    rtol, atol = TOL[np.dtype(dtype).type]
+    desired = np.asarray(desired, dtype=np.float64)
+    big = np.max(np.abs(desired)) if desired.size else 1.0
+    np.testing.assert_allclose(np.asarray(actual, np.float64), desired, rtol=rtol,
+                               atol=atol * (big if scale is None else scale))
+
+
+def make_case(shape, dtype, seed=0, loc=0.0, scale=1.0):
+    """Random x, v, u of ``shape`` and gamma, beta of shape (d,) with non-trivial values."""
+    rng = np.random.default_rng(seed)
+    d = shape[-1]
+    x = (loc + scale * rng.standard_normal(shape)).astype(dtype)
+    v = rng.standard_normal(shape).astype(dtype)
+    u = rng.standard_normal(shape).astype(dtype)
+    gamma = (1.0 + 0.5 * rng.standard_normal(d)).astype(dtype)
+    beta = (0.1 * rng.standard_normal(d)).astype(dtype)
+    return x, v, u, gamma, beta

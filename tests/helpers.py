@@ -28,3 +28,14 @@ def make_case(shape, dtype, seed=0, loc=0.0, scale=1.0):
     gamma = (1.0 + 0.5 * rng.standard_normal(d)).astype(dtype)
     beta = (0.1 * rng.standard_normal(d)).astype(dtype)
     return x, v, u, gamma, beta
+
+
+def tangent_scale(norm, x, w, gamma, eps=1e-5):
+    """Size of the terms that a JVP/VJP adds up, |gamma| |w| / scale: the yardstick of its rounding.
+
+    A JVP can cancel to far below its terms (for d = 2 LayerNorm's is nearly zero),
+    so its error is judged against the terms, not the result.
+    """
+    xd = np.asarray(x, np.float64)
+    ms = xd.var(-1) if norm == "layer_norm" else np.mean(xd * xd, -1)
+    return float(np.abs(gamma).max() * np.abs(w).max() / np.sqrt(ms + eps).min())

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pyengine as pe
-from helpers import assert_close, make_case
+from helpers import assert_close, make_case, tangent_scale
 from pyengine import backends
 
 NORM_KERNELS = [k for k in backends.KERNELS if k.startswith(("layer_norm", "rms_norm"))]
@@ -45,7 +45,13 @@ def test_kernel_matches_reference(compiled, dtype, kernel, mode, shape):
     ref = call(kernel, *case, mode=mode, backend="numpy")
     got = call(kernel, *case, mode=mode, backend=compiled)
     assert got.dtype == dtype and got.shape == ref.shape
-    assert_close(got, ref, dtype)
+    scale = np.abs(ref).max()
+    if not kernel.endswith("_norm"):  # derivatives cancel: judge them by their terms
+        x, v, u, gamma, _ = case
+        norm, kind = kernel.rsplit("_", 1)
+        w = {"jvp": v, "vjp": u, "jacobian": np.ones(1)}[kind]
+        scale = max(scale, tangent_scale(norm, x, w, gamma))
+    assert_close(got, ref, dtype, scale=scale)
 
 
 @pytest.mark.parametrize("kernel", NORM_KERNELS)
@@ -73,7 +79,7 @@ def test_robust_variance_float32(backend, norm):
     fn = getattr(pe, norm)
     exact = fn(x.astype(np.float64), gamma.astype(np.float64), backend="numpy")
     got = fn(x, gamma, backend=backend)
-    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=1e-5 * np.abs(exact).max(axis=-1, keepdims=True))
+    np.testing.assert_allclose(got, exact, rtol=1e-5, atol=0)
 
 
 @pytest.mark.parametrize("kernel", NORM_KERNELS)

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import numpy as np
-from hypothesis import given, settings
+from hypothesis import assume, given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
@@ -50,7 +50,7 @@ def test_jvp_is_jacobian_times_v_and_adjoint_to_vjp(backend, case, mode, norm):
 @given(rows(), st.floats(1e-3, 1e3))
 def test_layer_norm_is_scale_invariant_without_eps(backend, case, c):
     x, *_ = case
-    x = x + np.linspace(0, 1, x.shape[1])  # no constant rows
+    assume(x.var(-1).min() > 1e-6 * max(1.0, np.abs(x).max()) ** 2)  # no (nearly) constant rows
     np.testing.assert_allclose(
         pe.layer_norm(c * x, eps=0.0, backend=backend), pe.layer_norm(x, eps=0.0, backend=backend),
         rtol=1e-7, atol=1e-8,

@@ -1,0 +1,15 @@
+"""pyengine asv suites, one file per kernel family, one class per kernel id.
+
+Importing this package fails if a registry kernel has no benchmark class (as
+numpy's bench_ufunc.py does for ufuncs), so a new kernel cannot land unmeasured.
+"""
+
+from pyengine import backends
+
+from . import bench_layernorm, bench_model
+from .common import camel
+
+_classes = {name for mod in (bench_layernorm, bench_model) for name in vars(mod)}
+_missing = [k for k in backends.KERNELS if camel(k) not in _classes]
+if _missing:
+    raise ImportError(f"registry kernels without an asv benchmark class: {_missing}")

@@ -1,0 +1,106 @@
+"""asv suites for transformer stacks (pyengine.model), GPT-2-small shaped, float32.
+
+Issue 4's targets are ratios measured in one process: a batched forward costs at
+most 1.3x its own matrix products executed alone with NumPy/BLAS
+(``track_forward_over_gemms``), and a block JVP over K tangents at most 1.5x the
+block forward of K sequences (``track_jvp_over_forward``). The target's K = 64 and
+12 layers are cut to K = 8 and 2 layers here to keep a run short; the ratios are
+per layer and barely depend on either.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+import pyengine as pe
+
+from .common import median_time
+
+#: GPT-2 small: d_model, heads, d_mlp; sequences x tokens per forward.
+D_MODEL, N_HEADS, D_MLP = 768, 12, 3072
+SEQUENCES, TOKENS, N_BLOCKS = 8, 128, 2
+
+
+def _stack(n_blocks: int) -> pe.Stack:
+    cfg = pe.StackConfig(d_model=D_MODEL, n_heads=N_HEADS, d_mlp=D_MLP, n_layers=n_blocks,
+                         activation="gelu_tanh", positions="learned", max_seq_len=TOKENS)
+    return pe.init_weights(cfg, "gpt2", seed=0, dtype=np.float32, bias_std=0.02)
+
+
+def gemm_operands(stack: pe.Stack, sequences: int, tokens: int) -> list[tuple[np.ndarray, np.ndarray]]:
+    """Random operands of every matrix product of a forward, with the forward's shapes and layouts."""
+    cfg = stack.config
+    rng = np.random.default_rng(0)
+    n, dh = sequences * tokens, cfg.head_dim
+
+    def r(*shape: int) -> np.ndarray:
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    ops = []
+    for k in range(cfg.n_layers):
+        w = stack.weights
+        p = f"blocks.{k}."
+        ops += [
+            (r(n, cfg.d_model), w[p + "attn.w_qkv"]),
+            (r(sequences, cfg.n_heads, 1, tokens, dh), r(sequences, cfg.n_heads, 1, dh, tokens)),  # q k^T
+            (r(sequences, cfg.n_heads, 1, tokens, tokens), r(sequences, cfg.n_heads, 1, tokens, dh)),  # P v
+            (r(n, cfg.d_model), w[p + "attn.w_o"]),
+            (r(n, cfg.d_model), w[p + "mlp.w_in"]),
+            (r(n, cfg.d_mlp), w[p + "mlp.w_out"]),
+        ]
+    return ops
+
+
+class StackForward:
+    """hidden_states of SEQUENCES x TOKENS through N_BLOCKS GPT-2-small blocks vs its GEMMs alone."""
+
+    timeout = 600
+
+    def setup(self):
+        self.stack = _stack(N_BLOCKS)
+        self.h0 = np.random.default_rng(1).standard_normal((SEQUENCES, TOKENS, D_MODEL), dtype=np.float32)
+        self.ops = gemm_operands(self.stack, SEQUENCES, TOKENS)
+        self.stack.hidden_states(self.h0)  # warm-up: kernels compiled, weights prepared
+
+    def time_forward(self):
+        self.stack.hidden_states(self.h0)
+
+    def time_gemms_only(self):
+        for a, b in self.ops:
+            np.matmul(a, b)
+
+    def track_forward_over_gemms(self):
+        forward = median_time(self.time_forward, 5)
+        gemms = median_time(self.time_gemms_only, 5)
+        return forward / gemms
+
+    track_forward_over_gemms.unit = "ratio"
+
+
+class BlockJvp:
+    """block_jvp of SEQUENCES tangents at one sequence vs block_forward of SEQUENCES sequences."""
+
+    timeout = 600
+
+    def setup(self):
+        self.stack = _stack(1)
+        rng = np.random.default_rng(2)
+        self.hb = rng.standard_normal((SEQUENCES, TOKENS, D_MODEL), dtype=np.float32)
+        self.h = self.hb[0].copy()
+        self.dh = rng.standard_normal((SEQUENCES, TOKENS, D_MODEL), dtype=np.float32)
+        _, self.cache = self.stack.block_forward(0, self.h, return_cache=True)
+        self.stack.block_jvp(0, self.h, self.dh, cache=self.cache)  # warm-up; fills the cache
+
+    def time_block_forward(self):
+        self.stack.block_forward(0, self.hb)
+
+    def time_block_jvp(self):
+        self.stack.block_jvp(0, self.h, self.dh, cache=self.cache)
+
+    def time_block_jvp_uncached(self):
+        self.stack.block_jvp(0, self.h, self.dh)
+
+    def track_jvp_over_forward(self):
+        return median_time(self.time_block_jvp, 5) / median_time(self.time_block_forward, 5)
+
+    track_jvp_over_forward.unit = "ratio"

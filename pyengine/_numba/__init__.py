@@ -1,0 +1,9 @@
+"""Numba backend: importing this package registers its kernels (``"numba"``).
+
+If Numba is not installed the ``ImportError`` propagates; the registry
+(:mod:`pyengine.backends`) records it as the reason the backend is unavailable.
+"""
+
+from __future__ import annotations
+
+from . import layernorm  # noqa: F401  (registers the LayerNorm / RMSNorm kernels)

@@ -27,7 +27,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .backends import register
+from ..backends import register
 
 __all__ = [
     "layer_norm",

@@ -174,3 +174,19 @@ def test_errors_leave_inputs_untouched():
     with pytest.raises(ValueError):
         pe.layer_norm(x, eps=0.0)
     np.testing.assert_array_equal(x, before)
+
+
+@pytest.mark.parametrize("d", [3, 768, 4097])
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_inexact_constant_row_is_constant_on_every_backend(backend, d, dtype):
+    """A constant row of 1/3 (its mean rounds) is zero-variance on every backend, whatever
+    the summation order: an error with eps = 0, exactly beta with eps > 0."""
+    x = np.full((2, d), 1 / 3, dtype=dtype)
+    x[0] = np.linspace(0, 1, d)
+    with pytest.raises(ValueError, match=r"x row \(1,\) is constant"):
+        pe.layer_norm(x, eps=0.0, backend=backend)
+    with pytest.raises(ValueError, match=r"x row \(1,\) is constant"):
+        pe.layer_norm_jvp(x, np.ones_like(x), eps=0.0, backend=backend)
+    beta = np.linspace(-1, 1, d).astype(dtype)
+    np.testing.assert_array_equal(pe.layer_norm(x, beta=beta, backend=backend)[1], beta)
+    assert not pe.layer_norm_vjp(x, np.ones_like(x), backend=backend)[1].any()

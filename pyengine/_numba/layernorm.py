@@ -300,12 +300,38 @@ def _scale(ms, eps):
     return 1.0, True
 
 
+#: A row whose variance is below this times mu^2 is checked for being exactly
+#: constant (see :func:`_constant`). Rounding of the mean leaves a constant row a
+#: variance of at most about (d * 2^-52 * mu)^2, far below this threshold.
+NEAR_CONSTANT = 1e-16
+
+
+@jit
+def _constant(x, mu, q):
+    """True if the row is exactly constant; scanned only when its variance q/d is tiny.
+
+    A constant row has variance exactly 0, but the rounded mean can leave it a
+    variance of ~1e-34 instead, and whether it does depends on summation order.
+    The kernel contract (see the reference) makes such a row's mean x[0] and its
+    variance 0 in every backend, so eps = 0 flags it bad everywhere.
+    """
+    if not q <= NEAR_CONSTANT * mu * mu * x.size:
+        return False
+    for i in range(1, x.size):
+        if x[i] != x[0]:
+            return False
+    return True
+
+
 @jit
 def _ln_stats(x, eps, acc):
     """(mu, s, bad) of one row: mean, sqrt(var + eps) with the two-pass variance."""
     d = x.size
     mu = _sum(x, acc) / d
-    s, bad = _scale(_sum_sq(x, mu, acc) / d, eps)
+    q = _sum_sq(x, mu, acc)
+    if _constant(x, mu, q):
+        mu, q = _f64(x[0]), 0.0
+    s, bad = _scale(q / d, eps)
     return mu, s, bad or not np.isfinite(mu)
 
 
@@ -368,6 +394,8 @@ def _layer_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next):
         dot = 0.0
     else:
         q, dot = _sum_sq_dot(x, mu, v, acc)
+    if _constant(x, mu, q):
+        mu, q, dot = _f64(x[0]), 0.0, 0.0
     s, bad = _scale(q / d, eps)
     inv = 1.0 / s
     m2 = dot * inv / d  # mean(xh * v), xh = (x - mu) / s
@@ -398,6 +426,8 @@ def _layer_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
         dot = 0.0
     else:
         q, dot = _sum_sq_dot_gu(x, mu, gamma, u, acc)
+    if _constant(x, mu, q):
+        mu, q, dot = _f64(x[0]), 0.0, 0.0
     s, bad = _scale(q / d, eps)
     inv = 1.0 / s
     m2 = dot * inv / d  # mean(xh * g)

@@ -10,8 +10,10 @@ Every kernel here has the *kernel contract* shared by all backends:
 * ``frozen`` selects the ``"frozen_scale"`` linearization (s, resp. r, constant);
 * the return value is the number of *bad rows*: rows whose statistics are not
   finite (NaN/Inf in ``x``, or in the tangent ``v`` / ``u``) or whose scale is zero
-  (s = 0 or r = 0). Their output is unspecified; the public layer turns a non-zero
-  count into a ``ValueError`` that names the argument and the first bad row.
+  (s = 0 or r = 0). An exactly constant row has LayerNorm mean x[0] and
+  variance 0 exactly, whatever the summation order. Bad rows' output is
+  unspecified; the public layer turns a non-zero count into a ``ValueError``
+  that names the argument and the first bad row.
   Value checks live in the kernels because they need every value read once, and
   a separate pass would cost as much memory traffic as the kernel itself.
 
@@ -42,9 +44,15 @@ __all__ = [
 
 
 def _ln_stats(x):
-    """Per-row centred values x - mu and variance, in float64, two-pass."""
+    """Per-row centred values x - mu and variance, in float64, two-pass.
+
+    An exactly constant row has mean x[0] and variance 0 exactly (part of the
+    kernel contract): a rounded mean would leave it a variance of ~1e-34 or 0
+    depending on summation order, and so on the backend.
+    """
     xd = x.astype(np.float64)
-    xc = xd - xd.mean(axis=-1, keepdims=True)
+    const = (xd == xd[:, :1]).all(axis=-1, keepdims=True)
+    xc = np.where(const, 0.0, xd - xd.mean(axis=-1, keepdims=True))
     return xc, np.mean(xc * xc, axis=-1, keepdims=True)
 
 

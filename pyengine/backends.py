@@ -37,8 +37,8 @@ __all__ = [
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-#: Every kernel id; each must have a ``numpy`` (reference) entry.
-KERNELS: tuple[str, ...] = (
+#: The normalization family: forward, JVP, VJP and dense Jacobian.
+NORM_KERNELS: tuple[str, ...] = (
     "layer_norm",
     "layer_norm_jvp",
     "layer_norm_vjp",
@@ -48,6 +48,15 @@ KERNELS: tuple[str, ...] = (
     "rms_norm_vjp",
     "rms_norm_jacobian",
 )
+#: The spectral family: exact sigma_max and fused power iteration of the normalization Jacobians.
+SPECTRAL_KERNELS: tuple[str, ...] = (
+    "layer_norm_sigma_max",
+    "rms_norm_sigma_max",
+    "layer_norm_power_iteration",
+    "rms_norm_power_iteration",
+)
+#: Every kernel id; each must have a ``numpy`` (reference) entry.
+KERNELS: tuple[str, ...] = NORM_KERNELS + SPECTRAL_KERNELS
 
 #: Backend name -> the module that registers its kernels when imported.
 _MODULES: dict[str, str] = {

@@ -9,7 +9,7 @@ import pyengine as pe
 from helpers import assert_close, make_case, tangent_scale
 from pyengine import backends
 
-NORM_KERNELS = [k for k in backends.KERNELS if k.startswith(("layer_norm", "rms_norm"))]
+NORM_KERNELS = backends.NORM_KERNELS
 SHAPES = [(1, 2), (5, 2), (4, 3), (3, 4097), (1, 768), (2, 3, 64), (64, 768)]
 JAC_SHAPES = [(1, 2), (4, 3), (2, 3, 17), (3, 64)]
 MODES = ["full", "frozen_scale"]

@@ -1,0 +1,221 @@
+// Python bindings of pyengine._core: one register_<family>() per kernel family, and the
+// module definition at the bottom that calls them.
+//
+// Every kernel is bound under its registry id (pyengine.backends.KERNELS) with the
+// reference's argument names, one overload per dtype. Arguments are noconvert c_style
+// arrays: the Python layer has already validated and converted them, so an array of the
+// wrong dtype or layout here is a bug and raises TypeError instead of being copied.
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+
+#include "layernorm.hpp"
+#include "parallel.hpp"
+
+namespace py = pybind11;
+using pyengine::index_t;
+
+namespace {
+
+template <class T>
+using carray = py::array_t<T, py::array::c_style>;
+
+std::string shape_str(const py::array& a) {
+    std::string s = "(";
+    for (py::ssize_t k = 0; k < a.ndim(); ++k) {
+        s += (k ? ", " : "") + std::to_string(a.shape(k));
+    }
+    return s + (a.ndim() == 1 ? ",)" : ")");
+}
+
+// Shapes are checked here, while holding the GIL; std::invalid_argument -> ValueError.
+void expect_shape(const py::array& a, const char* name, std::initializer_list<index_t> shape) {
+    bool ok = a.ndim() == static_cast<py::ssize_t>(shape.size());
+    py::ssize_t k = 0;
+    for (index_t s : shape) {
+        ok = ok && a.shape(k++) == s;
+    }
+    if (!ok) {
+        std::string want = "(";
+        for (index_t s : shape) {
+            want += (want.size() > 1 ? ", " : "") + std::to_string(s);
+        }
+        want += shape.size() == 1 ? ",)" : ")";
+        throw std::invalid_argument(std::string(name) + " must have shape " + want + ", got " +
+                                    shape_str(a));
+    }
+}
+
+// (n, d) of the row-major batch x.
+std::pair<index_t, index_t> rows_of(const py::array& x) {
+    if (x.ndim() != 2) {
+        throw std::invalid_argument("x must be 2-D (tokens, d), got shape " + shape_str(x));
+    }
+    return {x.shape(0), x.shape(1)};
+}
+
+// Each wrapper checks shapes and takes the raw pointers with the GIL held, then releases
+// the GIL for the kernel: the kernel touches only those buffers (kept alive by the array
+// arguments, which the caller holds) and no Python object.
+
+template <class T>
+std::int64_t layer_norm(const carray<T>& x, const carray<T>& gamma, const carray<T>& beta,
+                        double eps, carray<T>& out) {
+    const auto [n, d] = rows_of(x);
+    expect_shape(gamma, "gamma", {d});
+    expect_shape(beta, "beta", {d});
+    expect_shape(out, "out", {n, d});
+    const T *xp = x.data(), *gp = gamma.data(), *bp = beta.data();
+    T* op = out.mutable_data();
+    py::gil_scoped_release release;  // only raw buffers from here on (see above)
+    return pyengine::layer_norm(xp, gp, bp, eps, n, d, op);
+}
+
+template <class T>
+std::int64_t rms_norm(const carray<T>& x, const carray<T>& gamma, double eps, carray<T>& out) {
+    const auto [n, d] = rows_of(x);
+    expect_shape(gamma, "gamma", {d});
+    expect_shape(out, "out", {n, d});
+    const T *xp = x.data(), *gp = gamma.data();
+    T* op = out.mutable_data();
+    py::gil_scoped_release release;  // only raw buffers from here on (see above)
+    return pyengine::rms_norm(xp, gp, eps, n, d, op);
+}
+
+// JVP and VJP: (x, v or u, gamma, eps, frozen, out) -> bad rows, for a kernel K.
+template <class T, std::int64_t (*K)(const T*, const T*, const T*, double, bool, index_t,
+                                     index_t, T*)>
+std::int64_t tangent(const carray<T>& x, const carray<T>& w, const char* w_name,
+                     const carray<T>& gamma, double eps, bool frozen, carray<T>& out) {
+    const auto [n, d] = rows_of(x);
+    expect_shape(w, w_name, {n, d});
+    expect_shape(gamma, "gamma", {d});
+    expect_shape(out, "out", {n, d});
+    const T *xp = x.data(), *wp = w.data(), *gp = gamma.data();
+    T* op = out.mutable_data();
+    py::gil_scoped_release release;  // only raw buffers from here on (see above)
+    return K(xp, wp, gp, eps, frozen, n, d, op);
+}
+
+// Dense Jacobians: (x, gamma, eps, frozen, out (n, d, d)) -> bad rows.
+template <class T, std::int64_t (*K)(const T*, const T*, double, bool, index_t, index_t, T*)>
+std::int64_t jacobian(const carray<T>& x, const carray<T>& gamma, double eps, bool frozen,
+                      carray<T>& out) {
+    const auto [n, d] = rows_of(x);
+    expect_shape(gamma, "gamma", {d});
+    expect_shape(out, "out", {n, d, d});
+    const T *xp = x.data(), *gp = gamma.data();
+    T* op = out.mutable_data();
+    py::gil_scoped_release release;  // only raw buffers from here on (see above)
+    return K(xp, gp, eps, frozen, n, d, op);
+}
+
+template <class T>
+void def_layernorm(py::module_& m) {
+    m.def("layer_norm", &layer_norm<T>, py::arg("x").noconvert(), py::arg("gamma").noconvert(),
+          py::arg("beta").noconvert(), py::arg("eps"), py::arg("out").noconvert(),
+          "y = gamma * (x - mu) / sqrt(var + eps) + beta per row, into out; returns the bad-row count.");
+    m.def(
+        "layer_norm_jvp",
+        [](const carray<T>& x, const carray<T>& v, const carray<T>& gamma, double eps,
+           bool frozen, carray<T>& out) {
+            return tangent<T, pyengine::layer_norm_jvp<T>>(x, v, "v", gamma, eps, frozen, out);
+        },
+        py::arg("x").noconvert(), py::arg("v").noconvert(), py::arg("gamma").noconvert(),
+        py::arg("eps"), py::arg("frozen"), py::arg("out").noconvert(),
+        "J v per row, into out; returns the bad-row count.");
+    m.def(
+        "layer_norm_vjp",
+        [](const carray<T>& x, const carray<T>& u, const carray<T>& gamma, double eps,
+           bool frozen, carray<T>& out) {
+            return tangent<T, pyengine::layer_norm_vjp<T>>(x, u, "u", gamma, eps, frozen, out);
+        },
+        py::arg("x").noconvert(), py::arg("u").noconvert(), py::arg("gamma").noconvert(),
+        py::arg("eps"), py::arg("frozen"), py::arg("out").noconvert(),
+        "J^T u per row, into out; returns the bad-row count.");
+    m.def("layer_norm_jacobian", &jacobian<T, pyengine::layer_norm_jacobian<T>>,
+          py::arg("x").noconvert(), py::arg("gamma").noconvert(), py::arg("eps"),
+          py::arg("frozen"), py::arg("out").noconvert(),
+          "Dense J per row into out (n, d, d); returns the bad-row count.");
+
+    m.def("rms_norm", &rms_norm<T>, py::arg("x").noconvert(), py::arg("gamma").noconvert(),
+          py::arg("eps"), py::arg("out").noconvert(),
+          "y = gamma * x / sqrt(mean(x^2) + eps) per row, into out; returns the bad-row count.");
+    m.def(
+        "rms_norm_jvp",
+        [](const carray<T>& x, const carray<T>& v, const carray<T>& gamma, double eps,
+           bool frozen, carray<T>& out) {
+            return tangent<T, pyengine::rms_norm_jvp<T>>(x, v, "v", gamma, eps, frozen, out);
+        },
+        py::arg("x").noconvert(), py::arg("v").noconvert(), py::arg("gamma").noconvert(),
+        py::arg("eps"), py::arg("frozen"), py::arg("out").noconvert(),
+        "J v per row, into out; returns the bad-row count.");
+    m.def(
+        "rms_norm_vjp",
+        [](const carray<T>& x, const carray<T>& u, const carray<T>& gamma, double eps,
+           bool frozen, carray<T>& out) {
+            return tangent<T, pyengine::rms_norm_vjp<T>>(x, u, "u", gamma, eps, frozen, out);
+        },
+        py::arg("x").noconvert(), py::arg("u").noconvert(), py::arg("gamma").noconvert(),
+        py::arg("eps"), py::arg("frozen"), py::arg("out").noconvert(),
+        "J^T u per row, into out; returns the bad-row count.");
+    m.def("rms_norm_jacobian", &jacobian<T, pyengine::rms_norm_jacobian<T>>,
+          py::arg("x").noconvert(), py::arg("gamma").noconvert(), py::arg("eps"),
+          py::arg("frozen"), py::arg("out").noconvert(),
+          "Dense J per row into out (n, d, d); returns the bad-row count.");
+}
+
+void register_layernorm(py::module_& m) {
+    def_layernorm<float>(m);
+    def_layernorm<double>(m);
+}
+
+// Machine probe and threading controls.
+
+template <class T>
+void stream_copy(const carray<T>& src, carray<T>& dst) {
+    if (src.ndim() != 1) {
+        throw std::invalid_argument("src must be 1-D, got shape " + shape_str(src));
+    }
+    expect_shape(dst, "dst", {src.shape(0)});
+    const auto* sp = reinterpret_cast<const unsigned char*>(src.data());
+    auto* dp = reinterpret_cast<unsigned char*>(dst.mutable_data());
+    const auto n_bytes = static_cast<std::size_t>(src.nbytes());
+    py::gil_scoped_release release;  // only raw buffers from here on, kept alive by the caller
+    pyengine::stream_copy(sp, dp, n_bytes);
+}
+
+template <class T>
+void def_stream_copy(py::module_& m) {
+    m.def("stream_copy", &stream_copy<T>, py::arg("src").noconvert(), py::arg("dst").noconvert(),
+          "Copy src into dst (1-D, same size and dtype) on all threads, in contiguous chunks: "
+          "a probe of the machine's streaming copy bandwidth.");
+}
+
+void register_machine(py::module_& m) {
+    m.def(
+        "set_num_threads",
+        [](int n) {
+            if (n < 1) {
+                throw std::invalid_argument("n must be >= 1, got " + std::to_string(n));
+            }
+            pyengine::set_num_threads(n);
+        },
+        py::arg("n"), "Set the number of threads every kernel of _core uses.");
+    m.def("get_num_threads", &pyengine::get_num_threads,
+          "The number of threads every kernel of _core uses.");
+    def_stream_copy<std::uint8_t>(m);
+    def_stream_copy<float>(m);
+    def_stream_copy<double>(m);
+}
+
+}  // namespace
+
+PYBIND11_MODULE(_core, m) {
+    m.doc() = "pyengine's compiled kernels; use them through pyengine.backends.";
+    register_machine(m);
+    register_layernorm(m);
+}

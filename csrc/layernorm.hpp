@@ -1,0 +1,412 @@
+// LayerNorm and RMSNorm: forward, JVP, VJP and dense Jacobian, batched over rows.
+//
+// Pure C++17 on raw pointers, templated on T (float or double); the kernel contract is
+// the one of pyengine/_reference.py, which these kernels must match to rounding:
+//   x, v, u, out: (n, d) C-contiguous; gamma, beta: (d,); Jacobians write (n, d, d);
+//   `frozen` holds the scale s (resp. r) constant; every kernel writes all of `out` and
+//   returns the number of bad rows, whose output is unspecified (here: NaN).
+// A row is bad iff its sums are not finite (NaN/Inf in x or in the tangent) or its
+// scale is not positive: var + eps <= 0 (LayerNorm), mean(x^2) + eps <= 0 (RMSNorm).
+//
+// Numerics: everything is computed in double, also for float input, and cast on the
+// way out. The variance is two-pass (mean first, then the mean of squared deviations)
+// because E[x^2] - E[x]^2 cancels catastrophically when |mean| >> std. Reductions are
+// vectorized by explicit lanes (parallel.hpp), not by -ffast-math, which stays off
+// because the bad-row test needs std::isfinite. Each row is reduced in an order fixed
+// by d, so results do not depend on the thread or the number of threads.
+//
+// Passes: the kernels are memory-bound, and a row (d values of x and of the tangent)
+// stays in L1/L2 between passes, so extra passes over it cost little next to its one
+// trip to memory. LayerNorm: pass 1 sums x (and the tangent w: JVP/VJP); pass 2 sums
+// (x - mu)^2 (and (x - mu) w); pass 3 writes. RMSNorm: pass 1 sums x^2 (and x w); pass 2
+// writes. Each thread pipelines its rows: the writing pass of row i also runs pass 1 of
+// row i + 1 (count_bad_rows_pipelined), and writes with streaming stores when the
+// output is too large for the cache.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <vector>
+
+#include "parallel.hpp"
+
+namespace pyengine {
+namespace layernorm_detail {
+
+inline constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
+
+// Element j of a row, in double, in either lane width.
+template <class T>
+auto element(const T* row) {
+    return [=](auto lane, index_t j) { return decltype(lane)::load(row + j); };
+}
+
+// The tangent w_j in double: v_j for a JVP, gamma_j u_j for a VJP (exact for float).
+template <bool kVjp, class T>
+auto tangent(const T* t_row, const T* gamma) {
+    return [=](auto lane, index_t j) {
+        using L = decltype(lane);
+        if constexpr (kVjp) {
+            return L::load(gamma + j) * L::load(t_row + j);
+        } else {
+            return L::load(t_row + j);
+        }
+    };
+}
+
+template <class V>
+V square(V a) {
+    return a * a;
+}
+
+// Pass 2 of LayerNorm: var = mean((x - mu)^2).
+template <class T>
+double centred_var(const T* xr, index_t d, double mu) {
+    return row_sums(d, [=](auto lane, index_t j) {
+               const auto c = element(xr)(lane, j) - mu;
+               return c * c;
+           }).first /
+           static_cast<double>(d);
+}
+
+// An exactly constant row has mean x[0] and variance 0 (the kernel contract): the
+// rounded mean would leave it a variance of ~1e-34 or 0 depending on summation order,
+// and so on the backend. The scan runs only when var is tiny next to mu^2, that is for
+// (nearly) constant rows; rounding leaves a constant row far below this threshold.
+inline constexpr double kNearConstant = 1e-16;
+template <class T>
+bool constant_row(const T* xr, index_t d, double mu, double var) {
+    if (!(var <= kNearConstant * mu * mu)) return false;
+    for (index_t i = 1; i < d; ++i) {
+        if (xr[i] != xr[0]) return false;
+    }
+    return true;
+}
+
+// A usable scale: var + eps (resp. mean(x^2) + eps) finite and positive. Written so
+// that NaN fails it.
+inline bool good_scale(double sq) { return std::isfinite(sq) && sq > 0.0; }
+
+// Bad rows are rare: plain stores are fine for them.
+template <class T>
+void write_nan_row(T* out, index_t d) {
+    std::fill_n(out, d, static_cast<T>(kNaN));
+}
+
+// Per-row statistics the dense Jacobians need: the centre (mu, or 0 for RMSNorm) and
+// 1/scale; computed in a first parallel pass so that the d x d writing can then be
+// spread over all output rows, even when there is a single token.
+struct RowStats {
+    double centre;
+    double inv_scale;
+};
+
+// J[i, j] = gamma_i / s * (delta_ij - c0 - xh_i xh_j / d) with xh = (x - centre) / s:
+// c0 = 1/d for LayerNorm (the mean removal), 0 for RMSNorm; `frozen` drops the xh term.
+template <class T>
+std::int64_t dense_jacobian(const T* x, const T* gamma, index_t n, index_t d, double c0,
+                            bool frozen, const std::vector<RowStats>& stats,
+                            const std::vector<char>& bad, T* out) {
+    const double inv_d = 1.0 / static_cast<double>(d);
+    const bool stream = use_streaming_stores<T>(n * d * d);
+    parallel_for(n * d, d, [&](index_t k) {
+        const index_t row = k / d;
+        const index_t i = k % d;
+        T* o = out + k * d;  // (row, i, :) of out
+        if (bad[static_cast<std::size_t>(row)]) {
+            write_nan_row(o, d);
+            return;
+        }
+        const T* xr = x + row * d;
+        const double mu = stats[static_cast<std::size_t>(row)].centre;
+        const double inv_s = stats[static_cast<std::size_t>(row)].inv_scale;
+        const double a = static_cast<double>(gamma[i]) * inv_s;
+        const double ci = frozen ? 0.0 : (static_cast<double>(xr[i]) - mu) * inv_s * inv_d;
+        // Off the diagonal delta_ij = 0: write [0, i) and (i, d), then the diagonal.
+        auto off_diagonal = [=](auto lane, index_t j) {
+            return a * (-c0 - ci * ((element(xr)(lane, j) - mu) * inv_s));
+        };
+        write_row(o, i, stream, off_diagonal);
+        write_row(o + i + 1, d - i - 1, stream,
+                  [=](auto lane, index_t j) { return off_diagonal(lane, j + i + 1); });
+        const double xh_i = (static_cast<double>(xr[i]) - mu) * inv_s;
+        o[i] = static_cast<T>(a * ((1.0 - c0) - ci * xh_i));
+    });
+    std::int64_t nbad = 0;
+    for (char b : bad) {
+        nbad += b ? 1 : 0;
+    }
+    return nbad;
+}
+
+// LayerNorm pass 1 of row `row`: the sum of x (first_pass objects for the pipeline).
+template <class T>
+auto ln_first_pass(const T* x, index_t d) {
+    return [=](index_t row) {
+        const T* xr = x + row * d;
+        return RowSums(d, element(xr)).prefetch_from(xr);
+    };
+}
+
+// RMSNorm pass 1 of row `row`: the sum of x^2.
+template <class T>
+auto rms_first_pass(const T* x, index_t d) {
+    return [=](index_t row) {
+        const T* xr = x + row * d;
+        auto square = [xr](auto lane, index_t j) {
+            const auto xj = element(xr)(lane, j);
+            return xj * xj;
+        };
+        return RowSums(d, square).prefetch_from(xr);
+    };
+}
+
+}  // namespace layernorm_detail
+
+// ---------------------------------------------------------------------------------------
+// LayerNorm
+
+/// y = gamma * (x - mu) / sqrt(var + eps) + beta, per row. x, out: (n, d); gamma, beta: (d,).
+template <class T>
+std::int64_t layer_norm(const T* x, const T* gamma, const T* beta, double eps, index_t n,
+                        index_t d, T* out) {
+    using namespace layernorm_detail;
+    const bool stream = use_streaming_stores<T>(n * d);
+    return count_bad_rows_pipelined(
+        n, d, ln_first_pass(x, d), [=](index_t row, auto sums, auto* next) {
+            const T* xr = x + row * d;
+            T* o = out + row * d;
+            double mu = sums.first / static_cast<double>(d);
+            double var = centred_var(xr, d, mu);
+            if (constant_row(xr, d, mu, var)) {
+                mu = static_cast<double>(xr[0]);
+                var = 0.0;
+            }
+            const double sq = var + eps;
+            if (!(std::isfinite(mu) && good_scale(sq))) {
+                write_nan_row(o, d);
+                return true;
+            }
+            const double inv_s = 1.0 / std::sqrt(sq);
+            write_row(
+                o, d, stream,
+                [=](auto lane, index_t j) {
+                    using L = decltype(lane);
+                    return L::load(gamma + j) * ((L::load(xr + j) - mu) * inv_s) +
+                           L::load(beta + j);
+                },
+                next);
+            return false;
+        });
+}
+
+namespace layernorm_detail {
+
+// The shared core of the LayerNorm JVP (kVjp = false: w = v, scale = gamma) and VJP
+// (kVjp = true: w = gamma * u, scale = 1), with t the tangent array (v or u):
+//   out_j = scale_j * (w_j - mean w - xh_j mean(xh w)) / s;  `frozen` drops the xh term.
+template <bool kVjp, class T>
+std::int64_t ln_tangent(const T* x, const T* t, const T* gamma, double eps, bool frozen,
+                        index_t n, index_t d, T* out) {
+    const double inv_d = 1.0 / static_cast<double>(d);
+    const bool stream = use_streaming_stores<T>(n * d);
+    auto first_pass = [=](index_t row) {  // sums of x and w
+        const T* xr = x + row * d;
+        const T* tr = t + row * d;
+        return RowSums(d, element(xr), tangent<kVjp>(tr, gamma)).prefetch_from(xr, tr);
+    };
+    return count_bad_rows_pipelined(n, 2 * d, first_pass, [=](index_t row, auto sums,
+                                                               auto* next) {
+        const T* xr = x + row * d;
+        T* o = out + row * d;
+        const auto w = tangent<kVjp>(t + row * d, gamma);
+        const double mw = sums.second * inv_d;
+        // Pass 2: sums of (x - mu)^2 and (x - mu) w.
+        double mu = sums.first * inv_d;
+        auto [sxx, sxw] = row_sums(
+            d, [=](auto lane, index_t j) { return square(element(xr)(lane, j) - mu); },
+            [=](auto lane, index_t j) { return (element(xr)(lane, j) - mu) * w(lane, j); });
+        if (constant_row(xr, d, mu, sxx * inv_d)) {
+            mu = static_cast<double>(xr[0]);
+            sxx = sxw = 0.0;
+        }
+        auto xc = [=](auto lane, index_t j) { return element(xr)(lane, j) - mu; };
+        const double sq = sxx * inv_d + eps;
+        // Non-finite sums flag NaN/Inf anywhere in x (mu) or in the tangent (mw).
+        if (!(std::isfinite(mu) && std::isfinite(mw) && good_scale(sq))) {
+            write_nan_row(o, d);
+            return true;
+        }
+        const double inv_s = 1.0 / std::sqrt(sq);
+        // xh_j mean(xh w) = (x_j - mu) * k with k = mean((x - mu) w) / s^2.
+        const double k = frozen ? 0.0 : sxw * inv_d / sq;
+        write_row(
+            o, d, stream,
+            [=](auto lane, index_t j) {
+                const auto r = ((w(lane, j) - mw) - xc(lane, j) * k) * inv_s;
+                if constexpr (kVjp) {
+                    return r;
+                } else {
+                    return decltype(lane)::load(gamma + j) * r;
+                }
+            },
+            next);
+        return false;
+    });
+}
+
+}  // namespace layernorm_detail
+
+/// J v = gamma/s * (v - mean v - xh mean(xh v)); frozen: gamma/s * (v - mean v).
+template <class T>
+std::int64_t layer_norm_jvp(const T* x, const T* v, const T* gamma, double eps, bool frozen,
+                            index_t n, index_t d, T* out) {
+    return layernorm_detail::ln_tangent<false>(x, v, gamma, eps, frozen, n, d, out);
+}
+
+/// J^T u = (g - mean g - xh mean(xh g)) / s with g = gamma * u; frozen drops the xh term.
+template <class T>
+std::int64_t layer_norm_vjp(const T* x, const T* u, const T* gamma, double eps, bool frozen,
+                            index_t n, index_t d, T* out) {
+    return layernorm_detail::ln_tangent<true>(x, u, gamma, eps, frozen, n, d, out);
+}
+
+/// Dense J per row, out: (n, d, d), J[i, j] = gamma_i/s (delta_ij - 1/d - xh_i xh_j/d).
+template <class T>
+std::int64_t layer_norm_jacobian(const T* x, const T* gamma, double eps, bool frozen,
+                                 index_t n, index_t d, T* out) {
+    using namespace layernorm_detail;
+    std::vector<RowStats> stats(static_cast<std::size_t>(n));
+    std::vector<char> bad(static_cast<std::size_t>(n));
+    count_bad_rows(n, d, [&, first_pass = ln_first_pass(x, d)](index_t row) {
+        double mu = first_pass(row).finish().first / static_cast<double>(d);
+        double var = centred_var(x + row * d, d, mu);
+        if (constant_row(x + row * d, d, mu, var)) {
+            mu = static_cast<double>(x[row * d]);
+            var = 0.0;
+        }
+        const double sq = var + eps;
+        const bool is_bad = !(std::isfinite(mu) && good_scale(sq));
+        stats[static_cast<std::size_t>(row)] = {mu, is_bad ? kNaN : 1.0 / std::sqrt(sq)};
+        bad[static_cast<std::size_t>(row)] = is_bad;
+        return is_bad;
+    });
+    return dense_jacobian(x, gamma, n, d, 1.0 / static_cast<double>(d), frozen, stats, bad,
+                          out);
+}
+
+// ---------------------------------------------------------------------------------------
+// RMSNorm: no centring, so one reduction pass and one writing pass per row.
+
+/// y = gamma * x / sqrt(mean(x^2) + eps), per row.
+template <class T>
+std::int64_t rms_norm(const T* x, const T* gamma, double eps, index_t n, index_t d, T* out) {
+    using namespace layernorm_detail;
+    const bool stream = use_streaming_stores<T>(n * d);
+    return count_bad_rows_pipelined(
+        n, d, rms_first_pass(x, d), [=](index_t row, auto sums, auto* next) {
+            const T* xr = x + row * d;
+            T* o = out + row * d;
+            const double sq = sums.first / static_cast<double>(d) + eps;
+            // A NaN/Inf in x makes the sum of squares NaN/Inf.
+            if (!good_scale(sq)) {
+                write_nan_row(o, d);
+                return true;
+            }
+            const double inv_r = 1.0 / std::sqrt(sq);
+            write_row(
+                o, d, stream,
+                [=](auto lane, index_t j) {
+                    using L = decltype(lane);
+                    return L::load(gamma + j) * (L::load(xr + j) * inv_r);
+                },
+                next);
+            return false;
+        });
+}
+
+namespace layernorm_detail {
+
+// The shared core of the RMSNorm JVP and VJP, tangent w and scale as in ln_tangent:
+//   out_j = scale_j * (w_j - x_j mean(x w) / r^2) / r;  `frozen` drops the x term.
+template <bool kVjp, class T>
+std::int64_t rms_tangent(const T* x, const T* t, const T* gamma, double eps, bool frozen,
+                         index_t n, index_t d, T* out) {
+    const double inv_d = 1.0 / static_cast<double>(d);
+    const bool stream = use_streaming_stores<T>(n * d);
+    auto first_pass = [=](index_t row) {  // sums of x^2 and x w
+        const T* xr = x + row * d;
+        const T* tr = t + row * d;
+        const auto xj = element(xr);
+        const auto w = tangent<kVjp>(tr, gamma);
+        return RowSums(
+                   d, [=](auto lane, index_t j) { return xj(lane, j) * xj(lane, j); },
+                   [=](auto lane, index_t j) { return xj(lane, j) * w(lane, j); })
+            .prefetch_from(xr, tr);
+    };
+    return count_bad_rows_pipelined(n, 2 * d, first_pass, [=](index_t row, auto sums,
+                                                               auto* next) {
+        const T* xr = x + row * d;
+        T* o = out + row * d;
+        const auto w = tangent<kVjp>(t + row * d, gamma);
+        const double sq = sums.first * inv_d + eps;
+        const double sxw = sums.second;
+        // NaN/Inf in x makes sum x^2 non-finite; in w, sum x w (x_j Inf is Inf, or NaN
+        // if x_j = 0).
+        if (!(std::isfinite(sxw) && good_scale(sq))) {
+            write_nan_row(o, d);
+            return true;
+        }
+        const double inv_r = 1.0 / std::sqrt(sq);
+        const double k = frozen ? 0.0 : sxw * inv_d / sq;  // mean(x w) / r^2
+        write_row(
+            o, d, stream,
+            [=](auto lane, index_t j) {
+                const auto r = (w(lane, j) - element(xr)(lane, j) * k) * inv_r;
+                if constexpr (kVjp) {
+                    return r;
+                } else {
+                    return decltype(lane)::load(gamma + j) * r;
+                }
+            },
+            next);
+        return false;
+    });
+}
+
+}  // namespace layernorm_detail
+
+/// J v = gamma/r * (v - x mean(x v)/r^2); frozen: gamma * v / r.
+template <class T>
+std::int64_t rms_norm_jvp(const T* x, const T* v, const T* gamma, double eps, bool frozen,
+                          index_t n, index_t d, T* out) {
+    return layernorm_detail::rms_tangent<false>(x, v, gamma, eps, frozen, n, d, out);
+}
+
+/// J^T u = (g - x mean(x g)/r^2) / r with g = gamma * u; frozen: g / r.
+template <class T>
+std::int64_t rms_norm_vjp(const T* x, const T* u, const T* gamma, double eps, bool frozen,
+                          index_t n, index_t d, T* out) {
+    return layernorm_detail::rms_tangent<true>(x, u, gamma, eps, frozen, n, d, out);
+}
+
+/// Dense J per row, out: (n, d, d), J[i, j] = gamma_i/r (delta_ij - x_i x_j/(d r^2)).
+template <class T>
+std::int64_t rms_norm_jacobian(const T* x, const T* gamma, double eps, bool frozen, index_t n,
+                               index_t d, T* out) {
+    using namespace layernorm_detail;
+    std::vector<RowStats> stats(static_cast<std::size_t>(n));
+    std::vector<char> bad(static_cast<std::size_t>(n));
+    count_bad_rows(n, d, [&, first_pass = rms_first_pass(x, d)](index_t row) {
+        const double sq = first_pass(row).finish().first / static_cast<double>(d) + eps;
+        const bool is_bad = !good_scale(sq);
+        stats[static_cast<std::size_t>(row)] = {0.0, is_bad ? kNaN : 1.0 / std::sqrt(sq)};
+        bad[static_cast<std::size_t>(row)] = is_bad;
+        return is_bad;
+    });
+    return dense_jacobian(x, gamma, n, d, 0.0, frozen, stats, bad, out);
+}
+
+}  // namespace pyengine

@@ -1,0 +1,355 @@
+"""One transformer block, exact forward and Jacobian-vector product, in NumPy + BLAS.
+
+This is the engine behind :mod:`pyengine.model`; it assumes validated, C-contiguous
+float32/float64 input and computes in that dtype. Residual streams here always
+carry a batch axis: ``(B, T, d)``. Every weight product sees ``(B*T, d)`` rows, so
+B sequences (forward) or K tangents (JVP) make one large GEMM. Normalization runs
+in pyengine's kernels; softmax and activations are vectorized NumPy (compiled
+versions are planned, issue 4).
+
+A JVP linearizes at one sequence: its cached base activations have a leading axis
+of 1 and broadcast against the K tangents' leading axis.
+
+Weight names inside a block (the public layer strips the ``blocks.<k>.`` prefix):
+``norm1.gamma``, ``norm1.beta`` (LayerNorm only), ``norm2.*`` (sequential layout
+only), ``attn.w_qkv`` (d, (H + 2 Hkv) dh) with columns [q heads | k heads | v heads],
+``attn.b_qkv``, ``attn.w_o`` (H dh, d), ``attn.b_o``, ``mlp.w_in`` (d, n_in) with
+n_in = d_mlp, or 2 d_mlp as [gate | up] for ``silu_gated``, ``mlp.b_in``,
+``mlp.w_out`` (d_mlp, d), ``mlp.b_out``. Biases exist when ``config.bias``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from .layernorm import layer_norm, layer_norm_jvp, rms_norm, rms_norm_jvp
+
+_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
+_TANH_C = math.sqrt(2.0 / math.pi)  # GELU tanh approximation (Hendrycks & Gimpel)
+_TANH_A = 0.044715
+
+Weights = dict[str, np.ndarray]
+Cache = dict[str, Any]
+
+
+class Context(NamedTuple):
+    """What a block needs besides weights: the config and the per-(T, dtype) tables."""
+
+    cfg: Any  # StackConfig
+    rope_q: tuple[np.ndarray, np.ndarray] | None  # (cos, sin) * 1/sqrt(dh): scale folded into q
+    rope_k: tuple[np.ndarray, np.ndarray] | None
+    mask: np.ndarray | None  # (T, T): 0 on and below the diagonal, -inf above
+
+
+def make_context(cfg: Any, T: int, dtype: np.dtype) -> Context:
+    rope_q = rope_k = None
+    if cfg.positions == "rotary":
+        cos, sin = rope_tables(T, cfg.head_dim, cfg.rope_base, dtype)
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        rope_q, rope_k = (cos * scale, sin * scale), (cos, sin)
+    return Context(cfg, rope_q, rope_k, causal_mask(T, dtype) if cfg.causal else None)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+@functools.lru_cache(maxsize=64)
+def causal_mask(T: int, dtype: np.dtype) -> np.ndarray:
+    """(T, T) additive mask: 0 where key j <= query i, -inf above the diagonal."""
+    m = np.zeros((T, T), dtype)
+    m[np.triu_indices(T, 1)] = -np.inf
+    return _readonly(m)
+
+
+@functools.lru_cache(maxsize=64)
+def rope_tables(T: int, head_dim: int, base: float, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of the rotary angles pos * base**(-2i/head_dim), each (T, head_dim/2)."""
+    inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    ang = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return _readonly(np.cos(ang).astype(dtype)), _readonly(np.sin(ang).astype(dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def sinusoidal_positions(T: int, d: int, dtype: np.dtype) -> np.ndarray:
+    """(T, d) Vaswani et al. table: sin on even features, cos on odd, wavelength 10000**(2i/d)."""
+    ang = np.arange(T, dtype=np.float64)[:, None] / 10000.0 ** (np.arange(0, d, 2) / d)[None, :]
+    pe = np.empty((T, d), np.float64)
+    pe[:, 0::2] = np.sin(ang)
+    pe[:, 1::2] = np.cos(ang[:, : d // 2])
+    return _readonly(pe.astype(dtype))
+
+
+# --------------------------------------------------------------------------- norms
+# Called through these two module-level names (tests replace ``norm`` to freeze scales).
+
+
+def norm(kind: str, x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, eps: float) -> np.ndarray:
+    if kind == "layernorm":
+        return layer_norm(x, gamma, beta, eps)
+    return rms_norm(x, gamma, eps)
+
+
+def norm_jvp(kind: str, x: np.ndarray, v: np.ndarray, gamma: np.ndarray, eps: float, mode: str) -> np.ndarray:
+    # The kernels take one base row per tangent row: broadcast the (1, T, d) base over K.
+    xb = x if x.shape == v.shape else np.broadcast_to(x, v.shape)
+    fn = layer_norm_jvp if kind == "layernorm" else rms_norm_jvp
+    return fn(xb, v, gamma, eps, mode)
+
+
+def _norm(w: Weights, cfg: Any, name: str, x: np.ndarray, cache: Cache) -> np.ndarray:
+    cache[name] = x
+    return norm(cfg.norm, x, w[name + ".gamma"], w.get(name + ".beta"), cfg.eps)
+
+
+def _norm_jvp(w: Weights, cfg: Any, name: str, dx: np.ndarray, cache: Cache, mode: str) -> np.ndarray:
+    return norm_jvp(cfg.norm, cache[name], dx, w[name + ".gamma"], cfg.eps, mode)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _split_heads(qkv: np.ndarray, B: int, T: int, cfg: Any) -> tuple[np.ndarray, ...]:
+    """(B*T, (H+2Hkv) dh) -> q (B, H, T, dh), k and v (B, Hkv, T, dh), as strided views."""
+    H, Hkv = cfg.n_heads, cfg.n_kv_heads
+    x = qkv.reshape(B, T, H + 2 * Hkv, cfg.head_dim)
+    return (x[:, :, :H].transpose(0, 2, 1, 3), x[:, :, H : H + Hkv].transpose(0, 2, 1, 3),
+            x[:, :, H + Hkv :].transpose(0, 2, 1, 3))
+
+
+def _rotate(x: np.ndarray, table: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Half-split rotary embedding (GPT-NeoX / Llama): pairs (i, i + dh/2) rotate by angle_i."""
+    cos, sin = table
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = np.empty(x.shape, x.dtype)
+    o1, o2 = out[..., :half], out[..., half:]
+    np.multiply(x1, cos, out=o1)
+    o1 -= x2 * sin
+    np.multiply(x2, cos, out=o2)
+    o2 += x1 * sin
+    return out
+
+
+def _qk(ctx: Context, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rotate q and k (if rotary) and fold 1/sqrt(dh) into q; q comes back C-contiguous."""
+    if ctx.rope_q is not None:
+        return _rotate(q, ctx.rope_q), _rotate(k, ctx.rope_k)
+    return np.multiply(q, 1.0 / math.sqrt(q.shape[-1]), out=np.empty(q.shape, q.dtype)), k
+
+
+def _softmax_(s: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
+    """Row softmax over the last axis, in place, max-subtracted (masked entries become 0)."""
+    if mask is not None:
+        s += mask
+    s -= s.max(axis=-1, keepdims=True)
+    np.exp(s, out=s)
+    s *= 1.0 / s.sum(axis=-1, keepdims=True)
+    return s
+
+
+def _heads_out(B: int, T: int, cfg: Any, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """A (B, T, H, dh) buffer and its (B, Hkv, g, T, dh) view, so P @ V lands in GEMM layout."""
+    H, Hkv, dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    buf = np.empty((B, T, H, dh), dtype)
+    return buf, buf.reshape(B, T, Hkv, H // Hkv, dh).transpose(0, 2, 3, 1, 4)
+
+
+def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
+    """Multi-head (grouped-query) self-attention of a (B, T, d) -> (B, T, d)."""
+    cfg = ctx.cfg
+    B, T, d = a.shape
+    H, Hkv = cfg.n_heads, cfg.n_kv_heads
+    qkv = a.reshape(B * T, d) @ w["attn.w_qkv"]
+    if cfg.bias:
+        qkv += w["attn.b_qkv"]
+    q, k, v = _split_heads(qkv, B, T, cfg)
+    q, k = _qk(ctx, q, k)
+    # Query heads h = j*g + i share key/value head j: (B, Hkv, g, T, dh) against (B, Hkv, 1, T, dh).
+    q5 = q.reshape(B, Hkv, H // Hkv, T, cfg.head_dim)
+    k5, v5 = k[:, :, None], v[:, :, None]
+    p = _softmax_(np.matmul(q5, k5.swapaxes(-1, -2)), ctx.mask)
+    buf, view = _heads_out(B, T, cfg, a.dtype)
+    np.matmul(p, v5, out=view)
+    out = buf.reshape(B * T, H * cfg.head_dim) @ w["attn.w_o"]
+    if cfg.bias:
+        out += w["attn.b_o"]
+    cache.update({"attn.q": q5, "attn.k": k5, "attn.v": v5, "attn.p": p})
+    return out.reshape(B, T, d)
+
+
+def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarray:
+    """Tangent of :func:`attn`: (K, T, d) -> (K, T, d), including the softmax JVP."""
+    cfg = ctx.cfg
+    K, T, d = da.shape
+    H, Hkv = cfg.n_heads, cfg.n_kv_heads
+    dq, dk, dv = _split_heads(da.reshape(K * T, d) @ w["attn.w_qkv"], K, T, cfg)
+    dq, dk = _qk(ctx, dq, dk)  # rotation and scaling are linear
+    q5, k5, v5, p = cache["attn.q"], cache["attn.k"], cache["attn.v"], cache["attn.p"]
+    dk5, dv5 = dk[:, :, None], dv[:, :, None]
+    ds = np.matmul(dq.reshape(K, Hkv, H // Hkv, T, cfg.head_dim), k5.swapaxes(-1, -2))
+    ds += np.matmul(q5, dk5.swapaxes(-1, -2))
+    # dP = P * (dS - sum_j P dS): masked entries have P = 0, so they drop out exactly.
+    ds *= p
+    ds -= p * ds.sum(axis=-1, keepdims=True)
+    buf, view = _heads_out(K, T, cfg, da.dtype)
+    np.matmul(ds, v5, out=view)
+    view += np.matmul(p, dv5)
+    return (buf.reshape(K * T, H * cfg.head_dim) @ w["attn.w_o"]).reshape(K, T, d)
+
+
+# --------------------------------------------------------------------------- MLP
+
+
+def _act(name: str, u: np.ndarray, n: int) -> np.ndarray:
+    """Activation of the (N, n_in) pre-activations; in place on fresh arrays to spare memory."""
+    from scipy import special  # lazily: keeps `import pyengine` fast
+    if name == "gelu":  # u * Phi(u)
+        y = special.ndtr(u)
+        y *= u
+    elif name == "gelu_tanh":
+        # 0.5 u (1 + tanh(z)) = u / (1 + exp(-2z)), z = c (u + a u^3): np.exp is the
+        # cheapest transcendental NumPy has. exp overflows to inf for very negative u,
+        # where u / inf = -0 is the right limit.
+        y = u * u
+        y *= -2.0 * _TANH_C * _TANH_A
+        y -= 2.0 * _TANH_C
+        y *= u
+        with np.errstate(over="ignore"):
+            np.exp(y, out=y)
+        y += 1.0
+        np.divide(u, y, out=y)
+    elif name == "relu":
+        y = np.maximum(u, 0)
+    else:  # silu_gated: silu(gate) * up, silu(g) = g sigmoid(g) (expit: no overflow)
+        g, up = u[:, :n], u[:, n:]
+        y = special.expit(g)
+        y *= g
+        y *= up
+    return y
+
+
+def _act_coef(name: str, u: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
+    """Coefficients of the activation's JVP at u: dz = c * du, or A dgate + B dup if gated."""
+    from scipy import special
+    if name == "gelu":  # Phi(u) + u phi(u)
+        e = u * u
+        e *= -0.5
+        np.exp(e, out=e)
+        e *= u
+        e *= _INV_SQRT_2PI
+        e += special.ndtr(u)
+        return (e,)
+    if name == "gelu_tanh":  # sigma(2z) + u sigma(2z) (1 - sigma(2z)) 2 c (1 + 3 a u^2)
+        u2 = u * u
+        sig = special.expit(2.0 * _TANH_C * u * (1.0 + _TANH_A * u2))
+        c = (2.0 * _TANH_C) * u * sig * (1.0 - sig) * (1.0 + 3.0 * _TANH_A * u2)
+        c += sig
+        return (c,)
+    if name == "relu":
+        return ((u > 0).astype(u.dtype),)
+    g, up = u[:, :n], u[:, n:]
+    s = special.expit(g)
+    silu = g * s
+    dsilu = s * (1.0 + g * (1.0 - s))  # d/dg [g sigmoid(g)]
+    dsilu *= up
+    return dsilu, silu
+
+
+def mlp(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
+    """Two-layer MLP of a (B, T, d) -> (B, T, d)."""
+    cfg = ctx.cfg
+    B, T, d = a.shape
+    u = a.reshape(B * T, d) @ w["mlp.w_in"]
+    if cfg.bias:
+        u += w["mlp.b_in"]
+    y = _act(cfg.activation, u, cfg.d_mlp) @ w["mlp.w_out"]
+    if cfg.bias:
+        y += w["mlp.b_out"]
+    cache["mlp.u"] = u
+    return y.reshape(B, T, d)
+
+
+def mlp_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarray:
+    """Tangent of :func:`mlp`: (K, T, d) -> (K, T, d)."""
+    cfg = ctx.cfg
+    K, T, d = da.shape
+    n = cfg.d_mlp
+    if "mlp.coef" not in cache:  # computed once per cache, reused by later JVPs
+        cache["mlp.coef"] = tuple(c.reshape(-1, T, c.shape[-1]) for c in _act_coef(cfg.activation, cache["mlp.u"], n))
+    coef = cache["mlp.coef"]
+    du = (da.reshape(K * T, d) @ w["mlp.w_in"]).reshape(K, T, -1)
+    if len(coef) == 1:
+        du *= coef[0]
+        dz = du
+    else:
+        dz = du[..., :n] * coef[0]
+        dz += du[..., n:] * coef[1]
+    return (dz.reshape(K * T, n) @ w["mlp.w_out"]).reshape(K, T, d)
+
+
+# --------------------------------------------------------------------------- blocks
+
+_SUB = {"attn": (attn, attn_jvp), "mlp": (mlp, mlp_jvp)}
+
+
+def _sublayer(w: Weights, ctx: Context, h: np.ndarray, sub: str, nname: str, cache: Cache) -> np.ndarray:
+    cfg, f = ctx.cfg, _SUB[sub][0]
+    if cfg.placement == "pre":  # h + F(N(h))
+        y = f(w, ctx, _norm(w, cfg, nname, h, cache), cache)
+        if cfg.residual:
+            y += h
+        return y
+    y = f(w, ctx, h, cache)  # N(h + F(h))
+    if cfg.residual:
+        y += h
+    return _norm(w, cfg, nname, y, cache)
+
+
+def _sublayer_jvp(
+    w: Weights, ctx: Context, dh: np.ndarray, sub: str, nname: str, cache: Cache, mode: str
+) -> np.ndarray:
+    cfg, f = ctx.cfg, _SUB[sub][1]
+    if cfg.placement == "pre":
+        dy = f(w, ctx, _norm_jvp(w, cfg, nname, dh, cache, mode), cache)
+        if cfg.residual:
+            dy += dh
+        return dy
+    dy = f(w, ctx, dh, cache)
+    if cfg.residual:
+        dy += dh
+    return _norm_jvp(w, cfg, nname, dy, cache, mode)
+
+
+def block_forward(w: Weights, ctx: Context, h: np.ndarray, cache: Cache) -> np.ndarray:
+    """One block on h (B, T, d) -> (B, T, d); fills ``cache`` with what the JVP needs."""
+    cfg = ctx.cfg
+    if cfg.layout == "sequential":
+        h1 = _sublayer(w, ctx, h, "attn", "norm1", cache)
+        return _sublayer(w, ctx, h1, "mlp", "norm2", cache)
+    # parallel (GPT-J): both branches read the same input; one norm
+    a = _norm(w, cfg, "norm1", h, cache) if cfg.placement == "pre" else h
+    y = attn(w, ctx, a, cache)
+    y += mlp(w, ctx, a, cache)
+    if cfg.residual:
+        y += h
+    return y if cfg.placement == "pre" else _norm(w, cfg, "norm1", y, cache)
+
+
+def block_jvp(w: Weights, ctx: Context, dh: np.ndarray, cache: Cache, mode: str) -> np.ndarray:
+    """Directional derivative (K, T, d) -> (K, T, d) at the base point ``cache`` holds (B = 1)."""
+    cfg = ctx.cfg
+    if cfg.layout == "sequential":
+        dh1 = _sublayer_jvp(w, ctx, dh, "attn", "norm1", cache, mode)
+        return _sublayer_jvp(w, ctx, dh1, "mlp", "norm2", cache, mode)
+    da = _norm_jvp(w, cfg, "norm1", dh, cache, mode) if cfg.placement == "pre" else dh
+    dy = attn_jvp(w, ctx, da, cache)
+    dy += mlp_jvp(w, ctx, da, cache)
+    if cfg.residual:
+        dy += dh
+    return dy if cfg.placement == "pre" else _norm_jvp(w, cfg, "norm1", dy, cache, mode)

@@ -158,6 +158,11 @@ def resolve(kernel: str, backend: str = "auto") -> Callable[..., Any]:
     raise ValueError(f"backend {backend!r} has no kernel {kernel!r}")
 
 
+def provides(kernel: str, backend: str) -> bool:
+    """Whether ``backend`` loads and has an implementation of ``kernel``."""
+    return _load(backend) and (kernel, backend) in _TABLE
+
+
 def auto_backend(kernel: str) -> str:
     """Name of the backend that ``backend="auto"`` selects for ``kernel``."""
     fn = resolve(kernel)

@@ -1,0 +1,273 @@
+"""Machine-normalized benchmarks: ``pyengine bench``.
+
+Absolute times mean little across machines (and a shared machine is noisy); a
+kernel's speed as a fraction of what the machine can do, measured in the same run,
+travels. :func:`run` therefore measures the machine's limits first (all-core
+streaming copy bandwidth, BLAS GEMM throughput in float32 and float64), then every
+registered kernel on every available backend, and reports for each: the median
+time and its spread, the throughput, the fraction of the relevant limit, and the
+speed-up over the NumPy reference.
+
+Kernels are called at the kernel level (``backends.resolve(id, backend)``) on
+C-contiguous arrays with preallocated outputs, the same contract every backend
+shares; their arguments are built from the reference's parameter names
+(:data:`ARGUMENTS`), so a newly registered kernel is benchmarked without new code,
+and one with an unknown parameter name fails loudly here.
+
+Downstream packages add their own cases with :func:`register_case`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+import json
+import sys
+import time
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import backends
+
+__all__ = ["Case", "compare", "machine_limits", "register_case", "run"]
+
+#: Shapes (tokens, d): the standard run and ``--quick``.
+SIZES = {"standard": [(8192, 768), (2048, 4096)], "quick": [(2048, 768)]}
+#: Dense Jacobians write d x d per token: far fewer tokens.
+JACOBIAN_TOKENS = 16
+#: The exact sigma_max reference bisects to full precision (seconds per thousand
+#: tokens): its kernels are timed on this many tokens, on every backend alike.
+SIGMA_MAX_TOKENS = 256
+#: Power iterations per timed call of a *_power_iteration kernel (tol = 0: all run).
+POWER_ITERATIONS = 10
+#: Default relative drop of a normalized figure that counts as a regression.
+THRESHOLD = 0.25
+
+
+@dataclasses.dataclass
+class Case:
+    """One benchmark: ``setup(backend, dtype, size) -> (call, bytes_moved, flops)``.
+
+    ``limit`` is ``"bandwidth"`` (memory-bound: report bytes/s over the copy
+    bandwidth), ``"gemm"`` (report flop/s over the GEMM throughput) or ``"none"``.
+    ``per_call`` divides the measured time (e.g. iterations per call).
+    """
+
+    name: str
+    setup: Callable[[str, str, tuple[int, int]], tuple[Callable[[], Any], int, float]]
+    limit: str = "bandwidth"
+    per_call: int = 1
+    backends: tuple[str, ...] = backends.BACKENDS
+
+
+_CASES: dict[str, Case] = {}
+
+
+def register_case(case: Case) -> Case:
+    """Add a benchmark case (a downstream package's kernel, say) to ``pyengine bench``."""
+    if case.limit not in ("bandwidth", "gemm", "none"):
+        raise ValueError(f"case.limit must be 'bandwidth', 'gemm' or 'none'; got {case.limit!r}")
+    _CASES[case.name] = case
+    return case
+
+
+def _kernel_arrays(kernel: str, dtype: np.dtype, size: tuple[int, int]) -> dict[str, Any]:
+    """Seeded arguments of ``kernel`` by the reference's parameter names."""
+    n, d = size
+    if kernel.endswith("_jacobian"):
+        n = JACOBIAN_TOKENS
+    elif kernel.endswith("_sigma_max"):
+        n = min(n, SIGMA_MAX_TOKENS)
+    rng = np.random.default_rng(0)
+    row = lambda: (1.0 + rng.standard_normal((n, d))).astype(dtype)  # noqa: E731
+    per_token = lambda t=np.float64: np.zeros(n, dtype=t)  # noqa: E731
+    out_shape = (n, d, d) if kernel.endswith("_jacobian") else (n, d)
+    out = np.zeros(n, np.float64) if kernel.endswith("_sigma_max") else np.zeros(out_shape, dtype)
+    return {
+        "x": row(), "v": row(), "u": row(), "v0": row(),
+        "gamma": rng.uniform(0.5, 1.5, d).astype(dtype), "beta": rng.standard_normal(d).astype(dtype),
+        "eps": 1e-5, "frozen": False, "tol": 0.0, "max_iter": POWER_ITERATIONS,
+        "out": out, "sigma": per_token(), "residual": per_token(), "iterations": per_token(np.int64),
+    }
+
+
+#: Parameter names a kernel may have, for the generic argument builder.
+ARGUMENTS = frozenset(_kernel_arrays("layer_norm", np.dtype(np.float32), (1, 2)))
+
+
+def _kernel_case(kernel: str) -> Case:
+    names = tuple(inspect.signature(backends.resolve(kernel, "numpy")).parameters)
+    unknown = set(names) - ARGUMENTS
+    if unknown:
+        raise KeyError(f"pyengine bench cannot build arguments {sorted(unknown)} of kernel {kernel!r}")
+    power = kernel.endswith("_power_iteration")
+
+    def setup(backend: str, dtype: str, size: tuple[int, int]):
+        pool = _kernel_arrays(kernel, np.dtype(dtype), size)
+        args = [pool[name] for name in names]
+        fn = backends.resolve(kernel, backend)
+        moved = sum(a.nbytes for a in args if isinstance(a, np.ndarray))
+        return (lambda: fn(*args)), moved, 0.0
+
+    return Case(
+        kernel, setup, limit="none" if power else "bandwidth", per_call=POWER_ITERATIONS if power else 1,
+        backends=tuple(b for b in backends.BACKENDS if backends.provides(kernel, b)),
+    )
+
+
+def _time(call: Callable[[], Any], repeat: int) -> tuple[float, float]:
+    """(median, relative spread (max - min)/median) of ``repeat`` timed calls after a warm-up."""
+    call()
+    times = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        call()
+        times.append(time.perf_counter() - t0)
+    med = float(np.median(times))
+    return med, float((max(times) - min(times)) / med)
+
+
+def machine_limits(quick: bool = False) -> dict[str, float]:
+    """All-core streaming copy bandwidth (bytes moved/s) and GEMM flop/s, measured now."""
+    nbytes = (64 if quick else 256) << 20
+    src = np.ones(nbytes, np.uint8)
+    dst = np.zeros_like(src)
+    if backends.available_backends()["cpp"].available:
+        from . import _core
+
+        copy = lambda: _core.stream_copy(src, dst)  # noqa: E731
+    else:  # one thread only: the fractions are then optimistic, and say so
+        copy = lambda: np.copyto(dst, src)  # noqa: E731
+    t, _ = _time(copy, 5)
+    limits = {"copy_bytes_per_s": 2 * nbytes / t}
+    n = 1024 if quick else 2048
+    for dt in ("float32", "float64"):
+        a = np.random.default_rng(0).standard_normal((n, n)).astype(dt)
+        t, _ = _time(lambda: a @ a, 3)
+        limits[f"gemm_{dt}_flop_per_s"] = 2 * n**3 / t
+    return limits
+
+
+def _progress(done: int, total: int, label: str) -> None:
+    if sys.stderr.isatty():
+        width = 30
+        fill = int(width * done / max(total, 1))
+        print(f"\r\033[K[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {label}", end="", file=sys.stderr, flush=True)
+        if done == total:
+            print(file=sys.stderr)
+
+
+def run(quick: bool = False, repeat: int | None = None, dtypes: tuple[str, ...] = ("float32",)) -> dict[str, Any]:
+    """Measure the machine's limits, then every case x available backend x size x dtype.
+
+    Returns a JSON-ready dict: ``{"machine": limits, "results": [row, ...]}``; each row
+    has kernel, backend, dtype, size, time_s, spread, gb_per_s, fraction (of the
+    case's limit, or None), speedup_vs_numpy.
+    """
+    repeat = repeat or (3 if quick else 7)
+    limits = machine_limits(quick)
+    cases = {k: _kernel_case(k) for k in backends.KERNELS} | _CASES
+    avail = [n for n, i in backends.available_backends().items() if i.available]
+    plan = [
+        (case, b, dt, size)
+        for case in cases.values()
+        for dt in dtypes
+        for size in SIZES["quick" if quick else "standard"]
+        for b in reversed(avail)  # numpy first: the speed-up column needs it
+        if b in case.backends
+    ]
+    rows: list[dict[str, Any]] = []
+    ref_time: dict[tuple[str, str, tuple[int, int]], float] = {}
+    for i, (case, b, dt, size) in enumerate(plan):
+        _progress(i, len(plan), f"{case.name} {b} {dt} {size[0]}x{size[1]}")
+        call, moved, flops = case.setup(b, dt, size)
+        t, spread = _time(call, max(1, repeat // 2) if b == "numpy" else repeat)
+        t /= case.per_call
+        key = (case.name, dt, size)
+        if b == "numpy":
+            ref_time[key] = t
+        fraction = None
+        if case.limit == "bandwidth":
+            fraction = moved / t / limits["copy_bytes_per_s"]
+        elif case.limit == "gemm":
+            fraction = flops / t / limits[f"gemm_{dt}_flop_per_s"]
+        rows.append({
+            "kernel": case.name, "backend": b, "dtype": dt, "size": f"{size[0]}x{size[1]}",
+            "time_s": t, "spread": spread, "gb_per_s": moved / case.per_call / t / 1e9 if moved else None,
+            "fraction": fraction, "speedup_vs_numpy": ref_time[key] / t if key in ref_time else None,
+        })
+    _progress(len(plan), len(plan), "done")
+    return {"machine": limits, "repeat": repeat, "results": rows}
+
+
+def format_table(report: dict[str, Any]) -> str:
+    """The report as a text table."""
+    m = report["machine"]
+    lines = [
+        f"machine: copy {m['copy_bytes_per_s'] / 1e9:.1f} GB/s (all cores), GEMM "
+        f"{m['gemm_float32_flop_per_s'] / 1e9:.0f} GFLOP/s float32, {m['gemm_float64_flop_per_s'] / 1e9:.0f} float64",
+        f"{'kernel':<28}{'backend':<8}{'dtype':<9}{'size':<11}{'time':>11}{'spread':>8}"
+        f"{'GB/s':>8}{'of limit':>10}{'vs numpy':>10}",
+    ]
+    for r in report["results"]:
+        t = r["time_s"]
+        tt = f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
+        fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
+        lines.append(
+            f"{r['kernel']:<28}{r['backend']:<8}{r['dtype']:<9}{r['size']:<11}{tt:>11}"
+            f"{r['spread']:>7.0%} {fmt(r['gb_per_s'], '8.1f'):>8}{fmt(r['fraction'], '10.1%'):>10}"
+            f"{fmt(r['speedup_vs_numpy'], '9.1f') + ('x' if r['speedup_vs_numpy'] else ''):>10}"
+        )
+    return "\n".join(lines)
+
+
+def compare(report: dict[str, Any], baseline: dict[str, Any], threshold: float = THRESHOLD) -> list[str]:
+    """Regressions of the normalized figures (fraction of limit, speed-up over NumPy).
+
+    A figure regresses when it falls below ``baseline * (1 - threshold)`` by more
+    than the larger of the two runs' spreads allows: noise alone must not fail it.
+    Returns one line per regression (empty when none).
+    """
+    base = {(r["kernel"], r["backend"], r["dtype"], r["size"]): r for r in baseline.get("results", [])}
+    found = []
+    for r in report["results"]:
+        b = base.get((r["kernel"], r["backend"], r["dtype"], r["size"]))
+        if b is None or r["backend"] == "numpy":
+            continue
+        slack = threshold + max(r["spread"], b["spread"]) / 2
+        for key in ("fraction", "speedup_vs_numpy"):
+            if r.get(key) is not None and b.get(key) and r[key] < b[key] * (1 - slack):
+                found.append(
+                    f"{r['kernel']} {r['backend']} {r['dtype']} {r['size']}: {key} {r[key]:.3g} "
+                    f"< baseline {b[key]:.3g} (allowed drop {slack:.0%})"
+                )
+    return found
+
+
+def main(quick: bool, json_path: str | None, compare_path: str | None, threshold: float, dtypes: tuple[str, ...]) -> int:
+    """The ``pyengine bench`` command; exit status 1 on a regression against the baseline."""
+    baseline = None
+    if compare_path is not None:
+        with open(compare_path, encoding="utf-8") as f:
+            try:
+                baseline = json.load(f)
+            except json.JSONDecodeError as exc:
+                raise ValueError(f"baseline {compare_path} is not valid JSON: {exc}") from None
+        if not isinstance(baseline, dict) or not isinstance(baseline.get("results"), list):
+            raise ValueError(f"baseline {compare_path} has no 'results' list: not a `pyengine bench --json` file")
+    report = run(quick=quick, dtypes=dtypes)
+    print(format_table(report))
+    if json_path is not None:
+        with open(json_path, "w", encoding="utf-8") as f:
+            json.dump(report, f, indent=1)
+        print(f"wrote {json_path}")
+    if baseline is not None:
+        regressions = compare(report, baseline, threshold)
+        for line in regressions:
+            print(f"REGRESSION {line}")
+        print(f"compared with {compare_path}: {len(regressions)} regression(s)")
+        return 1 if regressions else 0
+    return 0
+

@@ -7,3 +7,4 @@ If Numba is not installed the ``ImportError`` propagates; the registry
 from __future__ import annotations
 
 from . import layernorm  # noqa: F401  (registers the LayerNorm / RMSNorm kernels)
+from . import spectral  # noqa: F401  (registers the spectral kernels)

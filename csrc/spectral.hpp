@@ -54,9 +54,8 @@ inline constexpr int kMaxIt = 100;
 // by one thread, so results do not depend on the schedule or the number of threads.
 template <class MakeScratch, class RowFn>
 std::int64_t rows_with_scratch(index_t n, index_t work, MakeScratch&& make_scratch, RowFn&& row) {
-    const int n_threads = (n > 1 && n * work >= kMinParallelWork) ? g_num_threads : 1;
     std::int64_t nbad = 0;
-#pragma omp parallel num_threads(n_threads) reduction(+ : nbad)
+#pragma omp parallel num_threads(threads_for(n, work)) reduction(+ : nbad)
     {
         auto scratch = make_scratch();
 #pragma omp for schedule(dynamic, 8)

@@ -33,11 +33,21 @@ n_>(lam) = #{delta_i > lam} + npos(G) - 2 then pins lambda_max down:
    sign. The point is kept as the pair (y, tau) = (lam - lo, hi - lam), each exact where
    it is the smaller, and every denominator is formed from the nearer pole, as
    (delta_i - hi) + tau or (delta_i - lo) - y (LAPACK dlaed4's device), so roots
-   within rounding of a pole are found to full relative precision. Each step fits the
-   "middle way" rational model c - s_R/(hi - lam) + s_L/(lam - lo) to the target's value
-   and the split (right-pole / left-pole) derivative at the current eigenvector, and
-   solves it for the correction; a bracket that every evaluation updates catches a step
-   that leaves it (bisection). Converges in 2-4 passes for typical inputs.
+   within rounding of a pole are found to full relative precision.
+   Only the bulk costs O(d): one pass gives N and N' at a point (6 sums). The solver
+   replaces the bulk by a rational fit anchored there, N_a + N'_a (lam_a - p)(lam -
+   lam_a)/(lam - p) with p = D3 its largest pole (exact in value and derivative at the
+   anchor; the groups and the kappa term stay exact), and solves that model to full
+   precision in O(1) steps: each fits the "middle way" rational c - s_R/(hi - lam) +
+   s_L/(lam - lo) to the target's value and split (right-pole / left-pole) derivative
+   at the current eigenvector and solves it for the correction, inside a bracket that
+   every evaluation narrows (bisection when a step leaves it). The model's root is
+   the next point of a bulk pass and the next anchor; the solver stops when the model
+   anchored at the last pass puts the root within 1e-7 of that point's offset (so
+   the error is ~1e-14 of it). The first anchor is D2 when the interval had to be
+   decided there (that pass is reused), else the lower bound of step 3. 2-4 passes
+   per token in practice (measured over uniform, lognormal, clustered and outlier
+   gamma, with and without massive activations).
 5. The determinant of G is formed with the pole term of the nearer group split off,
    det(K - S/den) = det K - tr(adj(K) S)/den + det(S)/den^2, det(S) exact (0 for rank 1,
    the Lagrange identity for two indices), so the eigenvalue near a pole is accurate.
@@ -743,7 +753,7 @@ def rms_norm_sigma_max(x, gamma, eps, frozen, out):
 @jit
 def _pass_b(x, g, v, mu, inv, alpha, mv, m2, acc):
     """u = g inv (alpha v - mv - xh m2), xh = (x - mu) inv, on the fly; returns
-    (|u|^2, sum g u, sum xh g u). acc : (4, LANES)."""
+    (|u|^2, sum g u, sum xh g u). acc : (4, LANES) (layernorm.py explains the lanes)."""
     d = v.size
     a = acc[0]
     b = acc[1]

@@ -28,6 +28,7 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <utility>
 #include <vector>
 
 #include "parallel.hpp"
@@ -83,6 +84,16 @@ bool constant_row(const T* xr, index_t d, double mu, double var) {
         if (xr[i] != xr[0]) return false;
     }
     return true;
+}
+
+// Mean and two-pass variance of a LayerNorm row, given the row's sum; an exactly
+// constant row gets mean x[0] and variance 0 (see constant_row).
+template <class T>
+std::pair<double, double> ln_mean_var(const T* xr, index_t d, double sum) {
+    const double mu = sum / static_cast<double>(d);
+    const double var = centred_var(xr, d, mu);
+    if (constant_row(xr, d, mu, var)) return {static_cast<double>(xr[0]), 0.0};
+    return {mu, var};
 }
 
 // A usable scale: var + eps (resp. mean(x^2) + eps) finite and positive. Written so
@@ -178,13 +189,9 @@ std::int64_t layer_norm(const T* x, const T* gamma, const T* beta, double eps, i
         n, d, ln_first_pass(x, d), [=](index_t row, auto sums, auto* next) {
             const T* xr = x + row * d;
             T* o = out + row * d;
-            double mu = sums.first / static_cast<double>(d);
-            double var = centred_var(xr, d, mu);
-            if (constant_row(xr, d, mu, var)) {
-                mu = static_cast<double>(xr[0]);
-                var = 0.0;
-            }
-            const double sq = var + eps;
+            const auto stats = ln_mean_var(xr, d, sums.first);
+            const double mu = stats.first;  // a plain local: the row writer captures it
+            const double sq = stats.second + eps;
             if (!(std::isfinite(mu) && good_scale(sq))) {
                 write_nan_row(o, d);
                 return true;
@@ -281,13 +288,9 @@ std::int64_t layer_norm_jacobian(const T* x, const T* gamma, double eps, bool fr
     std::vector<RowStats> stats(static_cast<std::size_t>(n));
     std::vector<char> bad(static_cast<std::size_t>(n));
     count_bad_rows(n, d, [&, first_pass = ln_first_pass(x, d)](index_t row) {
-        double mu = first_pass(row).finish().first / static_cast<double>(d);
-        double var = centred_var(x + row * d, d, mu);
-        if (constant_row(x + row * d, d, mu, var)) {
-            mu = static_cast<double>(x[row * d]);
-            var = 0.0;
-        }
-        const double sq = var + eps;
+        const auto mean_var = ln_mean_var(x + row * d, d, first_pass(row).finish().first);
+        const double mu = mean_var.first;
+        const double sq = mean_var.second + eps;
         const bool is_bad = !(std::isfinite(mu) && good_scale(sq));
         stats[static_cast<std::size_t>(row)] = {mu, is_bad ? kNaN : 1.0 / std::sqrt(sq)};
         bad[static_cast<std::size_t>(row)] = is_bad;

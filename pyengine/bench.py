@@ -31,7 +31,7 @@ import numpy as np
 
 from . import backends
 
-__all__ = ["Case", "compare", "machine_limits", "register_case", "run"]
+__all__ = ["Case", "compare", "copy_bandwidth", "machine_limits", "register_case", "run"]
 
 #: Shapes (tokens, d): the standard run and ``--quick``.
 SIZES = {"standard": [(8192, 768), (2048, 4096)], "quick": [(2048, 768)]}
@@ -136,19 +136,27 @@ def _time(call: Callable[[], Any], repeat: int) -> tuple[float, float]:
     return med, float((max(times) - min(times)) / med)
 
 
-def machine_limits(quick: bool = False) -> dict[str, float]:
-    """All-core streaming copy bandwidth (bytes moved/s) and GEMM flop/s, measured now."""
-    nbytes = (64 if quick else 256) << 20
+def copy_bandwidth(nbytes: int, repeat: int = 5) -> float:
+    """The machine's all-core streaming copy bandwidth: bytes moved (read + write) per second.
+
+    Uses the C++ backend's ``stream_copy`` (all threads, non-temporal stores); without
+    it, NumPy's one-thread copy, which understates the limit (fractions come out high).
+    """
     src = np.ones(nbytes, np.uint8)
     dst = np.zeros_like(src)
     if backends.available_backends()["cpp"].available:
         from . import _core
 
         copy = lambda: _core.stream_copy(src, dst)  # noqa: E731
-    else:  # one thread only: the fractions are then optimistic, and say so
+    else:
         copy = lambda: np.copyto(dst, src)  # noqa: E731
-    t, _ = _time(copy, 5)
-    limits = {"copy_bytes_per_s": 2 * nbytes / t}
+    t, _ = _time(copy, repeat)
+    return 2 * nbytes / t
+
+
+def machine_limits(quick: bool = False) -> dict[str, float]:
+    """All-core streaming copy bandwidth (bytes moved/s) and GEMM flop/s, measured now."""
+    limits = {"copy_bytes_per_s": copy_bandwidth((64 if quick else 256) << 20)}
     n = 1024 if quick else 2048
     for dt in ("float32", "float64"):
         a = np.random.default_rng(0).standard_normal((n, n)).astype(dt)

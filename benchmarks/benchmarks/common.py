@@ -37,12 +37,9 @@ def median_time(fn, repeat: int = 10) -> float:
 
 def copy_bandwidth(nbytes: int, repeat: int = 10) -> float:
     """The machine's all-threads streaming copy bandwidth, bytes moved (read + write) per second."""
-    from pyengine import _core
+    from pyengine.bench import copy_bandwidth as probe
 
-    src = np.ones(nbytes, dtype=np.uint8)
-    dst = np.zeros_like(src)
-    _core.stream_copy(src, dst)
-    return 2 * nbytes / median_time(lambda: _core.stream_copy(src, dst), repeat)
+    return probe(nbytes, repeat)
 
 
 def camel(kernel: str) -> str:

@@ -198,7 +198,8 @@ def run(quick: bool = False, repeat: int | None = None, dtypes: tuple[str, ...] 
     for i, (case, b, dt, size) in enumerate(plan):
         _progress(i, len(plan), f"{case.name} {b} {dt} {size[0]}x{size[1]}")
         call, moved, flops = case.setup(b, dt, size)
-        t, spread = _time(call, max(1, repeat // 2) if b == "numpy" else repeat)
+        # The reference is slow: fewer runs, but at least two, so its spread is measured.
+        t, spread = _time(call, max(2, repeat // 2) if b == "numpy" else repeat)
         t /= case.per_call
         key = (case.name, dt, size)
         if b == "numpy":
@@ -242,17 +243,23 @@ def compare(report: dict[str, Any], baseline: dict[str, Any], threshold: float =
     """Regressions of the normalized figures (fraction of limit, speed-up over NumPy).
 
     A figure regresses when it falls below ``baseline * (1 - threshold)`` by more
-    than the larger of the two runs' spreads allows: noise alone must not fail it.
+    than the larger of the two runs' spreads allows (for the speed-up, a ratio, the
+    NumPy reference's spreads count too): noise alone must not fail it.
     Returns one line per regression (empty when none).
     """
-    base = {(r["kernel"], r["backend"], r["dtype"], r["size"]): r for r in baseline.get("results", [])}
+    key_of = lambda r, backend: (r["kernel"], backend, r["dtype"], r["size"])  # noqa: E731
+    base = {key_of(r, r["backend"]): r for r in baseline.get("results", [])}
+    mine = {key_of(r, r["backend"]): r for r in report["results"]}
     found = []
     for r in report["results"]:
-        b = base.get((r["kernel"], r["backend"], r["dtype"], r["size"]))
+        b = base.get(key_of(r, r["backend"]))
         if b is None or r["backend"] == "numpy":
             continue
-        slack = threshold + max(r["spread"], b["spread"]) / 2
         for key in ("fraction", "speedup_vs_numpy"):
+            spreads = [r["spread"], b["spread"]]
+            if key == "speedup_vs_numpy":  # a ratio: the reference's noise is in it too
+                spreads += [t[key_of(r, "numpy")]["spread"] for t in (mine, base) if key_of(r, "numpy") in t]
+            slack = threshold + max(spreads) / 2
             if r.get(key) is not None and b.get(key) and r[key] < b[key] * (1 - slack):
                 found.append(
                     f"{r['kernel']} {r['backend']} {r['dtype']} {r['size']}: {key} {r[key]:.3g} "

@@ -57,6 +57,7 @@ from .spectral import (
     weight_scan,
 )
 from .model import Stack, StackConfig, init_weights
+from .propagation import DecayFit, Propagation, fit_decay, propagate
 
 __version__ = "0.1.0"
 
@@ -82,10 +83,12 @@ def get_include() -> str:
 
 __all__ = [
     "BatchedOperator",
+    "DecayFit",
     "DenseOperator",
     "Identity",
     "LayerNormJacobian",
     "Product",
+    "Propagation",
     "RMSNormJacobian",
     "Scaled",
     "SpectralRadiusResult",
@@ -96,6 +99,7 @@ __all__ = [
     "WeightScan",
     "as_linear_operator",
     "available_backends",
+    "fit_decay",
     "from_linear_operator",
     "get_include",
     "get_num_threads",
@@ -106,6 +110,7 @@ __all__ = [
     "layer_norm_spectral_norm",
     "layer_norm_vjp",
     "num_threads",
+    "propagate",
     "rms_norm",
     "rms_norm_jacobian",
     "rms_norm_jvp",

@@ -37,21 +37,77 @@ Cache = dict[str, Any]
 
 
 class Context(NamedTuple):
-    """What a block needs besides weights: the config and the per-(T, dtype) tables."""
+    """What a block needs besides weights: the config and the per-(T, dtype) tables.
+
+    ``start`` > 0 (causal stacks only) means the arrays carry only the rows
+    start..T-1 of a length-T sequence: the earlier rows' keys and values come from
+    a base cache (forward: ``cache["attn.past"]``; JVP: a :func:`suffix` cache), and
+    the mask and rotary tables are sliced to those rows. ``rows`` (JVP only, from
+    :func:`diagonal`) selects the per-token diagonal Jacobian blocks.
+    """
 
     cfg: Any  # StackConfig
     rope_q: tuple[np.ndarray, np.ndarray] | None  # (cos, sin) * 1/sqrt(dh): scale folded into q
     rope_k: tuple[np.ndarray, np.ndarray] | None
-    mask: np.ndarray | None  # (T, T): 0 on and below the diagonal, -inf above
+    mask: np.ndarray | None  # (T - start, T): 0 where key j <= query i, -inf above
+    start: int = 0
+    rows: np.ndarray | None = None
 
 
-def make_context(cfg: Any, T: int, dtype: np.dtype) -> Context:
+def make_context(cfg: Any, T: int, dtype: np.dtype, start: int = 0) -> Context:
+    if start and not cfg.causal:
+        raise ValueError("only a causal stack can skip the rows before a span (start > 0)")
     rope_q = rope_k = None
     if cfg.positions == "rotary":
         cos, sin = rope_tables(T, cfg.head_dim, cfg.rope_base, dtype)
+        cos, sin = cos[start:], sin[start:]
         scale = 1.0 / math.sqrt(cfg.head_dim)
         rope_q, rope_k = (cos * scale, sin * scale), (cos, sin)
-    return Context(cfg, rope_q, rope_k, causal_mask(T, dtype) if cfg.causal else None)
+    mask = causal_mask(T, dtype)[start:] if cfg.causal else None
+    return Context(cfg, rope_q, rope_k, mask, start)
+
+
+def _take_rows(cache: Cache, idx: Any) -> Cache:
+    """The base cache restricted to the query rows ``idx`` (keys and values stay whole)."""
+    out: Cache = {}
+    for name, a in cache.items():
+        if name in ("attn.k", "attn.v"):
+            out[name] = a
+        elif name in ("attn.q", "attn.p"):  # (1, Hkv, g, T, .)
+            out[name] = a[..., idx, :]
+        elif name == "mlp.u":  # (T, n_in)
+            out[name] = a[idx]
+        elif name == "mlp.coef":  # tuple of (1, T, n)
+            out[name] = tuple(c[:, idx] for c in a)
+        elif name.startswith("norm"):  # (1, T, d)
+            out[name] = a[:, idx]
+    return out
+
+
+def suffix(ctx: Context, cache: Cache, start: int) -> tuple[Context, Cache]:
+    """Context and base cache for a JVP whose tangent is zero on rows < start (causal).
+
+    The tangents then carry only rows start..T-1, and so does the result (the
+    earlier rows of the output tangent are exactly zero).
+    """
+    T = cache["attn.k"].shape[-2]
+    return make_context(ctx.cfg, T, cache["attn.k"].dtype, start), _take_rows(cache, slice(start, None))
+
+
+def diagonal(ctx: Context, cache: Cache, rows: Any) -> tuple[Context, Cache]:
+    """Context and base cache for the per-token diagonal blocks d out_t / d h_t, t in ``rows``.
+
+    A JVP with them maps tangents (K, R, d), row r perturbing only token rows[r],
+    to the output at token rows[r]: the diagonal block of the block Jacobian. With
+    a causal mask the Jacobian over all tokens is block lower-triangular, so its
+    eigenvalues are those of these blocks.
+    """
+    rows = np.asarray(rows, dtype=np.intp)
+    T = cache["attn.k"].shape[-2]
+    c = make_context(ctx.cfg, T, cache["attn.k"].dtype)
+    if c.rope_q is not None:
+        c = c._replace(rope_q=tuple(a[rows] for a in c.rope_q), rope_k=tuple(a[rows] for a in c.rope_k))
+    return c._replace(mask=None, rows=rows), _take_rows(cache, rows)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
@@ -161,7 +217,12 @@ def _heads_out(B: int, T: int, cfg: Any, dtype: np.dtype) -> tuple[np.ndarray, n
 
 
 def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
-    """Multi-head (grouped-query) self-attention of a (B, T, d) -> (B, T, d)."""
+    """Multi-head (grouped-query) self-attention of a (B, T, d) -> (B, T, d).
+
+    With ``ctx.start`` = s > 0, ``a`` holds rows s..T-1 only and the keys and
+    values of rows < s come from ``cache["attn.past"]`` (the base sequence's cache
+    of this block, batch 1): causal attention cannot change those rows.
+    """
     cfg = ctx.cfg
     B, T, d = a.shape
     H, Hkv = cfg.n_heads, cfg.n_kv_heads
@@ -173,6 +234,10 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
     # Query heads h = j*g + i share key/value head j: (B, Hkv, g, T, dh) against (B, Hkv, 1, T, dh).
     q5 = q.reshape(B, Hkv, H // Hkv, T, cfg.head_dim)
     k5, v5 = k[:, :, None], v[:, :, None]
+    s = ctx.start
+    if s:
+        past = cache.pop("attn.past")
+        k5, v5 = (_prepend(p[..., :s, :], x) for p, x in zip((past["attn.k"], past["attn.v"]), (k5, v5)))
     p = _softmax_(np.matmul(q5, k5.swapaxes(-1, -2)), ctx.mask)
     buf, view = _heads_out(B, T, cfg, a.dtype)
     np.matmul(p, v5, out=view)
@@ -183,8 +248,20 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
     return out.reshape(B, T, d)
 
 
+def _prepend(head: np.ndarray, tail: np.ndarray) -> np.ndarray:
+    """(1, ..., s, dh) rows before (B, ..., T', dh) rows, along the row axis, for every batch entry."""
+    out = np.empty(tail.shape[:-2] + (head.shape[-2] + tail.shape[-2], tail.shape[-1]), tail.dtype)
+    out[..., : head.shape[-2], :] = head
+    out[..., head.shape[-2] :, :] = tail
+    return out
+
+
 def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarray:
-    """Tangent of :func:`attn`: (K, T, d) -> (K, T, d), including the softmax JVP."""
+    """Tangent of :func:`attn`: (K, T, d) -> (K, T, d), including the softmax JVP.
+
+    With ``ctx.start`` = s the tangent rows are s..T-1 (zero before); with
+    ``ctx.rows`` the per-token diagonal blocks (see :func:`diagonal`).
+    """
     cfg = ctx.cfg
     K, T, d = da.shape
     H, Hkv = cfg.n_heads, cfg.n_kv_heads
@@ -193,13 +270,21 @@ def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarr
     q5, k5, v5, p = cache["attn.q"], cache["attn.k"], cache["attn.v"], cache["attn.p"]
     dk5, dv5 = dk[:, :, None], dv[:, :, None]
     ds = np.matmul(dq.reshape(K, Hkv, H // Hkv, T, cfg.head_dim), k5.swapaxes(-1, -2))
-    ds += np.matmul(q5, dk5.swapaxes(-1, -2))
+    if ctx.rows is not None:
+        # Token r's tangent moves only its own key: score (r, rows[r]) gains q_r . dk_r.
+        r = np.arange(T)
+        ds[..., r, ctx.rows] += np.einsum("...rd,...rd->...r", q5, dk5)
+    else:
+        ds[..., ctx.start :] += np.matmul(q5, dk5.swapaxes(-1, -2))
     # dP = P * (dS - sum_j P dS): masked entries have P = 0, so they drop out exactly.
     ds *= p
     ds -= p * ds.sum(axis=-1, keepdims=True)
     buf, view = _heads_out(K, T, cfg, da.dtype)
     np.matmul(ds, v5, out=view)
-    view += np.matmul(p, dv5)
+    if ctx.rows is not None:
+        view += p[..., np.arange(T), ctx.rows][..., None] * dv5
+    else:
+        view += np.matmul(p[..., ctx.start :], dv5)
     return (buf.reshape(K * T, H * cfg.head_dim) @ w["attn.w_o"]).reshape(K, T, d)
 
 

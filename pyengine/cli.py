@@ -1,5 +1,7 @@
 """The ``pyengine`` command.
 
+``pyengine recovery``  the main job: inject a direction into the residual stream and
+                   measure its decay, exact and linearized, with spectra and ablations.
 ``pyengine demo``  every normalization kernel on every backend: agreement with the
                    NumPy reference and throughput, on a built-in synthetic batch.
 ``pyengine spectral``  per-token sigma_max of LayerNorm/RMSNorm Jacobians of activations.
@@ -286,6 +288,113 @@ def _add_spectral_parser(sub) -> None:
     s.add_argument("--csv", metavar="FILE", help="write per-token results as CSV")
 
 
+# -- pyengine recovery ---------------------------------------------------------------------
+
+
+class _StageBar:
+    """``progress(fraction, stage)`` for the recovery experiment: a bar on a terminal,
+    otherwise one line per stage (so logs show where the time goes)."""
+
+    def __init__(self, mode: str) -> None:
+        self.tty = sys.stderr.isatty() if mode == "auto" else mode == "always"
+        self.quiet = mode == "never"
+        self.stage, self.t0 = None, time.perf_counter()
+
+    def __call__(self, frac: float, stage: str) -> None:
+        if self.quiet:
+            return
+        elapsed = time.perf_counter() - self.t0
+        if self.tty:
+            bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+            end = "\n" if stage == "done" else ""
+            print(f"\r\033[K[{bar}] {100 * frac:5.1f}%  {elapsed:6.1f} s  {stage}", end=end, file=sys.stderr,
+                  flush=True)
+        elif stage != self.stage:
+            print(f"[{100 * frac:5.1f}%] {elapsed:6.1f} s  {stage}", file=sys.stderr, flush=True)
+        self.stage = stage
+
+
+def _floats(text: str) -> list[float]:
+    try:
+        vals = [float(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated numbers; got {text}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError("needs at least one number")
+    return vals
+
+
+def _positions(text: str):
+    """"all", "last", "a:b" (a slice) or "i,j,k"."""
+    if text in ("all", "last"):
+        return text
+    try:
+        if ":" in text:
+            a, b = text.split(":", 1)
+            return slice(int(a) if a else None, int(b) if b else None)
+        return [int(v) for v in text.split(",")]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be all, last, a:b or i,j,k; got {text}") from None
+
+
+def load_model(name: str):
+    """The built-in default ("default") or a pretrained model by name or folder."""
+    from .experiments import default_model
+
+    if name == "default":
+        return default_model(), None
+    if name.endswith(".npz"):
+        from .model import Stack
+
+        return Stack.load(name), name
+    from .pretrained import load_pretrained
+
+    model = load_pretrained(name)
+    return model, getattr(model, "name", name)
+
+
+def recovery(args: argparse.Namespace) -> int:
+    from .experiments import recovery as run
+    from .experiments._report import format_table, write
+
+    model, name = load_model(args.model)
+    print(f"pyengine recovery: model {name or 'default (seeded GPT-2-small-shaped pre-LN stack)'}; "
+          f"output folder {args.out}", flush=True)
+    rep = run(model, text=args.text, layer=args.layer, scales=args.scales, protocol_scale=args.scale,
+              n_directions=args.directions, positions=args.positions, read=args.read,
+              spectral_tokens=args.spectral_tokens, seed=args.seed, dtype=args.dtype, name=name,
+              progress=_StageBar(args.progress))
+    print(format_table(rep))
+    paths = write(rep, args.out, plots=not args.no_plots)
+    print(f"time: {rep.seconds['total']:.1f} s; wrote {', '.join(paths)}")
+    return 0
+
+
+def _add_recovery_parser(sub) -> None:
+    r = sub.add_parser("recovery", help="the main job: how an injected direction decays through the stack")
+    r.add_argument("--model", default="default",
+                   help="default (a seeded GPT-2-small-shaped pre-LN stack, no download), all-MiniLM-L6-v2, "
+                        "SmolLM2-135M-Instruct, a model folder, or a .npz saved by Stack.save")
+    r.add_argument("--text", default=None, help="the input sentence (default: a built-in sentence)")
+    r.add_argument("--layer", type=int, default=2, help="hidden-state index of the injection (default 2)")
+    r.add_argument("--scale", type=_positive_float, default=6.0,
+                   help="the protocol scale: fits and the table use it (default 6)")
+    r.add_argument("--scales", type=_floats, default=None,
+                   help="comma-separated scales of the sweep (default 0.01,0.03,...,30)")
+    r.add_argument("--directions", type=_positive, default=4, help="random unit directions (default 4)")
+    r.add_argument("--positions", type=_positions, default="all", help="all, last, a:b or i,j,k (default all)")
+    r.add_argument("--read", choices=["last", "injected", "downstream", "all"], default="last",
+                   help="positions whose |projection| is fitted (default last: the published protocol)")
+    r.add_argument("--spectral-tokens", type=_positions, default="last",
+                   help="tokens whose Jacobian blocks are formed (default last)")
+    r.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--out", default="recovery-out", help="output folder (default ./recovery-out)")
+    r.add_argument("--no-plots", action="store_true", help="skip recovery.png")
+    r.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
+                   help="bar on a terminal, stage lines otherwise (auto), or force either")
+
+
 def _positive(text: str) -> int:
     value = int(text)
     if value < 1:
@@ -303,6 +412,7 @@ def _parser() -> argparse.ArgumentParser:
     d.add_argument("--repeat", type=_positive, default=10, help="timed runs per kernel (default 10)")
     sub.add_parser("backends", help="which backends load, and why not")
     _add_spectral_parser(sub)
+    _add_recovery_parser(sub)
     b = sub.add_parser("bench", help="every kernel x backend as a fraction of the machine's limits")
     b.add_argument("--quick", action="store_true", help="small sizes, few repeats (under a minute)")
     b.add_argument("--json", metavar="PATH", help="write the full report as JSON")
@@ -321,6 +431,12 @@ def main(argv: Sequence[str] | None = None) -> int:
             return demo(args.tokens, args.d, args.dtype, args.repeat)
         if args.command == "spectral":
             return spectral(args)
+        if args.command == "recovery":
+            if args.scales is None:
+                from .experiments.recovery import DEFAULT_SCALES
+
+                args.scales = list(DEFAULT_SCALES)
+            return recovery(args)
         if args.command == "bench":
             from . import bench
 

@@ -1,0 +1,167 @@
+"""Text, JSON, CSV and PNG output of a :class:`~pyengine.experiments.Recovery`."""
+
+from __future__ import annotations
+
+import csv
+import json
+import math
+import os
+from typing import Any
+
+import numpy as np
+
+from .recovery import Recovery
+
+__all__ = ["format_table", "write"]
+
+_COLS = [  # key, header, width, format
+    ("layer", "k", 3, "d"),
+    ("h_norm", "|h|", 10, ".3g"),
+    ("delta_norm", "|delta|", 10, ".3g"),
+    ("projection", "proj", 10, ".3g"),
+    ("projection_linear", "proj lin", 10, ".3g"),
+    ("cosine", "cos", 9, ".4f"),
+    ("norm_ratio", "|h'|/|h|", 10, ".4f"),
+    ("gain", "gain", 9, ".4f"),
+    ("rho", "rho", 9, ".4f"),
+    ("sigma_max", "sig_max", 9, ".3f"),
+    ("adjacent_cosine", "cos(h,h+)", 10, ".4f"),
+]
+
+
+def _cell(width: int, fmt: str, v: Any) -> str:
+    if isinstance(v, float) and not math.isfinite(v):
+        return f"{'-':>{width}}"
+    return f"{v:>{width}{fmt}}"
+
+
+def format_table(rep: Recovery) -> str:
+    """The per-layer table and the verdicts, as printed by ``pyengine recovery``."""
+    ex = rep.exact
+    lines = [
+        f"model: {rep.model}",
+        f"tokens: T = {ex.T}; injected at hidden state {rep.layer} (input of block {rep.layer + 1}) on "
+        f"{ex.positions.size} position(s); K = {ex.K} directions x S = {ex.S} scales; read-out: {rep.read} token(s); "
+        f"table at scale {rep.protocol_scale:g}, mean over directions",
+        "rho, sig_max: diagonal block of the Jacobian of the block leaving hidden state k (float64, dense); "
+        "gain: |proj_k / proj_k-1|",
+        "".join(f"{h:>{w}}" for _, h, w, _f in _COLS),
+    ]
+    for row in rep.layer_table():
+        lines.append("".join(_cell(w, f, row[key]) for key, _, w, f in _COLS))
+    fe, fl = rep.fit_exact, rep.fit_linear
+    lines.append(f"decay of |projection| ({rep.read}): exact {fe.rate:+.4f}/layer [{fe.rate_ci[0]:+.4f}, "
+                 f"{fe.rate_ci[1]:+.4f}], R^2 {fe.r2:.3f}, half-life {fe.half_life:.3g} layers; linearized "
+                 f"{fl.rate:+.4f}/layer, R^2 {fl.r2:.3f}")
+    lines.extend(rep.verdicts)
+    return "\n".join(lines)
+
+
+def _json_default(o: Any) -> Any:
+    if isinstance(o, np.generic):
+        return o.item()
+    if isinstance(o, np.ndarray):
+        return o.tolist()
+    raise TypeError(f"not JSON serializable: {type(o).__name__}")
+
+
+def _clean(o: Any) -> Any:
+    """NaN and inf become None (strict JSON)."""
+    if isinstance(o, float):
+        return o if math.isfinite(o) else None
+    if isinstance(o, dict):
+        return {k: _clean(v) for k, v in o.items()}
+    if isinstance(o, (list, tuple)):
+        return [_clean(v) for v in o]
+    return o
+
+
+def write(rep: Recovery, folder: str, plots: bool = True) -> list[str]:
+    """Write recovery.json, layers.csv, metrics.csv and (if ``plots``) recovery.png; return the paths."""
+    os.makedirs(folder, exist_ok=True)
+    paths = []
+    p = os.path.join(folder, "recovery.json")
+    with open(p, "w") as f:
+        json.dump(_clean(json.loads(json.dumps(rep.to_dict(), default=_json_default))), f, indent=1,
+                  allow_nan=False)
+    paths.append(p)
+    p = os.path.join(folder, "layers.csv")
+    rows = rep.layer_table()
+    with open(p, "w", newline="") as f:
+        w = csv.DictWriter(f, fieldnames=list(rows[0]))
+        w.writeheader()
+        w.writerows(rows)
+    paths.append(p)
+    p = os.path.join(folder, "metrics.csv")
+    with open(p, "w", newline="") as f:
+        w = csv.writer(f)
+        w.writerow(["run", "layer", "direction", "scale", "position", "injected",
+                    "cosine", "projection", "norm_ratio", "delta_norm"])
+        for run in (rep.exact, rep.linear):
+            name = "linearized" if run.linearized else "exact"
+            inj = run.position_mask("injected")
+            for i, k in enumerate(run.layers):
+                for n in range(run.N):
+                    for t in range(run.T):
+                        w.writerow([name, int(k), n // run.S, f"{run.scales[n % run.S]:g}", t, int(inj[t]),
+                                    f"{run.cosine[i, n, t]:.9g}", f"{run.projection[i, n, t]:.9g}",
+                                    f"{run.norm_ratio[i, n, t]:.9g}", f"{run.delta_norm[i, n, t]:.9g}"])
+    paths.append(p)
+    if plots:
+        paths.append(_plot(rep, os.path.join(folder, "recovery.png")))
+    return paths
+
+
+def _plot(rep: Recovery, path: str) -> str:
+    import matplotlib
+
+    matplotlib.use("Agg", force=True)
+    import matplotlib.pyplot as plt
+
+    ex, li, j = rep.exact, rep.linear, rep.scale_index
+    k = ex.layers
+    fig, ax = plt.subplots(2, 3, figsize=(15, 8.5), constrained_layout=True)
+
+    def mean(p: Any, metric: str) -> np.ndarray:
+        return p.view(metric, rep.read).reshape(-1, p.K, p.S)[:, :, j].mean(axis=1)
+
+    a = ax[0, 0]
+    for p, fit, style, lab in ((ex, rep.fit_exact, "o-", "exact"), (li, rep.fit_linear, "s--", "linearized")):
+        y = mean(p, "projection")
+        a.semilogy(k, np.where(y > 0, y, np.nan), style, label=f"{lab}: rate {fit.rate:+.3f}/layer")
+        if math.isfinite(fit.rate):
+            a.semilogy(k, np.exp(fit.intercept - fit.rate * k), ":", color=a.lines[-1].get_color())
+    a.set(title=f"|projection on v| ({rep.read}), scale {rep.protocol_scale:g}", xlabel="hidden state k")
+    a.legend()
+    a = ax[0, 1]
+    a.plot(k, mean(ex, "cosine"), "o-", label="exact")
+    a.plot(k, mean(li, "cosine"), "s--", label="linearized")
+    a.set(title="cos(h_injected, h_base)", xlabel="hidden state k")
+    a.legend()
+    a = ax[0, 2]
+    a.plot(k, mean(ex, "norm_ratio"), "o-", label="exact")
+    a.plot(k, mean(li, "norm_ratio"), "s--", label="linearized")
+    a.set(title="|h_injected| / |h_base|", xlabel="hidden state k")
+    a.legend()
+    a = ax[1, 0]
+    m = ex.position_mask(rep.read)
+    a.semilogy(k, mean(ex, "delta_norm"), "o-", label="|delta| exact")
+    a.semilogy(k, mean(li, "delta_norm"), "s--", label="|delta| linearized")
+    a.semilogy(k, ex.base_norm[:, m].mean(axis=1), "k-", label="|h| baseline")
+    a.set(title="norms", xlabel="hidden state k")
+    a.legend()
+    a = ax[1, 1]
+    blocks = np.arange(rep.layer, rep.layer + rep.rho.shape[0]) + 1
+    a.plot(blocks, rep.rho.max(axis=1), "o-", label="rho (spectral radius)")
+    a.plot(blocks, rep.sigma.max(axis=1), "s-", label="sigma_max")
+    a.axhline(1.0, color="k", lw=0.8)
+    a.set(title="diagonal Jacobian block at the read token", xlabel="block", yscale="log")
+    a.legend()
+    a = ax[1, 2]
+    a.loglog(ex.scales, np.maximum(rep.linear_gap, 1e-16), "o-")
+    a.axhline(0.1, color="k", lw=0.8, ls="--")
+    a.set(title="max |proj exact - proj lin| / |proj lin|", xlabel="scale")
+    fig.suptitle(f"pyengine recovery: {rep.model}")
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path

@@ -1,0 +1,353 @@
+"""The residual-recovery experiment: does an injected direction decay, at what rate, and why?
+
+Protocol (after Hahami et al. 2025, arXiv 2512.12411): add scale * v/|v| to hidden
+state ``layer`` at the chosen positions of one sentence, run the rest of the model,
+and read cosine, projection onto v and norm ratio at the last token. This
+experiment does it for K directions x S scales at once, exactly and linearized,
+fits the decay rate of |projection|, and tests three predictions:
+
+1. **Spectra.** If the block Jacobians set the decay, the rate should be about
+   -mean log rho(A_k) over the blocks passed (A_k the diagonal block of block k's
+   Jacobian at the read token; with a causal mask the full Jacobian is block
+   lower-triangular, so these carry its eigenvalues). For a pre-LN residual block
+   with LayerNorm, A_k 1 = 1 exactly (every LayerNorm Jacobian annihilates the
+   all-ones direction), so rho >= 1 and the prediction is "no decay". RMSNorm does
+   not annihilate 1: there the bound is measured, not assumed.
+2. **Residual connections.** The same weights with the residual removed.
+3. **Norm parameters.** Sweeps of the norm epsilon and of the global gamma scale.
+
+Every prediction gets a one-line verdict with its numbers; the engine reports what it
+measures, also when that contradicts the hypothesis.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from ..model import Stack, StackConfig, init_weights
+from ..propagation import DecayFit, Propagation, baseline, propagate, resolve_positions, token_jacobians
+
+__all__ = ["DEFAULT_TEXT", "Recovery", "byte_ids", "default_model", "recovery"]
+
+DEFAULT_TEXT = "The residual stream carries a small push forward through every layer until the last token reads it."
+DEFAULT_SCALES = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 6.0, 10.0, 30.0)
+PROTOCOL_SCALE = 6.0  # the published protocol injects 6 v/|v|
+#: Relative disagreement of exact and linearized projections that still counts as linear.
+LINEAR_TOL = 0.10
+Progress = Callable[[float, str], None]
+
+
+def default_model(seed: int = 0) -> Stack:
+    """The built-in model: a seeded GPT-2-small-shaped pre-LN stack (no download).
+
+    12 blocks, d_model 768, 12 heads, d_mlp 3072, LayerNorm eps 1e-5, GELU (tanh),
+    learned positions, causal, GPT-2 initialization (N(0, 0.02), residual outputs
+    scaled by 1/sqrt(2 n_layers)), float32. Its vocabulary is the 256 byte values:
+    :func:`byte_ids` tokenizes any text.
+    """
+    cfg = StackConfig(d_model=768, n_heads=12, n_layers=12, d_mlp=3072, norm="layernorm", placement="pre",
+                      activation="gelu_tanh", positions="learned", vocab_size=256, max_seq_len=1024)
+    return init_weights(cfg, scheme="gpt2", seed=seed, dtype=np.float32)
+
+
+def byte_ids(text: str) -> np.ndarray:
+    """Token ids of the default model: the UTF-8 bytes of ``text``, (T,) int64."""
+    ids = np.frombuffer(text.encode("utf-8"), dtype=np.uint8).astype(np.int64)
+    if ids.size == 0:
+        raise ValueError("text must not be empty")
+    return ids
+
+
+@dataclasses.dataclass(eq=False)
+class Recovery:
+    """Everything :func:`recovery` measured (see the module docstring).
+
+    ``exact`` / ``linear``: the two :class:`~pyengine.Propagation` runs (K directions x
+    S scales). ``fit_exact`` / ``fit_linear``: decay fits of the mean |projection| at
+    the read-out (``read``) and the protocol scale. ``spectral``: per block passed,
+    rho and sigma_max of the diagonal Jacobian block at each token of
+    ``spectral_tokens`` and |A 1 - 1|_inf. ``linear_gap`` (S,): the largest relative
+    difference of exact and linearized projections over layers; ``linear_regime``
+    the scale range where it stays within 10 %. ``no_residual``, ``eps_sweep``,
+    ``gamma_sweep``: decay fits of the ablations. ``verdicts``: one line per prediction.
+    """
+
+    model: str
+    config: StackConfig
+    text: str | None
+    ids: np.ndarray
+    layer: int
+    read: str
+    protocol_scale: float
+    exact: Propagation
+    linear: Propagation
+    fit_exact: DecayFit
+    fit_linear: DecayFit
+    spectral_tokens: np.ndarray
+    rho: np.ndarray  # (n_blocks, R)
+    sigma: np.ndarray  # (n_blocks, R)
+    ones_residual: np.ndarray  # (n_blocks, R)
+    linear_gap: np.ndarray  # (S,)
+    linear_regime: tuple[float, float] | None
+    no_residual: DecayFit
+    eps_sweep: list[tuple[float, DecayFit]]
+    gamma_sweep: list[tuple[float, DecayFit]]
+    verdicts: list[str]
+    seconds: dict[str, float]
+
+    @property
+    def scale_index(self) -> int:
+        return int(np.argmin(np.abs(self.exact.scales - self.protocol_scale)))
+
+    def layer_table(self) -> list[dict[str, float]]:
+        """One row per hidden state k >= layer: the protocol read-out, mean over directions."""
+        j, ex, li = self.scale_index, self.exact, self.linear
+        m = ex.position_mask(self.read)
+
+        def at(p: Propagation, metric: str) -> np.ndarray:
+            return p.view(metric, self.read).reshape(-1, p.K, p.S)[:, :, j].mean(axis=1)
+
+        gain = np.abs(ex.gain[..., m]).mean(axis=-1).reshape(-1, ex.K, ex.S)[:, :, j]
+        rows = []
+        for i, k in enumerate(ex.layers):
+            row = {
+                "layer": int(k),
+                "h_norm": float(ex.base_norm[i][m].mean()),
+                "delta_norm": float(at(ex, "delta_norm")[i]),
+                "projection": float(at(ex, "projection")[i]),
+                "projection_linear": float(at(li, "projection")[i]),
+                "cosine": float(at(ex, "cosine")[i]),
+                "norm_ratio": float(at(ex, "norm_ratio")[i]),
+                "gain": float(np.exp(np.log(gain[i - 1]).mean())) if i else float("nan"),
+                "rho": float(self.rho[i].max()) if i < self.rho.shape[0] else float("nan"),
+                "sigma_max": float(self.sigma[i].max()) if i < self.sigma.shape[0] else float("nan"),
+                "adjacent_cosine": float(ex.base_adjacent_cosine[k - 1][m].mean()) if k else float("nan"),
+                "step_norm": float(ex.base_step[k - 1][m].mean()) if k else float("nan"),
+            }
+            rows.append(row)
+        return rows
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready: settings, table, fits, spectra, ablations, verdicts and both runs."""
+        return {
+            "model": self.model, "config": dataclasses.asdict(self.config), "text": self.text,
+            "ids": self.ids.tolist(), "layer": self.layer, "read": self.read,
+            "protocol_scale": self.protocol_scale, "table": self.layer_table(),
+            "fit_exact": self.fit_exact.to_dict(), "fit_linear": self.fit_linear.to_dict(),
+            "spectral": {"blocks": list(range(self.layer, self.layer + self.rho.shape[0])),
+                         "tokens": self.spectral_tokens.tolist(), "rho": self.rho.tolist(),
+                         "sigma_max": self.sigma.tolist(), "ones_residual": self.ones_residual.tolist()},
+            "linear_gap": dict(zip(map(float, self.exact.scales), map(float, self.linear_gap))),
+            "linear_regime": list(self.linear_regime) if self.linear_regime else None,
+            "no_residual": self.no_residual.to_dict(),
+            "eps_sweep": [{"eps": e, **f.to_dict()} for e, f in self.eps_sweep],
+            "gamma_sweep": [{"gamma_scale": g, **f.to_dict()} for g, f in self.gamma_sweep],
+            "verdicts": self.verdicts, "seconds": self.seconds,
+            "exact": self.exact.to_dict(), "linear": self.linear.to_dict(),
+        }
+
+
+def _fmt_fit(f: DecayFit) -> str:
+    return f"{f.rate:+.3f} [{f.rate_ci[0]:+.3f}, {f.rate_ci[1]:+.3f}] per layer (R^2 {f.r2:.2f})"
+
+
+def _halfwidth(f: DecayFit) -> float:
+    w = (f.rate_ci[1] - f.rate_ci[0]) / 2
+    return w if math.isfinite(w) else 0.0
+
+
+def _verdicts(r: Recovery) -> list[str]:
+    cfg, out = r.config, []
+    lam, fit = r.fit_exact.rate, r.fit_exact
+    log_rho = np.log(r.rho.max(axis=1))
+    pred = float(-log_rho.mean())
+    rho_min = float(r.rho.min())
+    one = float(r.ones_residual.max())
+    structural = cfg.placement == "pre" and cfg.residual and cfg.norm == "layernorm"
+    if structural:
+        bound = (f"rho(A_k) >= 1 for every pre-LN residual block: each LayerNorm Jacobian annihilates the "
+                 f"all-ones vector, so A_k 1 = 1 (measured max |A_k 1 - 1| = {one:.1e}); measured min rho = "
+                 f"{rho_min:.4f}")
+    else:
+        bound = (f"this stack ({cfg.placement}-{cfg.norm}, residual {'on' if cfg.residual else 'off'}) has no "
+                 f"structural eigenvalue 1 (max |A_k 1 - 1| = {one:.2e}); measured min rho = {rho_min:.4f}")
+    ok = math.isfinite(lam) and abs(lam - pred) <= _halfwidth(fit) + 0.05 + 0.25 * abs(pred)
+    out.append(
+        f"(1) spectra: {'CONSISTENT' if ok else 'CONTRADICTED'}: -mean log rho = {pred:+.3f} per layer predicts "
+        f"the rate; measured {_fmt_fit(fit)}. {bound}."
+    )
+    nr = r.no_residual
+    sep = math.isfinite(nr.rate) and abs(nr.rate - lam) > _halfwidth(nr) + _halfwidth(fit)
+    out.append(
+        f"(2) residual: {'CHANGES THE RATE' if sep else 'NO MEASURABLE EFFECT'}: with residual "
+        f"{lam:+.3f}, without {_fmt_fit(nr)}."
+    )
+    for name, sweep in (("eps", r.eps_sweep), ("gamma scale", r.gamma_sweep)):
+        rates = np.array([f.rate for _, f in sweep])
+        widths = max((_halfwidth(f) for _, f in sweep), default=0.0)
+        spread = float(np.nanmax(rates) - np.nanmin(rates)) if np.isfinite(rates).any() else float("nan")
+        effect = math.isfinite(spread) and spread > 2 * widths + 0.02
+        vals = ", ".join(f"{v:g}: {f.rate:+.3f}" for v, f in sweep)
+        out.append(f"(3) {name}: {'CHANGES THE RATE' if effect else 'NO MEASURABLE EFFECT'} "
+                   f"(spread {spread:.3f} per layer): {vals}.")
+    lr = r.linear_regime
+    out.append("linear regime: " + (f"exact and linearized agree within {LINEAR_TOL:.0%} for scales "
+                                    f"{lr[0]:g} to {lr[1]:g}" if lr else
+                                    f"no scale tried keeps exact and linearized within {LINEAR_TOL:.0%}") + ".")
+    return out
+
+
+def _linear_gap(ex: Propagation, li: Propagation, where: str) -> np.ndarray:
+    """(S,): max over layers after the injection and directions of |p_ex - p_lin| / |p_lin|."""
+    m = ex.position_mask(where)
+    pe_, pl = ex.projection[1:][..., m], li.projection[1:][..., m]
+    ref = np.maximum(np.abs(pl), 1e-300)
+    gap = (np.abs(pe_ - pl) / ref).max(axis=(0, 2)).reshape(ex.K, ex.S)
+    return gap.max(axis=0)
+
+
+def _regime(scales: np.ndarray, gap: np.ndarray) -> tuple[float, float] | None:
+    order = np.argsort(scales)
+    ok = gap[order] <= LINEAR_TOL
+    if not ok[0]:
+        return None
+    n = int(np.argmin(ok)) if not ok.all() else ok.size
+    return float(scales[order][0]), float(scales[order][n - 1])
+
+
+def recovery(
+    model: Stack | None = None,
+    ids: Any = None,
+    *,
+    text: str | None = None,
+    layer: int = 2,
+    scales: Sequence[float] = DEFAULT_SCALES,
+    protocol_scale: float = PROTOCOL_SCALE,
+    n_directions: int = 4,
+    directions: Any = None,
+    positions: Any = "all",
+    read: str = "last",
+    spectral_tokens: Any = "last",
+    eps_values: Sequence[float] | None = None,
+    gamma_values: Sequence[float] = (0.5, 1.0, 2.0),
+    seed: int = 0,
+    dtype: Any = np.float32,
+    name: str | None = None,
+    progress: Progress | None = None,
+) -> Recovery:
+    """Run the residual-recovery experiment (see the module docstring).
+
+    Parameters
+    ----------
+    model : Stack, optional
+        Default :func:`default_model`.
+    ids : array_like of int (T,), optional
+        Token ids; default ``byte_ids(text)`` for the default model or
+        ``model.tokenize(text)`` for a model with a tokenizer.
+    text : str, optional
+        Default :data:`DEFAULT_TEXT`.
+    layer : int
+        Hidden-state index of the injection (the input of block layer + 1).
+    scales : sequence of float
+        Perturbation sizes (absolute); ``protocol_scale`` is added if missing.
+    n_directions : int
+        Random unit directions (seeded) when ``directions`` is not given.
+    directions : array_like (K, d_model), optional
+    positions : see :func:`pyengine.propagate`
+    read : {"last", "injected", "downstream", "all"}
+        Positions whose mean |projection| is fitted (the protocol reads "last").
+    spectral_tokens : "last", int or sequence of ints
+        Tokens whose diagonal Jacobian blocks are formed densely (float64).
+    eps_values, gamma_values : sequences
+        The sweeps (default eps: the model's eps times 1e-3, 1, 1e2, 1e4).
+    seed : int
+    dtype : float32 or float64
+        Compute dtype of the propagations.
+    progress : callable(fraction, stage), optional
+    """
+    t_start = time.perf_counter()
+    say = progress or (lambda f, s: None)
+    if model is None:
+        model = default_model(seed)
+        name = name or "default (seeded GPT-2-small-shaped pre-LN stack)"
+    if not isinstance(model, Stack):
+        raise TypeError(f"model must be a pyengine Stack or pretrained model; got {type(model).__name__}")
+    cfg = model.config
+    if ids is None:
+        text = DEFAULT_TEXT if text is None else text
+        if hasattr(model, "tokenize"):
+            ids = model.tokenize(text)
+        elif cfg.vocab_size >= 256:
+            ids = byte_ids(text)
+        else:
+            raise ValueError(f"this model has no tokenizer and {cfg.vocab_size} < 256 token ids, so text cannot "
+                             "be read as UTF-8 bytes; pass ids")
+    ids = np.asarray(ids)
+    if read not in ("last", "injected", "downstream", "all"):
+        raise ValueError(f"read must be 'last', 'injected', 'downstream' or 'all'; got {read!r}")
+    sc = np.unique(np.append(np.asarray(scales, dtype=np.float64), protocol_scale))
+    if directions is None:
+        if isinstance(n_directions, bool) or not isinstance(n_directions, int) or n_directions < 1:
+            raise ValueError(f"n_directions must be an int >= 1; got {n_directions!r}")
+        directions = np.random.default_rng(seed).standard_normal((n_directions, cfg.d_model))
+    j = int(np.argmin(np.abs(sc - protocol_scale)))
+    seconds: dict[str, float] = {}
+
+    def timed(stage: str, frac0: float, frac1: float, fn: Callable[[Callable[[int, int], None]], Any]) -> Any:
+        t0 = time.perf_counter()
+        say(frac0, stage)
+        out = fn(lambda d, t: say(frac0 + (frac1 - frac0) * d / max(t, 1), stage))
+        seconds[stage] = time.perf_counter() - t0
+        return out
+
+    run = dict(positions=positions, dtype=dtype)
+    ex = timed("exact propagation", 0.0, 0.35,
+               lambda cb: propagate(model, ids, directions, sc, layer, progress=cb, **run))
+    li = timed("linearized propagation", 0.35, 0.45,
+               lambda cb: propagate(model, ids, directions, sc, layer, linearized=True, progress=cb, **run))
+    T = ex.T
+    toks = resolve_positions(spectral_tokens, T)
+
+    def spectra(cb: Callable[[int, int], None]) -> tuple[np.ndarray, ...]:
+        h, _ = baseline(model, ids, cfg.n_layers - 1, np.float64)
+        n = cfg.n_layers - layer
+        rho, sig, one = (np.empty((n, toks.size)) for _ in range(3))
+        for i, k in enumerate(range(layer, cfg.n_layers)):
+            A = token_jacobians(model, h[k], k, toks)
+            for r in range(toks.size):
+                rho[i, r] = np.abs(np.linalg.eigvals(A[r])).max()
+                sig[i, r] = np.linalg.norm(A[r], 2)
+                one[i, r] = np.abs(A[r] @ np.ones(cfg.d_model) - 1.0).max()
+            cb(i + 1, n)
+        return rho, sig, one
+
+    rho, sig, one = timed("block Jacobian spectra", 0.45, 0.7, spectra)
+
+    def fit_of(m: Stack) -> DecayFit:
+        return propagate(m, ids, directions, sc[j], layer, **run).fit(read)
+
+    no_res = timed("ablation: no residual", 0.7, 0.75, lambda cb: fit_of(model.replace(residual=False)))
+    if eps_values is None:
+        eps_values = [cfg.eps * f for f in (1e-3, 1.0, 1e2, 1e4)] if cfg.eps > 0 else [0.0, 1e-5, 1e-3, 1e-1]
+    eps_sweep = timed("sweep: norm eps", 0.75, 0.9,
+                      lambda cb: [(float(e), fit_of(model.replace(eps=float(e)))) for e in eps_values])
+    gamma_sweep = timed("sweep: gamma scale", 0.9, 1.0,
+                        lambda cb: [(float(g), fit_of(model.replace(gamma_scale=float(g)))) for g in gamma_values])
+    gap = _linear_gap(ex, li, read)
+    rep = Recovery(
+        model=name or type(model).__name__, config=cfg, text=text, ids=ids, layer=ex.layer, read=read,
+        protocol_scale=float(sc[j]), exact=ex, linear=li, fit_exact=ex.fit(read, j), fit_linear=li.fit(read, j),
+        spectral_tokens=toks, rho=rho, sigma=sig, ones_residual=one, linear_gap=gap,
+        linear_regime=_regime(sc, gap), no_residual=no_res, eps_sweep=eps_sweep, gamma_sweep=gamma_sweep,
+        verdicts=[], seconds=seconds,
+    )
+    rep.verdicts = _verdicts(rep)
+    seconds["total"] = time.perf_counter() - t_start
+    say(1.0, "done")
+    return rep

@@ -1,0 +1,155 @@
+"""The recovery experiment, token Jacobians, the rho >= 1 statement and `pyengine recovery`."""
+
+import csv
+import json
+import math
+
+import numpy as np
+import pytest
+
+import pyengine as pe
+from pyengine.cli import main
+from pyengine.experiments import recovery
+from pyengine.experiments.recovery import byte_ids
+from pyengine.propagation import token_jacobians
+
+
+def _stack(seed=0, dtype=np.float64, **kw):
+    base = dict(d_model=16, n_heads=4, n_layers=4, d_mlp=32, vocab_size=256, max_seq_len=64)
+    base.update(kw)
+    return pe.init_weights(pe.StackConfig(**base), seed=seed, dtype=dtype, gamma_jitter=0.3, bias_std=0.1)
+
+
+def _dense_block_jacobian(st, k, h):
+    T, d = h.shape
+    E = np.eye(T * d).reshape(T * d, T, d)
+    return st.block_jvp(k, h, E).reshape(T * d, T * d).T  # column j = J e_j
+
+
+LAYOUTS = [dict(), dict(layout="parallel"), dict(placement="post"), dict(norm="rmsnorm", positions="rotary"),
+           dict(causal=False), dict(activation="silu_gated", n_kv_heads=2)]
+
+
+@pytest.mark.parametrize("kw", LAYOUTS, ids=lambda kw: ",".join(f"{k}={v}" for k, v in kw.items()) or "default")
+def test_token_jacobians_are_the_diagonal_blocks_of_the_dense_jacobian(kw):
+    st = _stack(**kw)
+    ids = np.arange(5, 12)
+    h = st.hidden_states(ids)
+    J = _dense_block_jacobian(st, 1, h[1])
+    d = 16
+    A = token_jacobians(st, h[1], 1, [0, 3, -1], chunk=7)
+    for r, t in enumerate([0, 3, 6]):
+        np.testing.assert_allclose(A[r], J[t * d:(t + 1) * d, t * d:(t + 1) * d], rtol=0, atol=1e-13)
+    if st.config.causal:  # block lower-triangular: the spectrum is the blocks' spectra
+        assert np.abs(J[:d, d:]).max() == 0
+        rho_full = np.abs(np.linalg.eigvals(J)).max()
+        rho_blocks = max(np.abs(np.linalg.eigvals(a)).max() for a in token_jacobians(st, h[1], 1, "all"))
+        assert rho_full == pytest.approx(rho_blocks, rel=1e-9)
+
+
+@pytest.mark.parametrize("layout", ["sequential", "parallel"])
+@pytest.mark.parametrize("seed", range(4))
+def test_rho_is_at_least_one_for_pre_layernorm_residual_blocks(layout, seed):
+    """A_L 1 = 1 exactly: every LayerNorm Jacobian annihilates the all-ones direction."""
+    st = _stack(seed=seed, layout=layout, d_model=24, n_heads=3)
+    ids = np.random.default_rng(seed).integers(0, 256, 9)
+    h = st.hidden_states(ids)
+    for k in range(st.config.n_layers):
+        A = token_jacobians(st, h[k], k, "all")
+        np.testing.assert_allclose(A @ np.ones(24), np.ones((9, 24)), rtol=0, atol=1e-12)
+        rho = np.abs(np.linalg.eigvals(A)).max(axis=1)
+        assert (rho >= 1 - 1e-10).all()
+
+
+def test_rmsnorm_does_not_annihilate_ones():
+    st = _stack(norm="rmsnorm")
+    h = st.hidden_states(np.arange(6))
+    A = token_jacobians(st, h[0], 0, "last")[0]
+    assert np.abs(A @ np.ones(16) - 1).max() > 1e-3
+
+
+def test_token_jacobians_bad_arguments():
+    st = _stack()
+    h = st.hidden_states(np.arange(6))
+    with pytest.raises(ValueError, match="positions must lie in"):
+        token_jacobians(st, h[0], 0, [6])
+    with pytest.raises(ValueError, match="k must be a block index"):
+        token_jacobians(st, h[0], 4, [0])
+    with pytest.raises(ValueError, match=r"h must have shape \(T, d_model\)"):
+        token_jacobians(st, h[:2], 0, [0])
+
+
+def test_recovery_report_on_a_small_stack():
+    st = _stack(n_layers=6, dtype=np.float32)
+    rep = recovery(st, text="hello residual stream", layer=1, scales=[1e-3, 0.1, 10.0], n_directions=2,
+                   eps_values=[1e-5, 1e-1], gamma_values=[0.5, 1.0])
+    ex = rep.exact
+    assert ex.K == 2 and ex.S == 4 and 6.0 in ex.scales  # the protocol scale is added
+    assert rep.rho.shape == (5, 1) and rep.sigma.shape == (5, 1)
+    assert (rep.rho >= 1 - 1e-9).all() and (rep.ones_residual < 1e-10).all()
+    assert (rep.sigma >= rep.rho - 1e-9).all()  # sigma_max bounds rho
+    assert len(rep.verdicts) == 5
+    assert rep.verdicts[0].startswith("(1) spectra") and "rho(A_k) >= 1" in rep.verdicts[0]
+    assert rep.verdicts[1].startswith("(2) residual") and rep.verdicts[2].startswith("(3) eps")
+    # Tiny scales are linear: the regime starts at the smallest scale.
+    assert rep.linear_gap[0] < 0.01 and rep.linear_regime[0] == pytest.approx(1e-3)
+    table = rep.layer_table()
+    assert [row["layer"] for row in table] == list(range(1, 7))
+    assert table[0]["projection"] == pytest.approx(6.0, rel=1e-6)  # the injected state: proj = scale
+    assert math.isnan(table[-1]["rho"])
+    json.dumps(rep.to_dict(), default=float)
+
+
+def test_recovery_on_rmsnorm_states_the_bound_as_measured():
+    st = _stack(norm="rmsnorm", n_layers=3)
+    rep = recovery(st, ids=np.arange(10, 20), layer=0, scales=[0.1], n_directions=1, eps_values=[1e-6],
+                   gamma_values=[1.0])
+    assert "no structural eigenvalue 1" in rep.verdicts[0]
+
+
+def test_recovery_bad_arguments():
+    with pytest.raises(ValueError, match="no tokenizer"):
+        recovery(_stack(vocab_size=100), text="x")
+    with pytest.raises(ValueError, match="read must be"):
+        recovery(_stack(), ids=np.arange(5), read="first")
+    with pytest.raises(ValueError, match="text must not be empty"):
+        byte_ids("")
+    with pytest.raises(TypeError, match="model must be"):
+        recovery("gpt2", ids=np.arange(3))
+
+
+def test_cli_recovery_writes_json_csv_png(tmp_path, capsys):
+    path = tmp_path / "stack.npz"
+    _stack(n_layers=3, dtype=np.float32).save(path)
+    out = tmp_path / "out"
+    rc = main(["recovery", "--model", str(path), "--text", "a short one", "--layer", "1", "--scales", "0.01,1",
+               "--directions", "2", "--positions", "2:", "--out", str(out), "--progress", "never"])
+    assert rc == 0
+    text = capsys.readouterr().out
+    assert "(1) spectra" in text and "decay of |projection|" in text
+    doc = json.loads((out / "recovery.json").read_text())
+    assert doc["layer"] == 1 and len(doc["table"]) == 3 and len(doc["verdicts"]) == 5
+    rows = list(csv.DictReader((out / "layers.csv").read_text().splitlines()))
+    assert [int(r["layer"]) for r in rows] == [1, 2, 3]
+    metrics = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
+    assert len(metrics) == 2 * 3 * (2 * 3) * 11  # runs x layers x (K x S) x T
+    assert (out / "recovery.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_recovery_errors_are_one_line(tmp_path, capsys):
+    assert main(["recovery", "--model", str(tmp_path / "missing.npz")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    path = tmp_path / "stack.npz"
+    _stack(n_layers=2, dtype=np.float32).save(path)
+    assert main(["recovery", "--model", str(path), "--layer", "5", "--out", str(tmp_path / "o")]) == 2
+    assert "layer must be" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_default_model_and_byte_tokens():
+    m = pe.experiments.default_model()
+    c = m.config
+    assert (c.d_model, c.n_heads, c.n_layers, c.d_mlp, c.placement, c.norm) == (768, 12, 12, 3072, "pre", "layernorm")
+    assert m.dtype == np.float32
+    assert np.array_equal(byte_ids("Ab"), [65, 98])
+    assert np.array_equal(m.weights["blocks.0.attn.w_o"], pe.experiments.default_model().weights["blocks.0.attn.w_o"])

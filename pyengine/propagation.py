@@ -397,6 +397,7 @@ def propagate(
 
     hb = h_base[layer:, s:].astype(np.float64)  # (L, T', d)
     hb2 = np.einsum("ltd,ltd->lt", hb, hb)
+    hb_dt, V_dt = h_base[layer:, s:], V.astype(dt)
     metrics = _Metrics(L, N, T)
     deltas = np.zeros((L, N, T, d), dt) if return_deltas else None
     inj = np.zeros((T - s, 1), bool)
@@ -422,12 +423,14 @@ def propagate(
                 done += 1
                 if progress is not None:
                     progress(done, total)
-            delta = x.astype(np.float64) if linearized else x.astype(np.float64) - hb[i]
-            if i == 0:
-                delta = delta0  # exact, not rounded through dt
-            dot = np.einsum("ntd,td->nt", delta, hb[i])
-            dd = np.einsum("ntd,ntd->nt", delta, delta)
-            proj = np.einsum("ntd,nd->nt", delta, V[dirs])
+            if i == 0:  # exact, not rounded through dt
+                delta, hbi, vd = delta0, hb[0], V[dirs]
+            else:  # dot products in the compute dtype (BLAS-speed); metrics are float64
+                delta = x if linearized else x - hb_dt[i]
+                hbi, vd = hb_dt[i], V_dt[dirs]
+            dot = np.einsum("ntd,td->nt", delta, hbi).astype(np.float64)
+            dd = np.einsum("ntd,ntd->nt", delta, delta).astype(np.float64)
+            proj = np.einsum("ntd,nd->nt", delta, vd).astype(np.float64)
             if linearized:  # delta(alpha) = alpha * tangent, for every scale
                 for j, a in enumerate(S):
                     sel = rows * nS + j

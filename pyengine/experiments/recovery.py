@@ -177,6 +177,9 @@ def _verdicts(r: Recovery) -> list[str]:
     else:
         bound = (f"this stack ({cfg.placement}-{cfg.norm}, residual {'on' if cfg.residual else 'off'}) has no "
                  f"structural eigenvalue 1 (max |A_k 1 - 1| = {one:.2e}); measured min rho = {rho_min:.4f}")
+    if not cfg.causal:
+        bound += ("; attention is not causal here, so the full Jacobian is not block-triangular and these "
+                  "per-token blocks do not carry its eigenvalues")
     ok = math.isfinite(lam) and abs(lam - pred) <= _halfwidth(fit) + 0.05 + 0.25 * abs(pred)
     out.append(
         f"(1) spectra: {'CONSISTENT' if ok else 'CONTRADICTED'}: -mean log rho = {pred:+.3f} per layer predicts "

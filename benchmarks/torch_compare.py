@@ -1,0 +1,137 @@
+"""pyengine propagation against PyTorch on issue 5's shapes, in one process.
+
+K = 64 perturbations x T = 128 tokens x 12 GPT-2-small blocks (d = 768, 12 heads,
+d_mlp = 3072), float32, injected at hidden state 0. PyTorch is not a pyengine
+dependency: run this where it is installed, e.g.
+
+    python3 -m venv --system-site-packages /tmp/venv-torch
+    /tmp/venv-torch/bin/pip install torch==2.13.0
+    /tmp/venv-torch/bin/python benchmarks/torch_compare.py [--threads 2] [--k 64]
+
+It checks that both compute the same hidden states, then times (median of
+--repeat runs, ms per sequence or tangent):
+
+- torch: a batched exact forward of the K + 1 sequences (scaled_dot_product_attention,
+  causal); torch.func vmap(jvp) of the whole stack over K tangents;
+- pyengine: propagate exact (all positions, and a span from T/2), linearized, and
+  the same matrix products executed alone with NumPy/BLAS.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+
+import numpy as np
+
+import pyengine as pe
+
+
+def _median(fn, repeat: int) -> float:
+    fn()
+    ts = []
+    for _ in range(repeat):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    return float(np.median(ts))
+
+
+def torch_stack(stack: pe.Stack):
+    """A PyTorch forward of a pre-LN GPT-2-style Stack (learned positions already in h)."""
+    import torch
+    import torch.nn.functional as F
+
+    cfg = stack.config
+    d, H, dh = cfg.d_model, cfg.n_heads, cfg.head_dim
+    W = {n: torch.from_numpy(np.ascontiguousarray(a)) for n, a in stack.weights.items()}
+
+    def forward(h):  # (B, T, d) -> (B, T, d)
+        B, T, _ = h.shape
+        for k in range(cfg.n_layers):
+            p = f"blocks.{k}."
+            a = F.layer_norm(h, (d,), W[p + "norm1.gamma"], W[p + "norm1.beta"], cfg.eps)
+            qkv = (a @ W[p + "attn.w_qkv"] + W[p + "attn.b_qkv"]).view(B, T, 3, H, dh).permute(2, 0, 3, 1, 4)
+            o = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
+            h = h + o.transpose(1, 2).reshape(B, T, d) @ W[p + "attn.w_o"] + W[p + "attn.b_o"]
+            a = F.layer_norm(h, (d,), W[p + "norm2.gamma"], W[p + "norm2.beta"], cfg.eps)
+            u = F.gelu(a @ W[p + "mlp.w_in"] + W[p + "mlp.b_in"], approximate="tanh")
+            h = h + u @ W[p + "mlp.w_out"] + W[p + "mlp.b_out"]
+        return h
+
+    return forward
+
+
+def main() -> None:
+    import torch
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--k", type=int, default=64)
+    ap.add_argument("--tokens", type=int, default=128)
+    ap.add_argument("--layers", type=int, default=12)
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--json", help="write the figures here")
+    args = ap.parse_args()
+    torch.set_num_threads(args.threads)
+    pe.set_num_threads(args.threads)
+    from threadpoolctl import threadpool_limits
+
+    threadpool_limits(args.threads)
+
+    K, T = args.k, args.tokens
+    cfg = pe.StackConfig(d_model=768, n_heads=12, d_mlp=3072, n_layers=args.layers, vocab_size=256,
+                         activation="gelu_tanh", positions="learned", max_seq_len=T)
+    stack = pe.init_weights(cfg, "gpt2", seed=0, dtype=np.float32, bias_std=0.02)
+    rng = np.random.default_rng(0)
+    ids = rng.integers(0, 256, T)
+    V = rng.standard_normal((K, 768))
+    Vn = (V / np.linalg.norm(V, axis=1, keepdims=True)).astype(np.float32)
+    h = stack.hidden_states(ids)
+    fwd = torch_stack(stack)
+    x0 = torch.from_numpy(h[0].copy())
+    batch = torch.cat([x0[None], x0[None] + 6.0 * torch.from_numpy(Vn)[:, None, :]])  # (K + 1, T, d)
+    tang = torch.from_numpy(np.repeat(Vn[:, None, :], T, axis=1))  # (K, T, d)
+
+    with torch.inference_mode():
+        ref = fwd(batch[:1])[0].numpy()
+    err = float(np.abs(ref - h[-1]).max() / np.abs(h[-1]).max())
+    print(f"torch vs pyengine hidden state {args.layers}: max rel diff {err:.2e}")
+
+    def t_forward():
+        with torch.inference_mode():
+            fwd(batch)
+
+    def t_vmap_jvp():
+        f = torch.func.vmap(lambda t: torch.func.jvp(fwd, (x0[None],), (t[None],))[1])
+        with torch.no_grad():
+            f(tang)
+
+    from benchmarks.bench_model import gemm_operands
+
+    ops = gemm_operands(stack, K + 1, T)
+    res = {
+        "torch_forward": _median(t_forward, args.repeat) / (K + 1),
+        "torch_vmap_jvp": _median(t_vmap_jvp, args.repeat) / K,
+        "pe_exact_all": _median(lambda: pe.propagate(stack, ids, V, 6.0, 0, "all"), args.repeat) / (K + 1),
+        "pe_exact_span": _median(lambda: pe.propagate(stack, ids, V, 6.0, 0, slice(T // 2, None)),
+                                 args.repeat) / (K + 1),
+        "pe_linearized": _median(lambda: pe.propagate(stack, ids, V, 6.0, 0, "all", linearized=True),
+                                 args.repeat) / K,
+        "gemms_alone": _median(lambda: [np.matmul(a, b) for a, b in ops], args.repeat) / (K + 1),
+    }
+    for name, s in res.items():
+        print(f"{name:<16} {1e3 * s:9.1f} ms per sequence/tangent")
+    print(f"exact / its GEMMs alone        {res['pe_exact_all'] / res['gemms_alone']:.2f}  (target <= 1.3)")
+    print(f"torch forward / exact (all)    {res['torch_forward'] / res['pe_exact_all']:.2f}  (target >= 1)")
+    print(f"torch forward / exact (span)   {res['torch_forward'] / res['pe_exact_span']:.2f}  (target >= 2)")
+    print(f"linearized / exact             {res['pe_linearized'] / res['pe_exact_all']:.2f}  (target <= 1.3)")
+    print(f"vmap(jvp) / linearized         {res['torch_vmap_jvp'] / res['pe_linearized']:.2f}  (target >= 1.5)")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "max_rel_diff": err, "seconds": res}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()

@@ -57,6 +57,7 @@ from .spectral import (
     weight_scan,
 )
 from .model import Stack, StackConfig, init_weights
+from .pretrained import PretrainedModel, load_pretrained
 from .propagation import DecayFit, Propagation, fit_decay, propagate
 
 __version__ = "0.1.0"
@@ -87,6 +88,7 @@ __all__ = [
     "DenseOperator",
     "Identity",
     "LayerNormJacobian",
+    "PretrainedModel",
     "Product",
     "Propagation",
     "RMSNormJacobian",
@@ -109,6 +111,7 @@ __all__ = [
     "layer_norm_jvp",
     "layer_norm_spectral_norm",
     "layer_norm_vjp",
+    "load_pretrained",
     "num_threads",
     "propagate",
     "rms_norm",

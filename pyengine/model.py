@@ -9,14 +9,17 @@ to and loads from ``.npz`` with its config inside.
 Arrays of a Stack (d = d_model, H = n_heads, Hkv = n_kv_heads, dh = d / H):
 
 - ``embed.tokens`` (vocab_size, d) if vocab_size > 0; ``embed.positions``
-  (max_seq_len, d) if positions == "learned";
+  (max_seq_len, d) if positions == "learned"; ``embed.norm.gamma`` (d,) and
+  ``embed.norm.beta`` (d,) (LayerNorm only) if embed_norm;
 - per block k, prefix ``blocks.<k>.``: ``norm1.gamma`` (d,), ``norm1.beta`` (d,)
   (LayerNorm only), the same for ``norm2`` (sequential layout only; the parallel
   layout has one norm per block), ``attn.w_qkv`` (d, (H + 2 Hkv) dh) with columns
   [q heads | k heads | v heads], ``attn.w_o`` (H dh, d), ``mlp.w_in`` (d, d_mlp)
   or (d, 2 d_mlp) as [gate | up] for "silu_gated", ``mlp.w_out`` (d_mlp, d), and
   if ``bias``: ``attn.b_qkv``, ``attn.b_o``, ``mlp.b_in``, ``mlp.b_out``;
-- ``final_norm.gamma`` / ``final_norm.beta`` if final_norm.
+- ``final_norm.gamma`` / ``final_norm.beta`` if final_norm;
+- ``lm_head.weight`` (vocab_size, d) if lm_head == "separate" ("tied" reads out
+  with ``embed.tokens``).
 
 Products are ``x @ W`` (weights stored (in, out)). Every norm uses
 ``gamma_scale * gamma``: gamma_scale is applied at run time, so ``stack.replace(
@@ -25,6 +28,7 @@ gamma_scale=0.5)`` is an ablation of the same weights.
 
 from __future__ import annotations
 
+import copy
 import dataclasses
 import json
 import math
@@ -55,9 +59,10 @@ _CHOICES = {
     "layout": ("sequential", "parallel"),
     "activation": ("gelu", "gelu_tanh", "relu", "silu_gated"),
     "positions": ("learned", "sinusoidal", "rotary", "none"),
+    "lm_head": ("none", "tied", "separate"),
 }
 _INTS = {"d_model": 2, "n_heads": 1, "n_kv_heads": 1, "d_mlp": 1, "n_layers": 1, "max_seq_len": 1, "vocab_size": 0}
-_BOOLS = ("residual", "causal", "final_norm", "bias")
+_BOOLS = ("residual", "causal", "final_norm", "bias", "embed_norm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -100,6 +105,12 @@ class StackConfig:
     bias : bool
         Whether attention and MLP projections have biases.
     rope_base : float > 0
+    embed_norm : bool
+        A norm (of kind ``norm``, arrays ``embed.norm.*``) applied to the embedding
+        output (tokens + learned/sinusoidal positions) before block 0 (BERT).
+    lm_head : {"none", "tied", "separate"}
+        Language-model read-out of :meth:`Stack.logits`: none, the token embedding
+        (tied; needs vocab_size > 0) or its own ``lm_head.weight`` (vocab_size, d).
     """
 
     d_model: int
@@ -121,6 +132,8 @@ class StackConfig:
     vocab_size: int = 0
     bias: bool = True
     rope_base: float = 10000.0
+    embed_norm: bool = False
+    lm_head: str = "none"
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -157,6 +170,8 @@ class StackConfig:
             raise ValueError(f"StackConfig.n_heads = {self.n_heads} must divide d_model = {self.d_model}")
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"StackConfig.n_kv_heads = {self.n_kv_heads} must divide n_heads = {self.n_heads}")
+        if self.lm_head != "none" and self.vocab_size == 0:
+            raise ValueError(f"StackConfig.lm_head = {self.lm_head!r} needs vocab_size > 0 (a vocabulary to read out)")
         if self.positions == "rotary" and self.head_dim % 2:
             raise ValueError(
                 f"StackConfig.positions = 'rotary' needs an even head dim d_model/n_heads; got {self.head_dim}"
@@ -207,6 +222,9 @@ def expected_arrays(config: StackConfig) -> dict[str, tuple[int, ...]]:
         if c.norm == "layernorm":
             out[prefix + ".beta"] = (d,)
 
+    if c.embed_norm:
+        norm("embed.norm")
+
     for k in range(c.n_layers):
         p = f"blocks.{k}."
         norm(p + "norm1")
@@ -223,11 +241,19 @@ def expected_arrays(config: StackConfig) -> dict[str, tuple[int, ...]]:
             out[p + "mlp.b_out"] = (d,)
     if c.final_norm:
         norm("final_norm")
+    if c.lm_head == "separate":
+        out["lm_head.weight"] = (c.vocab_size, d)
     return out
 
 
-def _check_arrays(config: StackConfig, arrays: Mapping[str, Any], where: str) -> dict[str, np.ndarray]:
-    """Every expected array present, nothing else, right shape, one float dtype, finite."""
+def _check_arrays(
+    config: StackConfig, arrays: Mapping[str, Any], where: str, copy: bool = True
+) -> dict[str, np.ndarray]:
+    """Every expected array present, nothing else, right shape, one float dtype, finite.
+
+    The arrays come back C-contiguous and read-only: copies, or with ``copy=False``
+    (for arrays the caller just made and hands over) the same arrays where possible.
+    """
     expected = expected_arrays(config)
     missing = [n for n in expected if n not in arrays]
     if missing:
@@ -252,7 +278,7 @@ def _check_arrays(config: StackConfig, arrays: Mapping[str, Any], where: str) ->
         if not np.isfinite(a).all():
             i = tuple(int(j) for j in np.argwhere(~np.isfinite(a))[0])
             raise ValueError(f"{where}: array {name!r} contains NaN or Inf (first at {i}: {a[i]})")
-        a = np.array(a, order="C", copy=True)
+        a = np.array(a, order="C", copy=True) if copy else np.ascontiguousarray(a)
         a.flags.writeable = False
         out[name] = a
     return out
@@ -319,14 +345,20 @@ class Stack:
         """
         cfg = dataclasses.replace(self._config, **changes)
         same = expected_arrays(cfg) == {n: a.shape for n, a in self._weights.items()}
-        new = Stack.__new__(Stack)  # the arrays are read-only and already checked: share them
-        new._init(cfg, self._weights if same else _check_arrays(cfg, self._weights, "weights"))
-        return new
+        # The arrays are read-only and already checked: share them.
+        return self._with(cfg, self._weights if same else _check_arrays(cfg, self._weights, "weights"))
 
     def astype(self, dtype: Any) -> Stack:
         """A copy with the weights stored in ``dtype`` (float32 or float64)."""
         dt = _float_dtype(dtype)
-        return Stack(self._config, {n: a.astype(dt) for n, a in self._weights.items()})
+        return self._with(self._config, _check_arrays(
+            self._config, {n: a.astype(dt) for n, a in self._weights.items()}, "weights", copy=False))
+
+    def _with(self, config: StackConfig, weights: dict[str, np.ndarray]) -> Stack:
+        """A shallow copy (same class and extra attributes, e.g. a tokenizer) with new config and weights."""
+        new = copy.copy(self)
+        new._init(config, weights)
+        return new
 
     # ------------------------------------------------------------------ internals
 
@@ -403,8 +435,9 @@ class Stack:
         Returns
         -------
         ndarray, (n_layers + 1, T, d_model) or (n_layers + 1, B, T, d_model)
-            Index 0 is the input after learned/sinusoidal positions are added;
-            index k the stream after block k (post-LN: after the block's last norm).
+            Index 0 is the input after learned/sinusoidal positions are added
+            (and the embedding norm applied, if ``embed_norm``: BERT); index k
+            the stream after block k (post-LN: after the block's last norm).
             The final norm is not applied (see :meth:`apply_final_norm`).
 
         Raises
@@ -430,6 +463,8 @@ class Stack:
             np.add(h, _blocks.sinusoidal_positions(T, cfg.d_model, h.dtype), out=out[0])
         else:
             out[0] = h
+        if cfg.embed_norm:
+            out[0] = self._norm(glob, "embed.norm", out[0])
         ctx = _blocks.make_context(cfg, T, h.dtype)
         for k in range(cfg.n_layers):
             out[k + 1] = _blocks.block_forward(blocks[k], ctx, out[k], {})
@@ -513,10 +548,53 @@ class Stack:
         x = _v.float_array("h", h)
         if x.ndim < 1 or x.shape[-1] != self._config.d_model:
             raise ValueError(f"h must have shape (..., {self._config.d_model}); got {x.shape}")
-        glob = self._params(x.dtype)[1]
+        return self._norm(self._params(x.dtype)[1], "final_norm", x)
+
+    def _norm(self, glob: dict[str, np.ndarray], name: str, x: np.ndarray) -> np.ndarray:
+        """The global norm ``name`` ("final_norm", "embed.norm") of x in x's dtype (weights from ``glob``)."""
         if self._config.norm == "layernorm":
-            return layer_norm(x, glob["final_norm.gamma"], glob["final_norm.beta"], self._config.eps)
-        return rms_norm(x, glob["final_norm.gamma"], self._config.eps)
+            return layer_norm(x, glob[name + ".gamma"], glob[name + ".beta"], self._config.eps)
+        return rms_norm(x, glob[name + ".gamma"], self._config.eps)
+
+    def logits(self, x: Any, dtype: Any = None) -> np.ndarray:
+        """Language-model logits: the final norm (if any), then the read-out ``@ W.T``.
+
+        Parameters
+        ----------
+        x : array_like
+            Integer token ids (T,) or (B, T): the whole stack runs first and its last
+            hidden state is read out. Or a float residual stream (..., d_model),
+            read out as it is (final norm, then W: the "logit lens" of any layer).
+        dtype : {None, float32, float64}
+            Compute dtype; default x's dtype (float input) or the stack's (ids).
+
+        Returns
+        -------
+        ndarray, (T, vocab_size), (B, T, vocab_size) or (..., vocab_size)
+            W is ``lm_head.weight`` (lm_head "separate") or ``embed.tokens`` ("tied").
+
+        Raises
+        ------
+        ValueError
+            If the stack has no language-model head (config.lm_head == "none"),
+            and for the input errors of :meth:`hidden_states`.
+        """
+        cfg = self._config
+        if cfg.lm_head == "none":
+            raise ValueError("this stack has no language-model head (config.lm_head is 'none')")
+        if np.asarray(x).dtype.kind in "iu":
+            h = self.hidden_states(x, dtype)[-1]
+        else:
+            h = _v.float_array("x", x)
+            if h.ndim < 1 or h.shape[-1] != cfg.d_model:
+                raise ValueError(f"x must have shape (..., {cfg.d_model}) (or be integer token ids); got {h.shape}")
+            h = np.ascontiguousarray(h, dtype=h.dtype if dtype is None else _float_dtype(dtype))
+            _finite("x", h)
+        glob = self._params(h.dtype)[1]
+        if cfg.final_norm:
+            h = self._norm(glob, "final_norm", h)
+        w = glob["lm_head.weight" if cfg.lm_head == "separate" else "embed.tokens"]
+        return (h.reshape(-1, cfg.d_model) @ w.T).reshape(h.shape[:-1] + (cfg.vocab_size,))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write an uncompressed ``.npz`` (the arrays and the config JSON), atomically."""
@@ -645,7 +723,8 @@ def init_weights(
         gpt2: every matrix N(0, 0.02), the residual output projections (attn.w_o,
         mlp.w_out) N(0, 0.02/sqrt(2 n_layers)); xavier: Glorot uniform; kaiming: He
         normal N(0, 2/fan_in). q, k, v (and gate, up) count as separate matrices.
-        Embeddings are N(0, 0.02) in every scheme.
+        Embeddings are N(0, 0.02) in every scheme; a separate lm_head.weight is
+        drawn as a (d_model, vocab_size) matrix of the scheme.
     seed : int
         Each array is drawn from its own stream seeded by (seed, its name), so a
         change of config that keeps an array's shape keeps its values.
@@ -675,12 +754,14 @@ def init_weights(
     for name, shape in expected_arrays(c).items():
         rng = np.random.default_rng([int(seed), zlib.crc32(name.encode())])
         leaf = name.rsplit(".", 1)[-1]
-        if name.startswith("embed."):
-            a = rng.normal(0.0, std, shape)
-        elif leaf == "gamma":
+        if leaf == "gamma":
             a = 1.0 + gamma_jitter * rng.standard_normal(shape)
         elif leaf == "beta" or leaf.startswith("b_"):
             a = bias_std * rng.standard_normal(shape)
+        elif name.startswith("embed."):
+            a = rng.normal(0.0, std, shape)
+        elif name == "lm_head.weight":  # a (d -> vocab) projection, stored (vocab, d)
+            a = _init_matrix(rng, scheme, c.d_model, c.vocab_size, std).T
         elif leaf == "w_qkv":
             a = np.concatenate([_init_matrix(rng, scheme, c.d_model, n * dh, std) for n in (H, Hkv, Hkv)], axis=1)
         elif leaf == "w_in" and c.activation == "silu_gated":

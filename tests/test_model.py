@@ -650,3 +650,140 @@ def test_expected_arrays_layouts():
     assert sorted(names) == ["blocks.0.attn.w_o", "blocks.0.attn.w_qkv", "blocks.0.mlp.w_in",
                              "blocks.0.mlp.w_out", "blocks.0.norm1.gamma"]
     assert pe.Stack is Stack and pe.StackConfig is StackConfig and pe.init_weights is init_weights
+
+
+# --------------------------------------------------------------------------- embedding norm and LM head
+
+
+def test_embed_norm_and_lm_head_config_fields():
+    cfg = StackConfig(d_model=16, n_heads=2, n_layers=1, vocab_size=11, embed_norm=True, lm_head="separate")
+    assert StackConfig.from_json(cfg.to_json()) == cfg
+    names = expected_arrays(cfg)
+    assert names["embed.norm.gamma"] == names["embed.norm.beta"] == (16,) and names["lm_head.weight"] == (11, 16)
+    rms = expected_arrays(dataclasses.replace(cfg, norm="rmsnorm", lm_head="tied"))
+    assert "embed.norm.gamma" in rms and "embed.norm.beta" not in rms and "lm_head.weight" not in rms
+    plain = StackConfig(d_model=16, n_heads=2, n_layers=1)
+    assert plain.embed_norm is False and plain.lm_head == "none"
+    old = json.loads(plain.to_json())  # a config written before the fields existed
+    del old["embed_norm"], old["lm_head"]
+    assert StackConfig.from_json(json.dumps(old)) == plain
+    for change, exc in ((dict(lm_head="tied"), ValueError), (dict(lm_head="big", vocab_size=3), ValueError),
+                        (dict(embed_norm=1), TypeError)):
+        with pytest.raises(exc, match="lm_head" if "lm_head" in change else "embed_norm"):
+            StackConfig(d_model=16, n_heads=2, n_layers=1, **change)
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_embed_norm_normalizes_the_embedding_output(norm):
+    stack = make_stack(vocab_size=11, embed_norm=True, norm=norm, gamma_scale=0.7)
+    W, c = stack.weights, stack.config
+    ids = np.array([[1, 4, 9], [3, 3, 0]])
+    h0 = naive_norm(W["embed.tokens"][ids] + W["embed.positions"][:3], 0.7 * W["embed.norm.gamma"],
+                    W.get("embed.norm.beta", 0.0), norm, c.eps)
+    hs = stack.hidden_states(ids)
+    np.testing.assert_allclose(hs[0], h0, rtol=1e-13, atol=1e-13)
+    # the blocks then run on the normalized stream as usual
+    blocks_only = Stack(dataclasses.replace(c, positions="none", embed_norm=False, vocab_size=0),
+                        {n: a for n, a in W.items() if n.startswith(("blocks.", "final_norm."))})
+    np.testing.assert_allclose(hs[1:], blocks_only.hidden_states(h0)[1:], rtol=1e-12, atol=1e-12)
+    # float input is treated like token embeddings: positions, then the norm
+    np.testing.assert_allclose(stack.hidden_states(stack.embed(ids)), hs, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("head", ["tied", "separate"])
+@pytest.mark.parametrize("final_norm", [True, False])
+def test_logits(head, final_norm):
+    stack = make_stack(vocab_size=11, lm_head=head, final_norm=final_norm)
+    W = stack.weights
+    ids = np.array([[1, 4, 9], [3, 3, 0]])
+    last = stack.hidden_states(ids)[-1]
+    read = stack.apply_final_norm(last) if final_norm else last
+    want = read @ (W["lm_head.weight"] if head == "separate" else W["embed.tokens"]).T
+    np.testing.assert_allclose(stack.logits(ids), want, rtol=1e-12, atol=1e-12)
+    assert stack.logits(ids[0]).shape == (3, 11)
+    np.testing.assert_allclose(stack.logits(last), want, rtol=1e-12, atol=1e-12)  # logit lens on a stream
+    l32 = stack.logits(last[0, 0].astype(np.float32))
+    assert l32.shape == (11,) and l32.dtype == np.float32
+    assert stack.logits(ids, dtype=np.float32).dtype == np.float32
+    with pytest.raises(ValueError, match="no language-model head"):
+        make_stack(vocab_size=11).logits(ids)
+    with pytest.raises(ValueError, match="x must have shape"):
+        stack.logits(np.zeros((3, D + 1)))
+
+
+def test_new_arrays_init_save_load_and_astype(tmp_path):
+    stack = make_stack(dtype=np.float32, vocab_size=11, embed_norm=True, lm_head="separate")
+    W = stack.weights
+    assert np.all(W["embed.norm.gamma"] != 0) and abs(W["embed.norm.gamma"].mean() - 1) < 0.3  # gammas, not N(0, .02)
+    assert W["lm_head.weight"].shape == (11, D)
+    stack.save(tmp_path / "s.npz")
+    back = Stack.load(tmp_path / "s.npz")
+    ids = np.array([1, 2, 3])
+    np.testing.assert_array_equal(back.logits(ids), stack.logits(ids))
+    s64 = stack.astype(np.float64)
+    assert s64.dtype == np.float64 and s64.config == stack.config
+    np.testing.assert_allclose(s64.logits(ids), stack.logits(ids, dtype=np.float64), rtol=1e-12, atol=1e-12)
+
+
+# --------------------------------------------------------------------------- PyTorch (optional)
+
+
+def torch_hidden_states(torch, stack, x):
+    """Hidden states of ``stack`` on x (T, d) from torch.nn.functional primitives, float64."""
+    F = torch.nn.functional
+    c, W = stack.config, {n: torch.from_numpy(np.array(a)) for n, a in stack.weights.items()}
+    n, dh = x.shape[0], c.head_dim
+
+    def bias(name):
+        return W[name] if c.bias else 0
+
+    def nrm(h, name):
+        g = c.gamma_scale * W[name + ".gamma"]
+        if c.norm == "layernorm":
+            return F.layer_norm(h, (c.d_model,), g, W[name + ".beta"], c.eps)
+        return h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + c.eps) * g
+
+    def rope(t):  # (heads, T, dh), half-split (HF rotate_half)
+        ang = torch.arange(n, dtype=torch.float64)[:, None] * c.rope_base ** (
+            -torch.arange(0, dh, 2, dtype=torch.float64) / dh)
+        cos, sin = torch.cat([ang.cos(), ang.cos()], -1), torch.cat([ang.sin(), ang.sin()], -1)
+        return t * cos + torch.cat([-t[..., dh // 2:], t[..., : dh // 2]], -1) * sin
+
+    def attn(a, p):
+        qkv = a @ W[p + "attn.w_qkv"] + bias(p + "attn.b_qkv")
+        q, k, v = qkv.split([c.n_heads * dh, c.n_kv_heads * dh, c.n_kv_heads * dh], -1)
+        q, k, v = (t.reshape(n, -1, dh).transpose(0, 1) for t in (q, k, v))
+        k, v = (t.repeat_interleave(c.n_heads // c.n_kv_heads, 0) for t in (k, v))
+        if c.positions == "rotary":
+            q, k = rope(q), rope(k)
+        o = F.scaled_dot_product_attention(q, k, v, is_causal=c.causal)
+        return o.transpose(0, 1).reshape(n, -1) @ W[p + "attn.w_o"] + bias(p + "attn.b_o")
+
+    def mlp(a, p):
+        u = a @ W[p + "mlp.w_in"] + bias(p + "mlp.b_in")
+        z = F.silu(u[:, : c.d_mlp]) * u[:, c.d_mlp:] if c.activation == "silu_gated" else F.gelu(u)
+        return z @ W[p + "mlp.w_out"] + bias(p + "mlp.b_out")
+
+    h = torch.from_numpy(x)
+    if c.positions == "learned":
+        h = h + W["embed.positions"][:n]
+    out = [h]
+    for k in range(c.n_layers):
+        p = f"blocks.{k}."
+        for f, name in ((attn, "norm1"), (mlp, "norm2")):
+            h = h + f(nrm(h, p + name), p) if c.placement == "pre" else nrm(h + f(h, p), p + name)
+        out.append(h)
+    return torch.stack(out).numpy()
+
+
+@pytest.mark.parametrize("kw", [
+    dict(norm="layernorm", placement="post", causal=False, positions="learned", activation="gelu"),
+    dict(norm="rmsnorm", placement="pre", causal=True, positions="rotary", activation="silu_gated",
+         n_kv_heads=1, bias=False),
+], ids=["bert-like", "llama-like"])
+def test_hidden_states_match_pytorch(kw):
+    """A small stack against torch.nn.functional (skipped where torch is absent; never a dependency)."""
+    torch = pytest.importorskip("torch")
+    stack = make_stack(**kw)
+    x = stream((T, D))
+    np.testing.assert_allclose(stack.hidden_states(x), torch_hidden_states(torch, stack, x), rtol=1e-10, atol=1e-10)

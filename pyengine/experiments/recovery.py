@@ -182,7 +182,7 @@ def _verdicts(r: Recovery) -> list[str]:
                   "per-token blocks do not carry its eigenvalues")
     ok = math.isfinite(lam) and abs(lam - pred) <= _halfwidth(fit) + 0.05 + 0.25 * abs(pred)
     out.append(
-        f"(1) spectra: {'CONSISTENT' if ok else 'CONTRADICTED'}: -mean log rho = {pred:+.3f} per layer predicts "
+        f"(1) spectra: {('CONSISTENT' + (' (INCONCLUSIVE: wide interval)' if _halfwidth(fit) > 0.25 else '')) if ok else 'CONTRADICTED'}: -mean log rho = {pred:+.3f} per layer predicts "
         f"the rate; measured {_fmt_fit(fit)}. {bound}."
     )
     nr = r.no_residual
@@ -207,21 +207,23 @@ def _verdicts(r: Recovery) -> list[str]:
 
 
 def _linear_gap(ex: Propagation, li: Propagation, where: str) -> np.ndarray:
-    """(S,): max over layers after the injection and directions of |p_ex - p_lin| / |p_lin|."""
-    m = ex.position_mask(where)
-    pe_, pl = ex.projection[1:][..., m], li.projection[1:][..., m]
-    ref = np.maximum(np.abs(pl), 1e-300)
-    gap = (np.abs(pe_ - pl) / ref).max(axis=(0, 2)).reshape(ex.K, ex.S)
-    return gap.max(axis=0)
+    """(S,): max over the layers after the injection of |P_ex - P_lin| / P_lin, where P is the
+    read-out's mean |projection| over directions (the curve that is fitted)."""
+    pe_, pl = (p.view("projection", where).reshape(-1, p.K, p.S).mean(axis=1)[1:] for p in (ex, li))
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.nanmax(np.where(pl > 0, np.abs(pe_ - pl) / pl, np.nan), axis=0, initial=0.0)
 
 
 def _regime(scales: np.ndarray, gap: np.ndarray) -> tuple[float, float] | None:
+    """The longest run of consecutive scales (sorted) whose gap is within LINEAR_TOL."""
     order = np.argsort(scales)
     ok = gap[order] <= LINEAR_TOL
-    if not ok[0]:
-        return None
-    n = int(np.argmin(ok)) if not ok.all() else ok.size
-    return float(scales[order][0]), float(scales[order][n - 1])
+    best, run = None, None
+    for i, good in enumerate(ok):
+        run = (run[0], i) if good and run else ((i, i) if good else None)
+        if run and (best is None or run[1] - run[0] > best[1] - best[0]):
+            best = run
+    return None if best is None else (float(scales[order][best[0]]), float(scales[order][best[1]]))
 
 
 def recovery(

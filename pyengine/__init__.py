@@ -17,6 +17,7 @@ import os as _os
 # parallel region. It must be set before libgomp loads; a user's setting wins.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
+from .activations import activation, activation_jvp_coef, softmax, softmax_jvp
 from .backends import (
     available_backends,
     get_num_threads,
@@ -99,6 +100,8 @@ __all__ = [
     "StackConfig",
     "Sum",
     "WeightScan",
+    "activation",
+    "activation_jvp_coef",
     "as_linear_operator",
     "available_backends",
     "fit_decay",
@@ -120,6 +123,8 @@ __all__ = [
     "rms_norm_spectral_norm",
     "rms_norm_vjp",
     "set_num_threads",
+    "softmax",
+    "softmax_jvp",
     "spectral_norm",
     "spectral_radius",
     "use_backend",

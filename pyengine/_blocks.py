@@ -4,8 +4,8 @@ This is the engine behind :mod:`pyengine.model`; it assumes validated, C-contigu
 float32/float64 input and computes in that dtype. Residual streams here always
 carry a batch axis: ``(B, T, d)``. Every weight product sees ``(B*T, d)`` rows, so
 B sequences (forward) or K tangents (JVP) make one large GEMM. Normalization runs
-in pyengine's kernels; softmax and activations are vectorized NumPy (compiled
-versions are planned, issue 4).
+in pyengine's kernels, and so do softmax and activations (the raw kernels of the
+"auto" backend: the inputs here are already validated and contiguous).
 
 A JVP linearizes at one sequence: its cached base activations have a leading axis
 of 1 and broadcast against the K tangents' leading axis.
@@ -26,11 +26,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .activations import kernel
 from .layernorm import layer_norm, layer_norm_jvp, rms_norm, rms_norm_jvp
 
-_INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
-_TANH_C = math.sqrt(2.0 / math.pi)  # GELU tanh approximation (Hendrycks & Gimpel)
-_TANH_A = 0.044715
 
 Weights = dict[str, np.ndarray]
 Cache = dict[str, Any]
@@ -42,14 +40,13 @@ class Context(NamedTuple):
     ``start`` > 0 (causal stacks only) means the arrays carry only the rows
     start..T-1 of a length-T sequence: the earlier rows' keys and values come from
     a base cache (forward: ``cache["attn.past"]``; JVP: a :func:`suffix` cache), and
-    the mask and rotary tables are sliced to those rows. ``rows`` (JVP only, from
+    the rotary tables are sliced to those rows (query row i is position start + i). ``rows`` (JVP only, from
     :func:`diagonal`) selects the per-token diagonal Jacobian blocks.
     """
 
     cfg: Any  # StackConfig
     rope_q: tuple[np.ndarray, np.ndarray] | None  # (cos, sin) * 1/sqrt(dh): scale folded into q
     rope_k: tuple[np.ndarray, np.ndarray] | None
-    mask: np.ndarray | None  # (T - start, T): 0 where key j <= query i, -inf above
     start: int = 0
     rows: np.ndarray | None = None
 
@@ -63,8 +60,7 @@ def make_context(cfg: Any, T: int, dtype: np.dtype, start: int = 0) -> Context:
         cos, sin = cos[start:], sin[start:]
         scale = 1.0 / math.sqrt(cfg.head_dim)
         rope_q, rope_k = (cos * scale, sin * scale), (cos, sin)
-    mask = causal_mask(T, dtype)[start:] if cfg.causal else None
-    return Context(cfg, rope_q, rope_k, mask, start)
+    return Context(cfg, rope_q, rope_k, start)
 
 
 def _take_rows(cache: Cache, idx: Any) -> Cache:
@@ -73,8 +69,8 @@ def _take_rows(cache: Cache, idx: Any) -> Cache:
     for name, a in cache.items():
         if name in ("attn.k", "attn.v"):
             out[name] = a
-        elif name in ("attn.q", "attn.p"):  # (1, Hkv, g, T, .)
-            out[name] = a[..., idx, :]
+        elif name in ("attn.q", "attn.p"):  # (1, Hkv, g, T, .); the softmax JVP kernel wants P contiguous
+            out[name] = np.ascontiguousarray(a[..., idx, :]) if name == "attn.p" else a[..., idx, :]
         elif name == "mlp.u":  # (T, n_in)
             out[name] = a[idx]
         elif name == "mlp.coef":  # tuple of (1, T, n)
@@ -107,20 +103,12 @@ def diagonal(ctx: Context, cache: Cache, rows: Any) -> tuple[Context, Cache]:
     c = make_context(ctx.cfg, T, cache["attn.k"].dtype)
     if c.rope_q is not None:
         c = c._replace(rope_q=tuple(a[rows] for a in c.rope_q), rope_k=tuple(a[rows] for a in c.rope_k))
-    return c._replace(mask=None, rows=rows), _take_rows(cache, rows)
+    return c._replace(rows=rows), _take_rows(cache, rows)
 
 
 def _readonly(a: np.ndarray) -> np.ndarray:
     a.flags.writeable = False
     return a
-
-
-@functools.lru_cache(maxsize=64)
-def causal_mask(T: int, dtype: np.dtype) -> np.ndarray:
-    """(T, T) additive mask: 0 where key j <= query i, -inf above the diagonal."""
-    m = np.zeros((T, T), dtype)
-    m[np.triu_indices(T, 1)] = -np.inf
-    return _readonly(m)
 
 
 @functools.lru_cache(maxsize=64)
@@ -199,13 +187,16 @@ def _qk(ctx: Context, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndar
     return np.multiply(q, 1.0 / math.sqrt(q.shape[-1]), out=np.empty(q.shape, q.dtype)), k
 
 
-def _softmax_(s: np.ndarray, mask: np.ndarray | None) -> np.ndarray:
-    """Row softmax over the last axis, in place, max-subtracted (masked entries become 0)."""
-    if mask is not None:
-        s += mask
-    s -= s.max(axis=-1, keepdims=True)
-    np.exp(s, out=s)
-    s *= 1.0 / s.sum(axis=-1, keepdims=True)
+def _check(nbad: int, what: str) -> None:
+    if nbad:
+        raise ValueError(f"{what}: {nbad} row(s) hold NaN or Inf (overflow in the block; are the inputs huge?)")
+
+
+def _softmax_(s: np.ndarray, ctx: Context) -> np.ndarray:
+    """Row softmax of the scores s (..., Tq, Tk) in place, causal rows j <= start + i."""
+    tq, tk = s.shape[-2:]
+    s3 = s.reshape(-1, tq, tk)
+    _check(kernel("softmax")(s3, ctx.start if ctx.cfg.causal else tk - 1, s3), "attention scores")
     return s
 
 
@@ -238,7 +229,7 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
     if s:
         past = cache.pop("attn.past")
         k5, v5 = (_prepend(p[..., :s, :], x) for p, x in zip((past["attn.k"], past["attn.v"]), (k5, v5)))
-    p = _softmax_(np.matmul(q5, k5.swapaxes(-1, -2)), ctx.mask)
+    p = _softmax_(np.matmul(q5, k5.swapaxes(-1, -2)), ctx)
     buf, view = _heads_out(B, T, cfg, a.dtype)
     np.matmul(p, v5, out=view)
     out = buf.reshape(B * T, H * cfg.head_dim) @ w["attn.w_o"]
@@ -277,8 +268,9 @@ def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarr
     else:
         ds[..., ctx.start :] += np.matmul(q5, dk5.swapaxes(-1, -2))
     # dP = P * (dS - sum_j P dS): masked entries have P = 0, so they drop out exactly.
-    ds *= p
-    ds -= p * ds.sum(axis=-1, keepdims=True)
+    tq, tk = ds.shape[-2:]
+    ds4 = ds.reshape(K, -1, tq, tk)
+    _check(kernel("softmax_jvp")(p.reshape(-1, tq, tk), ds4, ds4), "attention score tangents")
     buf, view = _heads_out(K, T, cfg, da.dtype)
     np.matmul(ds, v5, out=view)
     if ctx.rows is not None:
@@ -292,58 +284,21 @@ def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarr
 
 
 def _act(name: str, u: np.ndarray, n: int) -> np.ndarray:
-    """Activation of the (N, n_in) pre-activations; in place on fresh arrays to spare memory."""
-    from scipy import special  # lazily: keeps `import pyengine` fast
-    if name == "gelu":  # u * Phi(u)
-        y = special.ndtr(u)
-        y *= u
-    elif name == "gelu_tanh":
-        # 0.5 u (1 + tanh(z)) = u / (1 + exp(-2z)), z = c (u + a u^3): np.exp is the
-        # cheapest transcendental NumPy has. exp overflows to inf for very negative u,
-        # where u / inf = -0 is the right limit.
-        y = u * u
-        y *= -2.0 * _TANH_C * _TANH_A
-        y -= 2.0 * _TANH_C
-        y *= u
-        with np.errstate(over="ignore"):
-            np.exp(y, out=y)
-        y += 1.0
-        np.divide(u, y, out=y)
-    elif name == "relu":
-        y = np.maximum(u, 0)
-    else:  # silu_gated: silu(gate) * up, silu(g) = g sigmoid(g) (expit: no overflow)
-        g, up = u[:, :n], u[:, n:]
-        y = special.expit(g)
-        y *= g
-        y *= up
+    """Activation of the (N, n_in) pre-activations u (C-contiguous): (N, n_in), or (N, n) if gated."""
+    y = np.empty((u.shape[0], n if name == "silu_gated" else u.shape[1]), u.dtype)
+    _check(kernel(name)(u, y), "MLP pre-activations")
     return y
 
 
 def _act_coef(name: str, u: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
     """Coefficients of the activation's JVP at u: dz = c * du, or A dgate + B dup if gated."""
-    from scipy import special
-    if name == "gelu":  # Phi(u) + u phi(u)
-        e = u * u
-        e *= -0.5
-        np.exp(e, out=e)
-        e *= u
-        e *= _INV_SQRT_2PI
-        e += special.ndtr(u)
-        return (e,)
-    if name == "gelu_tanh":  # sigma(2z) + u sigma(2z) (1 - sigma(2z)) 2 c (1 + 3 a u^2)
-        u2 = u * u
-        sig = special.expit(2.0 * _TANH_C * u * (1.0 + _TANH_A * u2))
-        c = (2.0 * _TANH_C) * u * sig * (1.0 - sig) * (1.0 + 3.0 * _TANH_A * u2)
-        c += sig
-        return (c,)
-    if name == "relu":
-        return ((u > 0).astype(u.dtype),)
-    g, up = u[:, :n], u[:, n:]
-    s = special.expit(g)
-    silu = g * s
-    dsilu = s * (1.0 + g * (1.0 - s))  # d/dg [g sigmoid(g)]
-    dsilu *= up
-    return dsilu, silu
+    if name == "silu_gated":
+        a, b = np.empty((u.shape[0], n), u.dtype), np.empty((u.shape[0], n), u.dtype)
+        _check(kernel("silu_gated_grad")(u, a, b), "MLP pre-activations")
+        return a, b
+    c = np.empty_like(u)
+    _check(kernel(name + "_grad")(u, c), "MLP pre-activations")
+    return (c,)
 
 
 def mlp(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:

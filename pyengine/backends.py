@@ -55,8 +55,22 @@ SPECTRAL_KERNELS: tuple[str, ...] = (
     "layer_norm_power_iteration",
     "rms_norm_power_iteration",
 )
+#: The attention / MLP nonlinearities: masked softmax and its JVP, elementwise
+#: activations and their derivatives (``*_grad``: the JVP coefficients).
+ACTIVATION_KERNELS: tuple[str, ...] = (
+    "softmax",
+    "softmax_jvp",
+    "gelu",
+    "gelu_grad",
+    "gelu_tanh",
+    "gelu_tanh_grad",
+    "relu",
+    "relu_grad",
+    "silu_gated",
+    "silu_gated_grad",
+)
 #: Every kernel id; each must have a ``numpy`` (reference) entry.
-KERNELS: tuple[str, ...] = NORM_KERNELS + SPECTRAL_KERNELS
+KERNELS: tuple[str, ...] = NORM_KERNELS + SPECTRAL_KERNELS + ACTIVATION_KERNELS
 
 #: Backend name -> the module that registers its kernels when imported.
 _MODULES: dict[str, str] = {

@@ -42,6 +42,14 @@ JACOBIAN_TOKENS = 16
 SIGMA_MAX_TOKENS = 256
 #: Power iterations per timed call of a *_power_iteration kernel (tol = 0: all run).
 POWER_ITERATIONS = 10
+#: The softmax kernels read a size (tokens, d) as a model's attention: B = tokens / T
+#: sequences of T = ATTENTION_T tokens, d / HEAD_DIM heads, causal score matrices
+#: (B * heads, T, T); the JVP's p is one sequence's (heads, T, T), shared by B tangents.
+ATTENTION_T = 128
+HEAD_DIM = 64
+#: The activation kernels read a size (tokens, d) as an MLP's pre-activations
+#: (tokens, MLP_RATIO * d); for silu_gated that is [gate | up], of width 2 * d each.
+MLP_RATIO = 4
 #: Default relative drop of a normalized figure that counts as a regression.
 THRESHOLD = 0.25
 
@@ -61,6 +69,11 @@ class Case:
     per_call: int = 1
     backends: tuple[str, ...] = backends.BACKENDS
     tokens: Callable[[int], int] = int  # tokens actually used for a requested size
+    #: The size as reported, from the requested (tokens, d); default "<tokens used>x<d>".
+    label: Callable[[tuple[int, int]], str] | None = None
+
+    def size_label(self, size: tuple[int, int]) -> str:
+        return self.label(size) if self.label else f"{self.tokens(size[0])}x{size[1]}"
 
 
 _CASES: dict[str, Case] = {}
@@ -83,19 +96,74 @@ def _tokens(kernel: str, n: int) -> int:
     return n
 
 
-def _kernel_arrays(kernel: str, dtype: np.dtype, size: tuple[int, int]) -> dict[str, Any]:
-    """Seeded arguments of ``kernel`` by the reference's parameter names."""
+def _attention_shape(size: tuple[int, int]) -> tuple[int, int, int]:
+    """(sequences B, heads H, tokens per sequence T) of a size, for the softmax kernels."""
+    n, d = size
+    t = max(1, min(ATTENTION_T, n))
+    return max(1, n // t), max(1, d // HEAD_DIM), t
+
+
+def _shape_label(kernel: str, size: tuple[int, int]) -> str:
+    """The size of the arrays a kernel is timed on, as the report shows it."""
+    if kernel.startswith("softmax"):
+        b, h, t = _attention_shape(size)
+        return f"{b}x{h}x{t}x{t}"
+    if kernel in backends.ACTIVATION_KERNELS:
+        return f"{size[0]}x{MLP_RATIO * size[1]}"
+    return f"{_tokens(kernel, size[0])}x{size[1]}"
+
+
+def _kernel_arrays(kernel: str, dtype: np.dtype, size: tuple[int, int]) -> dict[str, Callable[[], Any]]:
+    """Seeded arguments of ``kernel`` by the reference's parameter names, built on demand.
+
+    Shapes depend on the kernel's family: (tokens, d) rows for the normalization and
+    spectral kernels, causal score matrices for the softmax kernels (see
+    :data:`ATTENTION_T`), MLP pre-activations for the activations (:data:`MLP_RATIO`).
+    """
     n, d = _tokens(kernel, size[0]), size[1]
     rng = np.random.default_rng(0)
     row = lambda: (1.0 + rng.standard_normal((n, d))).astype(dtype)  # noqa: E731
     per_token = lambda t=np.float64: np.zeros(n, dtype=t)  # noqa: E731
-    out_shape = (n, d, d) if kernel.endswith("_jacobian") else (n, d)
-    out = np.zeros(n, np.float64) if kernel.endswith("_sigma_max") else np.zeros(out_shape, dtype)
+    b, h, t = _attention_shape(size)
+    mlp = MLP_RATIO * d
+    attention = kernel.startswith("softmax")
+    activation = kernel in backends.ACTIVATION_KERNELS and not attention
+
+    def x():
+        if attention:  # scores of the size softmax sees after the 1/sqrt(head_dim) scaling
+            return (3.0 * rng.standard_normal((b * h, t, t))).astype(dtype)
+        if activation:
+            return (2.0 * rng.standard_normal((n, mlp))).astype(dtype)
+        return row()
+
+    def p():  # one sequence's causal attention probabilities, (heads, T, T)
+        out = np.empty((h, t, t), dtype)
+        backends.resolve("softmax", "numpy")((3.0 * rng.standard_normal((h, t, t))).astype(dtype), 0, out)
+        return out
+
+    def out():
+        if kernel.endswith("_sigma_max"):
+            return np.zeros(n, np.float64)
+        if kernel.endswith("_jacobian"):
+            return np.zeros((n, d, d), dtype)
+        if kernel == "softmax":
+            return np.zeros((b * h, t, t), dtype)
+        if kernel == "softmax_jvp":
+            return np.zeros((b, h, t, t), dtype)
+        if activation:
+            return np.zeros((n, mlp // 2 if kernel.startswith("silu_gated") else mlp), dtype)
+        return np.zeros((n, d), dtype)
+
     return {
-        "x": row(), "v": row(), "u": row(), "v0": row(),
-        "gamma": rng.uniform(0.5, 1.5, d).astype(dtype), "beta": rng.standard_normal(d).astype(dtype),
-        "eps": 1e-5, "frozen": False, "tol": 0.0, "max_iter": POWER_ITERATIONS,
-        "out": out, "sigma": per_token(), "residual": per_token(), "iterations": per_token(np.int64),
+        "x": x, "v": row, "v0": row,
+        "u": lambda: (2.0 * rng.standard_normal((n, mlp))).astype(dtype) if activation else row(),
+        "gamma": lambda: rng.uniform(0.5, 1.5, d).astype(dtype),
+        "beta": lambda: rng.standard_normal(d).astype(dtype),
+        "eps": lambda: 1e-5, "frozen": lambda: False, "tol": lambda: 0.0, "max_iter": lambda: POWER_ITERATIONS,
+        "offset": lambda: 0,  # causal
+        "p": p, "dx": lambda: rng.standard_normal((b, h, t, t)).astype(dtype),
+        "out": out, "out_a": lambda: np.zeros((n, mlp // 2), dtype), "out_b": lambda: np.zeros((n, mlp // 2), dtype),
+        "sigma": per_token, "residual": per_token, "iterations": lambda: per_token(np.int64),
     }
 
 
@@ -112,7 +180,7 @@ def _kernel_case(kernel: str) -> Case:
 
     def setup(backend: str, dtype: str, size: tuple[int, int]):
         pool = _kernel_arrays(kernel, np.dtype(dtype), size)
-        args = [pool[name] for name in names]
+        args = [pool[name]() for name in names]
         fn = backends.resolve(kernel, backend)
         moved = sum(a.nbytes for a in args if isinstance(a, np.ndarray))
         return (lambda: fn(*args)), moved, 0.0
@@ -120,7 +188,7 @@ def _kernel_case(kernel: str) -> Case:
     return Case(
         kernel, setup, limit="none" if power else "bandwidth", per_call=POWER_ITERATIONS if power else 1,
         backends=tuple(b for b in backends.BACKENDS if backends.provides(kernel, b)),
-        tokens=lambda n: _tokens(kernel, n),
+        tokens=lambda n: _tokens(kernel, n), label=lambda size: _shape_label(kernel, size),
     )
 
 
@@ -210,7 +278,7 @@ def run(quick: bool = False, repeat: int | None = None, dtypes: tuple[str, ...] 
         elif case.limit == "gemm":
             fraction = flops / t / limits[f"gemm_{dt}_flop_per_s"]
         rows.append({
-            "kernel": case.name, "backend": b, "dtype": dt, "size": f"{case.tokens(size[0])}x{size[1]}",
+            "kernel": case.name, "backend": b, "dtype": dt, "size": case.size_label(size),
             "time_s": t, "spread": spread, "gb_per_s": moved / case.per_call / t / 1e9 if moved else None,
             "fraction": fraction, "speedup_vs_numpy": ref_time[key] / t if key in ref_time else None,
         })
@@ -224,7 +292,7 @@ def format_table(report: dict[str, Any]) -> str:
     lines = [
         f"machine: copy {m['copy_bytes_per_s'] / 1e9:.1f} GB/s (all cores), GEMM "
         f"{m['gemm_float32_flop_per_s'] / 1e9:.0f} GFLOP/s float32, {m['gemm_float64_flop_per_s'] / 1e9:.0f} float64",
-        f"{'kernel':<28}{'backend':<8}{'dtype':<9}{'size':<11}{'time':>11}{'spread':>8}"
+        f"{'kernel':<28}{'backend':<8}{'dtype':<9}{'size':<15}{'time':>11}{'spread':>8}"
         f"{'GB/s':>8}{'of limit':>10}{'vs numpy':>10}",
     ]
     for r in report["results"]:
@@ -232,7 +300,7 @@ def format_table(report: dict[str, Any]) -> str:
         tt = f"{t * 1e3:.3f} ms" if t >= 1e-3 else f"{t * 1e6:.1f} us"
         fmt = lambda v, spec: "" if v is None else format(v, spec)  # noqa: E731
         lines.append(
-            f"{r['kernel']:<28}{r['backend']:<8}{r['dtype']:<9}{r['size']:<11}{tt:>11}"
+            f"{r['kernel']:<28}{r['backend']:<8}{r['dtype']:<9}{r['size']:<15}{tt:>11}"
             f"{r['spread']:>7.0%} {fmt(r['gb_per_s'], '8.1f'):>8}{fmt(r['fraction'], '10.1%'):>10}"
             f"{fmt(r['speedup_vs_numpy'], '9.1f') + ('x' if r['speedup_vs_numpy'] else ''):>10}"
         )

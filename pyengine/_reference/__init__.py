@@ -7,3 +7,4 @@ stated in :mod:`pyengine._reference.layernorm`.
 
 from . import layernorm  # noqa: F401  (registers the normalization kernels)
 from . import spectral  # noqa: F401  (registers the spectral kernels)
+from . import activations  # noqa: F401  (registers the softmax and activation kernels)

@@ -40,8 +40,9 @@ class Context(NamedTuple):
     ``start`` > 0 (causal stacks only) means the arrays carry only the rows
     start..T-1 of a length-T sequence: the earlier rows' keys and values come from
     a base cache (forward: ``cache["attn.past"]``; JVP: a :func:`suffix` cache), and
-    the rotary tables are sliced to those rows (query row i is position start + i). ``rows`` (JVP only, from
-    :func:`diagonal`) selects the per-token diagonal Jacobian blocks.
+    the rotary tables are sliced to those rows (query row i is position start + i).
+    ``rows`` (JVP only, from :func:`diagonal`) selects the per-token diagonal
+    Jacobian blocks.
     """
 
     cfg: Any  # StackConfig

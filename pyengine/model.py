@@ -4,7 +4,8 @@ A :class:`StackConfig` describes every design choice that the residual-stream
 literature switches (norm, placement, residual, layout, activation, causal mask,
 positions, grouped-query attention, a global gamma scale). :func:`init_weights`
 builds a :class:`Stack` (config + named arrays) with a seeded scheme; a Stack saves
-to and loads from ``.npz`` with its config inside.
+to and loads from ``.npz`` with its config inside. (The code of both lives in
+private modules: ``_init.py`` and ``_npz.py``.)
 
 Arrays of a Stack (d = d_model, H = n_heads, Hkv = n_kv_heads, dh = d / H):
 
@@ -34,24 +35,18 @@ import json
 import math
 import numbers
 import os
-import tempfile
-import zipfile
-import zlib
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
-from . import _blocks
+from . import _blocks, _npz
 from . import _validate as _v
+from ._init import init_weights
+from ._npz import _MAX_CONFIG_BYTES, FORMAT_VERSION  # noqa: F401  (re-exported: pyengine.model.X keeps working)
 from .layernorm import layer_norm, rms_norm
 
 __all__ = ["Stack", "StackConfig", "init_weights"]
-
-#: Version of the .npz layout written by :meth:`Stack.save`.
-FORMAT_VERSION = 1
-#: Largest config JSON member a weights file may hold (bytes); guards lying headers.
-_MAX_CONFIG_BYTES = 1 << 20
 
 _CHOICES = {
     "norm": ("layernorm", "rmsnorm"),
@@ -598,18 +593,7 @@ class Stack:
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write an uncompressed ``.npz`` (the arrays and the config JSON), atomically."""
-        path = os.fspath(path)
-        folder = os.path.dirname(os.path.abspath(path))
-        fd, tmp = tempfile.mkstemp(prefix=".pyengine-", suffix=".npz", dir=folder)
-        try:
-            with os.fdopen(fd, "wb") as f:
-                np.savez(f, __config__=np.array(self._config.to_json()),
-                         __format__=np.array(FORMAT_VERSION), **self._weights)
-            os.replace(tmp, path)
-        except BaseException:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
-            raise
+        _npz.save(path, self._config.to_json(), self._weights)
 
     @classmethod
     def load(cls, path: str | os.PathLike[str]) -> Stack:
@@ -621,68 +605,10 @@ class Stack:
         wrong dtype) naming the file; a missing file raises FileNotFoundError.
         """
         path = os.fspath(path)
-        if not os.path.exists(path):
-            raise FileNotFoundError(f"weights file {path!r} does not exist")
-        try:
-            with zipfile.ZipFile(path) as zf:
-                members = {n[:-4]: zf.getinfo(n) for n in zf.namelist() if n.endswith(".npy")}
-                for meta in ("__config__", "__format__"):
-                    if meta not in members:
-                        raise ValueError(f"has no {meta} entry: not written by pyengine's Stack.save")
-                fmt = _read_member(zf, members.pop("__format__"), None, small=True)
-                if fmt.shape != () or fmt.dtype.kind not in "iu" or int(fmt) != FORMAT_VERSION:
-                    raise ValueError(f"has format {fmt!r}; this pyengine reads format {FORMAT_VERSION}")
-                cfg_arr = _read_member(zf, members.pop("__config__"), None, small=True)
-                if cfg_arr.shape != () or cfg_arr.dtype.kind != "U":
-                    raise ValueError("has a __config__ entry that is not a JSON string")
-                try:
-                    config = StackConfig.from_json(str(cfg_arr[()]))
-                except (TypeError, ValueError) as exc:
-                    raise ValueError(f"holds an invalid config: {exc}") from None
-                expected = expected_arrays(config)
-                arrays = {
-                    name: _read_member(zf, info, expected.get(name)) for name, info in members.items()
-                }
-        except ValueError as exc:
-            raise ValueError(f"weights file {path!r}: {exc}") from None
-        except (OSError, EOFError, zipfile.BadZipFile, zlib.error, NotImplementedError, RuntimeError) as exc:
-            raise ValueError(f"weights file {path!r} is not a readable .npz ({type(exc).__name__}: {exc})") from None
+        config, arrays = _npz.load(path, StackConfig.from_json, expected_arrays)
         new = cls.__new__(cls)
         new._init(config, _check_arrays(config, arrays, f"weights file {path!r}"))
         return new
-
-
-def _read_member(
-    zf: zipfile.ZipFile, info: zipfile.ZipInfo, shape: tuple[int, ...] | None, small: bool = False
-) -> np.ndarray:
-    """One .npy member, with its header checked against the expected shape and the bytes present."""
-    name = info.filename[:-4]
-    if small and info.file_size > _MAX_CONFIG_BYTES:
-        raise ValueError(f"entry {name!r} is implausibly large ({info.file_size} bytes)")
-    with zf.open(info) as f:
-        version = np.lib.format.read_magic(f)
-        if version == (1, 0):
-            hshape, fortran, dtype = np.lib.format.read_array_header_1_0(f)
-        elif version in ((2, 0), (3, 0)):
-            hshape, fortran, dtype = np.lib.format.read_array_header_2_0(f)
-        else:
-            raise ValueError(f"entry {name!r} has unsupported .npy version {version}")
-        if dtype.hasobject:
-            raise ValueError(f"entry {name!r} holds Python objects")
-        if shape is not None and hshape != shape:
-            raise ValueError(f"array {name!r} must have shape {shape}; got {hshape}")
-        nbytes = math.prod(hshape) * dtype.itemsize
-        if nbytes > info.file_size:
-            raise ValueError(
-                f"array {name!r} claims {nbytes} bytes in a {info.file_size}-byte entry (truncated or corrupt)"
-            )
-        data = f.read(nbytes)
-        if len(data) != nbytes:
-            raise ValueError(f"array {name!r} is truncated ({len(data)} of {nbytes} bytes)")
-        if f.read(1):
-            raise ValueError(f"array {name!r} has bytes past its declared shape {hshape}")
-    arr = np.frombuffer(data, dtype=dtype)
-    return arr.reshape(hshape[::-1]).T if fortran else arr.reshape(hshape)
 
 
 def _float_dtype(dtype: Any) -> np.dtype:
@@ -699,76 +625,3 @@ def _finite(name: str, a: np.ndarray) -> None:
     if not np.isfinite(a).all():
         i = tuple(int(j) for j in np.argwhere(~np.isfinite(a))[0])
         raise ValueError(f"{name} contains NaN or Inf (first at {i}: {a[i]})")
-
-
-def _init_matrix(rng: np.random.Generator, scheme: str, fan_in: int, fan_out: int, gpt2_std: float) -> np.ndarray:
-    if scheme == "gpt2":
-        return rng.normal(0.0, gpt2_std, (fan_in, fan_out))
-    if scheme == "xavier":  # Glorot uniform
-        a = math.sqrt(6.0 / (fan_in + fan_out))
-        return rng.uniform(-a, a, (fan_in, fan_out))
-    return rng.normal(0.0, math.sqrt(2.0 / fan_in), (fan_in, fan_out))  # Kaiming (He) normal
-
-
-def init_weights(
-    config: StackConfig, scheme: str = "gpt2", seed: int = 0, dtype: Any = np.float32,
-    *, gamma_jitter: float = 0.0, bias_std: float = 0.0,
-) -> Stack:
-    """A Stack with seeded random weights.
-
-    Parameters
-    ----------
-    config : StackConfig
-    scheme : {"gpt2", "xavier", "kaiming"}
-        gpt2: every matrix N(0, 0.02), the residual output projections (attn.w_o,
-        mlp.w_out) N(0, 0.02/sqrt(2 n_layers)); xavier: Glorot uniform; kaiming: He
-        normal N(0, 2/fan_in). q, k, v (and gate, up) count as separate matrices.
-        Embeddings are N(0, 0.02) in every scheme; a separate lm_head.weight is
-        drawn as a (d_model, vocab_size) matrix of the scheme.
-    seed : int
-        Each array is drawn from its own stream seeded by (seed, its name), so a
-        change of config that keeps an array's shape keeps its values.
-    dtype : float32 or float64
-        Arrays are drawn in float64 and rounded.
-    gamma_jitter : float
-        Stored gamma = 1 + gamma_jitter * N(0, 1) (the effective gamma is then
-        multiplied by config.gamma_scale).
-    bias_std : float
-        Biases and LayerNorm betas are bias_std * N(0, 1) (default zero).
-    """
-    if not isinstance(config, StackConfig):
-        raise TypeError(f"config must be a StackConfig; got {type(config).__name__}")
-    schemes = ("gpt2", "xavier", "kaiming")
-    if scheme not in schemes:
-        raise ValueError(f"scheme must be one of {', '.join(map(repr, schemes))}; got {scheme!r}")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0; got {seed!r}")
-    for name, val in (("gamma_jitter", gamma_jitter), ("bias_std", bias_std)):
-        if isinstance(val, bool) or not isinstance(val, numbers.Real) or not (math.isfinite(val) and val >= 0):
-            raise ValueError(f"{name} must be a finite number >= 0; got {val!r}")
-    dt = _float_dtype(dtype)
-    c = config
-    dh, H, Hkv = c.head_dim, c.n_heads, c.n_kv_heads
-    std, std_res = 0.02, 0.02 / math.sqrt(2 * c.n_layers)
-    arrays: dict[str, np.ndarray] = {}
-    for name, shape in expected_arrays(c).items():
-        rng = np.random.default_rng([int(seed), zlib.crc32(name.encode())])
-        leaf = name.rsplit(".", 1)[-1]
-        if leaf == "gamma":
-            a = 1.0 + gamma_jitter * rng.standard_normal(shape)
-        elif leaf == "beta" or leaf.startswith("b_"):
-            a = bias_std * rng.standard_normal(shape)
-        elif name.startswith("embed."):
-            a = rng.normal(0.0, std, shape)
-        elif name == "lm_head.weight":  # a (d -> vocab) projection, stored (vocab, d)
-            a = _init_matrix(rng, scheme, c.d_model, c.vocab_size, std).T
-        elif leaf == "w_qkv":
-            a = np.concatenate([_init_matrix(rng, scheme, c.d_model, n * dh, std) for n in (H, Hkv, Hkv)], axis=1)
-        elif leaf == "w_in" and c.activation == "silu_gated":
-            a = np.concatenate([_init_matrix(rng, scheme, c.d_model, c.d_mlp, std) for _ in range(2)], axis=1)
-        else:  # w_o, w_in, w_out
-            a = _init_matrix(rng, scheme, shape[0], shape[1], std_res if leaf in ("w_o", "w_out") else std)
-        arrays[name] = a.astype(dt)
-    new = Stack.__new__(Stack)
-    new._init(c, _check_arrays(c, arrays, "init_weights"))
-    return new

@@ -15,28 +15,16 @@ on the number of threads. Inside a row there are at most three passes over ``d``
 3. the output, written once, cast to the dtype of ``out`` only on the store; in
    the same loop the next row is prefetched (see ``_BLOCK``).
 
-Every reduction accumulates in float64, also for float32 input.
-
-Why the reductions look the way they do: without fast-math (see ``_jit.FASTMATH``)
-LLVM may not reorder a float sum, so ``s += x[i]`` stays scalar, and Numba leaves
-LLVM's SLP vectorizer off, so unrolled scalar accumulators stay scalar too. The
-helpers below therefore keep ``LANES`` partial sums in a small scratch array
-``acc``: the loop ``acc[k] += ...`` over k is element-wise, which the loop
-vectorizer handles without reassociation. Four blocks of ``LANES`` values are added
-(in a fixed pairwise order) before each update of ``acc`` so that the scratch is
-loaded and stored once per four blocks. The partial sums are then folded pairwise
-(:func:`_fold`) and the ``d % LANES`` leftover values added last. The order of
-every addition is fixed by the source, so results are the same on every machine,
-whatever its vector width.
+Every reduction accumulates in float64, also for float32 input, in ``LANES`` partial
+sums in an order fixed by the source: the helpers live in :mod:`._reduce`, which
+explains why they look the way they do.
 
 ``acc`` has shape ``(2, LANES)``. The batch kernels write ``acc = np.empty(...)`` at
 the top of the ``prange`` body, and Numba's parfor pass hoists that allocation out
 of the loop: it runs once per thread (per scheduled chunk of rows), not per row,
 and each thread gets its own scratch (``kernel.parallel_diagnostics(level=4)``
 reports it under "Allocation hoisting"). ``numba.get_num_threads()`` cannot be used
-to preallocate instead: it makes a function uncacheable. Helpers are passed no
-function arguments for the same reason (a dispatcher argument makes the caller
-uncacheable), hence one small reduction helper per combination of sums.
+to preallocate instead: it makes a function uncacheable.
 
 The cores are plain ``jit`` functions; LLVM decides whether to inline them. Numba's
 ``inline="always"`` made compilation about 35 % slower and the kernels no faster
@@ -54,6 +42,17 @@ from numba import prange
 
 from ..backends import register
 from ._jit import jit, pjit, prefetch
+from ._reduce import (
+    LANES,
+    _f64,
+    _scale,
+    _sum,
+    _sum_pair,
+    _sum_pair_gu,
+    _sum_sq,
+    _sum_sq_dot,
+    _sum_sq_dot_gu,
+)
 
 __all__ = [
     "LANES",
@@ -67,238 +66,10 @@ __all__ = [
     "rms_norm_vjp",
 ]
 
-#: Partial sums per reduction (a power of two). Large enough that LLVM keeps the
-#: loop over lanes a loop and vectorizes it (it fully unrolls short constant loops,
-#: and unrolled scalar code is not vectorized without SLP); small enough that the
-#: scratch, 2 * LANES float64, stays in L1 next to a row.
-LANES = 64
-_QUAD = 4 * LANES
-
-_f64 = np.float64
-
 
 # --------------------------------------------------------------------------- #
-# Reductions over one row, float64, in a fixed order.
+# Row statistics (the sums are in _reduce.py).
 # --------------------------------------------------------------------------- #
-
-
-@jit
-def _fold(a):
-    """Sum of the ``LANES`` partial sums in ``a``, pairwise, in a fixed order (overwrites ``a``)."""
-    h = LANES // 2
-    while h > 0:
-        for k in range(h):
-            a[k] += a[k + h]
-        h //= 2
-    return a[0]
-
-
-@jit
-def _sum(x, acc):
-    """sum(x) in float64. x : (d,)."""
-    d = x.size
-    a = acc[0]
-    for k in range(LANES):
-        a[k] = 0.0
-    nq = d // _QUAD
-    for j in range(nq):
-        o = j * _QUAD
-        for k in range(LANES):
-            a[k] += (_f64(x[o + k]) + _f64(x[o + LANES + k])) + (
-                _f64(x[o + 2 * LANES + k]) + _f64(x[o + 3 * LANES + k])
-            )
-    for j in range(4 * nq, d // LANES):
-        o = j * LANES
-        for k in range(LANES):
-            a[k] += _f64(x[o + k])
-    s = _fold(a)
-    for i in range(d - d % LANES, d):
-        s += _f64(x[i])
-    return s
-
-
-@jit
-def _sum_pair(x, w, acc):
-    """(sum(x), sum(w)) in float64. x, w : (d,)."""
-    d = x.size
-    a = acc[0]
-    b = acc[1]
-    for k in range(LANES):
-        a[k] = 0.0
-        b[k] = 0.0
-    nq = d // _QUAD
-    for j in range(nq):
-        o = j * _QUAD
-        for k in range(LANES):
-            i0 = o + k
-            i1 = i0 + LANES
-            i2 = i1 + LANES
-            i3 = i2 + LANES
-            a[k] += (_f64(x[i0]) + _f64(x[i1])) + (_f64(x[i2]) + _f64(x[i3]))
-            b[k] += (_f64(w[i0]) + _f64(w[i1])) + (_f64(w[i2]) + _f64(w[i3]))
-    for j in range(4 * nq, d // LANES):
-        o = j * LANES
-        for k in range(LANES):
-            a[k] += _f64(x[o + k])
-            b[k] += _f64(w[o + k])
-    sx = _fold(a)
-    sw = _fold(b)
-    for i in range(d - d % LANES, d):
-        sx += _f64(x[i])
-        sw += _f64(w[i])
-    return sx, sw
-
-
-@jit
-def _sum_pair_gu(x, g, u, acc):
-    """(sum(x), sum(g * u)) in float64. x, u : (d,); g : (d,)."""
-    d = x.size
-    a = acc[0]
-    b = acc[1]
-    for k in range(LANES):
-        a[k] = 0.0
-        b[k] = 0.0
-    nq = d // _QUAD
-    for j in range(nq):
-        o = j * _QUAD
-        for k in range(LANES):
-            i0 = o + k
-            i1 = i0 + LANES
-            i2 = i1 + LANES
-            i3 = i2 + LANES
-            a[k] += (_f64(x[i0]) + _f64(x[i1])) + (_f64(x[i2]) + _f64(x[i3]))
-            b[k] += (_f64(g[i0]) * _f64(u[i0]) + _f64(g[i1]) * _f64(u[i1])) + (
-                _f64(g[i2]) * _f64(u[i2]) + _f64(g[i3]) * _f64(u[i3])
-            )
-    for j in range(4 * nq, d // LANES):
-        o = j * LANES
-        for k in range(LANES):
-            a[k] += _f64(x[o + k])
-            b[k] += _f64(g[o + k]) * _f64(u[o + k])
-    sx = _fold(a)
-    sw = _fold(b)
-    for i in range(d - d % LANES, d):
-        sx += _f64(x[i])
-        sw += _f64(g[i]) * _f64(u[i])
-    return sx, sw
-
-
-@jit
-def _sum_sq(x, c, acc):
-    """sum((x - c)^2) in float64. x : (d,); c : float (mu, or 0 for RMSNorm)."""
-    d = x.size
-    a = acc[0]
-    for k in range(LANES):
-        a[k] = 0.0
-    nq = d // _QUAD
-    for j in range(nq):
-        o = j * _QUAD
-        for k in range(LANES):
-            t0 = _f64(x[o + k]) - c
-            t1 = _f64(x[o + LANES + k]) - c
-            t2 = _f64(x[o + 2 * LANES + k]) - c
-            t3 = _f64(x[o + 3 * LANES + k]) - c
-            a[k] += (t0 * t0 + t1 * t1) + (t2 * t2 + t3 * t3)
-    for j in range(4 * nq, d // LANES):
-        o = j * LANES
-        for k in range(LANES):
-            t0 = _f64(x[o + k]) - c
-            a[k] += t0 * t0
-    s = _fold(a)
-    for i in range(d - d % LANES, d):
-        t0 = _f64(x[i]) - c
-        s += t0 * t0
-    return s
-
-
-@jit
-def _sum_sq_dot(x, c, w, acc):
-    """(sum((x - c)^2), sum((x - c) * w)) in float64. x, w : (d,); c : float."""
-    d = x.size
-    a = acc[0]
-    b = acc[1]
-    for k in range(LANES):
-        a[k] = 0.0
-        b[k] = 0.0
-    nq = d // _QUAD
-    for j in range(nq):
-        o = j * _QUAD
-        for k in range(LANES):
-            i0 = o + k
-            i1 = i0 + LANES
-            i2 = i1 + LANES
-            i3 = i2 + LANES
-            t0 = _f64(x[i0]) - c
-            t1 = _f64(x[i1]) - c
-            t2 = _f64(x[i2]) - c
-            t3 = _f64(x[i3]) - c
-            a[k] += (t0 * t0 + t1 * t1) + (t2 * t2 + t3 * t3)
-            b[k] += (t0 * _f64(w[i0]) + t1 * _f64(w[i1])) + (
-                t2 * _f64(w[i2]) + t3 * _f64(w[i3])
-            )
-    for j in range(4 * nq, d // LANES):
-        o = j * LANES
-        for k in range(LANES):
-            t0 = _f64(x[o + k]) - c
-            a[k] += t0 * t0
-            b[k] += t0 * _f64(w[o + k])
-    sq = _fold(a)
-    dot = _fold(b)
-    for i in range(d - d % LANES, d):
-        t0 = _f64(x[i]) - c
-        sq += t0 * t0
-        dot += t0 * _f64(w[i])
-    return sq, dot
-
-
-@jit
-def _sum_sq_dot_gu(x, c, g, u, acc):
-    """(sum((x - c)^2), sum((x - c) * (g * u))) in float64. x, u : (d,); g : (d,); c : float."""
-    d = x.size
-    a = acc[0]
-    b = acc[1]
-    for k in range(LANES):
-        a[k] = 0.0
-        b[k] = 0.0
-    nq = d // _QUAD
-    for j in range(nq):
-        o = j * _QUAD
-        for k in range(LANES):
-            i0 = o + k
-            i1 = i0 + LANES
-            i2 = i1 + LANES
-            i3 = i2 + LANES
-            t0 = _f64(x[i0]) - c
-            t1 = _f64(x[i1]) - c
-            t2 = _f64(x[i2]) - c
-            t3 = _f64(x[i3]) - c
-            a[k] += (t0 * t0 + t1 * t1) + (t2 * t2 + t3 * t3)
-            b[k] += (t0 * (_f64(g[i0]) * _f64(u[i0])) + t1 * (_f64(g[i1]) * _f64(u[i1]))) + (
-                t2 * (_f64(g[i2]) * _f64(u[i2])) + t3 * (_f64(g[i3]) * _f64(u[i3]))
-            )
-    for j in range(4 * nq, d // LANES):
-        o = j * LANES
-        for k in range(LANES):
-            t0 = _f64(x[o + k]) - c
-            a[k] += t0 * t0
-            b[k] += t0 * (_f64(g[o + k]) * _f64(u[o + k]))
-    sq = _fold(a)
-    dot = _fold(b)
-    for i in range(d - d % LANES, d):
-        t0 = _f64(x[i]) - c
-        sq += t0 * t0
-        dot += t0 * (_f64(g[i]) * _f64(u[i]))
-    return sq, dot
-
-
-@jit
-def _scale(ms, eps):
-    """(sqrt(ms + eps), bad): bad when ms + eps is not finite or not > 0 (then the scale is 1)."""
-    sq = ms + eps
-    if np.isfinite(sq) and sq > 0.0:
-        return np.sqrt(sq), False
-    return 1.0, True
-
 
 #: A row whose variance is below this times mu^2 is checked for being exactly
 #: constant (see :func:`_constant`). Rounding of the mean leaves a constant row a

@@ -84,7 +84,7 @@ from numba import prange
 
 from ..backends import register
 from ._jit import jit, pjit
-from .layernorm import LANES, _fold, _scale, _sum, _sum_sq
+from ._reduce import LANES, _f64, _fold, _mean_sq, _scale, _zero
 
 __all__ = [
     "layer_norm_power_iteration",
@@ -92,8 +92,6 @@ __all__ = [
     "rms_norm_power_iteration",
     "rms_norm_sigma_max",
 ]
-
-_f64 = np.float64
 
 #: Secular solver: stop when the root of the model anchored at the last evaluated point
 #: lies within this fraction of the offset from the nearer pole of that point. The
@@ -133,7 +131,7 @@ def _pole_data(gamma):
 
 
 # --------------------------------------------------------------------------- #
-# Bulk sums: one pass over d, q_i = 1/(e_i + off), in lanes (see layernorm.py)
+# Bulk sums: one pass over d, q_i = 1/(e_i + off), in lanes (see _reduce.py)
 # --------------------------------------------------------------------------- #
 
 
@@ -141,9 +139,7 @@ def _pole_data(gamma):
 def _bulk_ln2(x, mu, e, off, acc):
     """sum q, q t, q t^2, q^2, q^2 t, q^2 t^2 with t = x_i - mu. acc : (6, LANES)."""
     d = x.size
-    for j in range(6):
-        for k in range(LANES):
-            acc[j, k] = 0.0
+    _zero(acc, 6)
     s0, s1, s2, s3, s4, s5 = acc[0], acc[1], acc[2], acc[3], acc[4], acc[5]
     nb = d // LANES
     for j in range(nb):
@@ -181,10 +177,8 @@ def _bulk_ln2(x, mu, e, off, acc):
 def _bulk_sq(x, e, off, acc):
     """sum q t^2, q^2 t^2 with t = x_i (RMSNorm). acc : (6, LANES)."""
     d = x.size
+    _zero(acc, 2)
     s0, s1 = acc[0], acc[1]
-    for k in range(LANES):
-        s0[k] = 0.0
-        s1[k] = 0.0
     nb = d // LANES
     for j in range(nb):
         o = j * LANES
@@ -208,10 +202,8 @@ def _bulk_sq(x, e, off, acc):
 def _bulk_one(e, off, acc):
     """sum q, q^2 (a constant column). acc : (6, LANES)."""
     d = e.size
+    _zero(acc, 2)
     s0, s1 = acc[0], acc[1]
-    for k in range(LANES):
-        s0[k] = 0.0
-        s1[k] = 0.0
     nb = d // LANES
     for j in range(nb):
         o = j * LANES
@@ -670,9 +662,7 @@ def _sigma_row(kind, row, eps, frozen, lam_frozen, mean_delta, delta, top, g1, g
         ca, cb, ka, kb = 1.0 / math.sqrt(d), 0.0, 0.0, 1.0
     else:
         centre = kind == _LN2
-        if centre:
-            mu = _sum(row, acc) / d
-        ms = _sum_sq(row, mu, acc) / d
+        mu, ms = _mean_sq(row, centre, acc)
         s, bad = _scale(ms, eps)
         if bad or not np.isfinite(mu):
             return np.nan, True
@@ -753,15 +743,12 @@ def rms_norm_sigma_max(x, gamma, eps, frozen, out):
 @jit
 def _pass_b(x, g, v, mu, inv, alpha, mv, m2, acc):
     """u = g inv (alpha v - mv - xh m2), xh = (x - mu) inv, on the fly; returns
-    (|u|^2, sum g u, sum xh g u). acc : (4, LANES) (layernorm.py explains the lanes)."""
+    (|u|^2, sum g u, sum xh g u). acc : (4, LANES) (_reduce.py explains the lanes)."""
     d = v.size
+    _zero(acc, 3)
     a = acc[0]
     b = acc[1]
     c = acc[2]
-    for k in range(LANES):
-        a[k] = 0.0
-        b[k] = 0.0
-        c[k] = 0.0
     nb = d // LANES
     for j in range(nb):
         o = j * LANES
@@ -793,15 +780,11 @@ def _pass_c(x, g, v, mu, inv, alpha, mv, m2, mg, m2g, rho, acc):
     """w = inv (g u - mg - xh m2g) (u recomputed); v <- w; returns
     (|w - rho alpha v|^2, |w|^2, sum w, sum xh w). acc : (4, LANES)."""
     d = v.size
+    _zero(acc, 4)
     a = acc[0]
     b = acc[1]
     c = acc[2]
     e = acc[3]
-    for k in range(LANES):
-        a[k] = 0.0
-        b[k] = 0.0
-        c[k] = 0.0
-        e[k] = 0.0
     nb = d // LANES
     for j in range(nb):
         o = j * LANES
@@ -845,11 +828,8 @@ def _power_row(centre, x, g, eps, frozen, v0, tol, max_iter, v, acc):
     along, and pass C also sums w and xh w, the first sums of the next product: two
     passes over d per product J^T J."""
     d = x.size
-    if centre:
-        mu = _sum(x, acc) / d
-    else:
-        mu = 0.0
-    s, bad = _scale(_sum_sq(x, mu, acc) / d, eps)
+    mu, ms = _mean_sq(x, centre, acc)
+    s, bad = _scale(ms, eps)
     if bad or not np.isfinite(mu):
         return True, np.nan, np.nan, 0
     inv = 1.0 / s

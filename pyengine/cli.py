@@ -337,12 +337,13 @@ def _positions(text: str):
         raise argparse.ArgumentTypeError(f"must be all, last, a:b or i,j,k; got {text}") from None
 
 
-def load_model(name: str):
-    """The built-in default ("default") or a pretrained model by name or folder."""
+def load_model(name: str, seed: int = 0):
+    """The built-in default ("default", weights seeded by ``seed``), a ``.npz`` Stack, or a
+    pretrained model by name or folder."""
     from .experiments import default_model
 
     if name == "default":
-        return default_model(), None
+        return default_model(seed), None
     if name.endswith(".npz"):
         from .model import Stack
 
@@ -357,7 +358,7 @@ def recovery(args: argparse.Namespace) -> int:
     from .experiments import recovery as run
     from .experiments._report import format_table, write
 
-    model, name = load_model(args.model)
+    model, name = load_model(args.model, args.seed)
     print(f"pyengine recovery: model {name or 'default (seeded GPT-2-small-shaped pre-LN stack)'}; "
           f"output folder {args.out}", flush=True)
     rep = run(model, text=args.text, layer=args.layer, scales=args.scales, protocol_scale=args.scale,
@@ -388,7 +389,8 @@ def _add_recovery_parser(sub) -> None:
     r.add_argument("--spectral-tokens", type=_positions, default="last",
                    help="tokens whose Jacobian blocks are formed (default last)")
     r.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    r.add_argument("--seed", type=int, default=0)
+    r.add_argument("--seed", type=int, default=0,
+                   help="seeds the directions and the default model's weights (default 0)")
     r.add_argument("--out", default="recovery-out", help="output folder (default ./recovery-out)")
     r.add_argument("--no-plots", action="store_true", help="skip recovery.png")
     r.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
@@ -445,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for info in backends.available_backends().values():
             print(f"{info.name:<6} {'available' if info.available else 'unavailable: ' + info.reason}")
         return 0
-    except (ValueError, TypeError, OSError, MemoryError) as exc:
+    except (ValueError, TypeError, OSError, MemoryError, ImportError, RuntimeError) as exc:
         print(f"pyengine: error: {exc}", file=sys.stderr)
         return 2
 

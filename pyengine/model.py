@@ -416,16 +416,17 @@ class Stack:
         dt = self.dtype if dtype is None else _float_dtype(dtype)
         return self._params(dt)[1]["embed.tokens"][ids]
 
-    def hidden_states(self, x: Any, dtype: Any = None) -> np.ndarray:
+    def hidden_states(self, input_ids: Any, dtype: Any = None) -> np.ndarray:
         """The residual stream before and after every block.
 
         Parameters
         ----------
-        x : array_like
-            Either the residual-stream input, float, (T, d_model) or (B, T, d_model),
-            or integer token ids (T,) or (B, T) (needs vocab_size > 0; see :meth:`embed`).
+        input_ids : array_like
+            Integer token ids (T,) or (B, T) (needs vocab_size > 0; see :meth:`embed`),
+            or a float residual-stream input (T, d_model) or (B, T, d_model) that
+            takes the place of the token embeddings.
         dtype : {None, float32, float64}
-            Compute dtype; default x's dtype (float input) or the stack's (ids).
+            Compute dtype; default the input's dtype (float input) or the stack's (ids).
 
         Returns
         -------
@@ -442,17 +443,18 @@ class Stack:
             (learned positions), ids out of range.
         """
         cfg = self._config
+        x = input_ids
         if np.asarray(x).dtype.kind in "iu":
             emb = self.embed(x, dtype)
             h, batched = (emb if emb.ndim == 3 else emb[None]), emb.ndim == 3
         else:
-            h, batched = self._stream("x", x, dtype)
+            h, batched = self._stream("input_ids", x, dtype)
         T = h.shape[1]
         blocks, glob = self._params(h.dtype)
         out = np.empty((cfg.n_layers + 1,) + h.shape, h.dtype)
         if cfg.positions == "learned":
             if T > cfg.max_seq_len:
-                raise ValueError(f"x has T = {T} tokens, more than max_seq_len = {cfg.max_seq_len} learned positions")
+                raise ValueError(f"input_ids has T = {T} tokens, more than max_seq_len = {cfg.max_seq_len} learned positions")
             np.add(h, glob["embed.positions"][:T], out=out[0])
         elif cfg.positions == "sinusoidal":
             np.add(h, _blocks.sinusoidal_positions(T, cfg.d_model, h.dtype), out=out[0])
@@ -551,17 +553,17 @@ class Stack:
             return layer_norm(x, glob[name + ".gamma"], glob[name + ".beta"], self._config.eps)
         return rms_norm(x, glob[name + ".gamma"], self._config.eps)
 
-    def logits(self, x: Any, dtype: Any = None) -> np.ndarray:
+    def logits(self, input_ids: Any, dtype: Any = None) -> np.ndarray:
         """Language-model logits: the final norm (if any), then the read-out ``@ W.T``.
 
         Parameters
         ----------
-        x : array_like
+        input_ids : array_like
             Integer token ids (T,) or (B, T): the whole stack runs first and its last
             hidden state is read out. Or a float residual stream (..., d_model),
             read out as it is (final norm, then W: the "logit lens" of any layer).
         dtype : {None, float32, float64}
-            Compute dtype; default x's dtype (float input) or the stack's (ids).
+            Compute dtype; default the input's dtype (float input) or the stack's (ids).
 
         Returns
         -------
@@ -577,14 +579,15 @@ class Stack:
         cfg = self._config
         if cfg.lm_head == "none":
             raise ValueError("this stack has no language-model head (config.lm_head is 'none')")
+        x = input_ids
         if np.asarray(x).dtype.kind in "iu":
             h = self.hidden_states(x, dtype)[-1]
         else:
-            h = _v.float_array("x", x)
+            h = _v.float_array("input_ids", x)
             if h.ndim < 1 or h.shape[-1] != cfg.d_model:
-                raise ValueError(f"x must have shape (..., {cfg.d_model}) (or be integer token ids); got {h.shape}")
+                raise ValueError(f"input_ids must have shape (..., {cfg.d_model}) (or be integer token ids); got {h.shape}")
             h = np.ascontiguousarray(h, dtype=h.dtype if dtype is None else _float_dtype(dtype))
-            _finite("x", h)
+            _finite("input_ids", h)
         glob = self._params(h.dtype)[1]
         if cfg.final_norm:
             h = self._norm(glob, "final_norm", h)

@@ -35,11 +35,12 @@ _VIEWS = ("last", "injected", "downstream", "all")
 
 @dataclasses.dataclass(frozen=True)
 class DecayFit:
-    """Exponential fit |p_k| ~ A exp(-rate (k - k0)) by least squares on log |p_k|.
+    """Exponential fit |p_k| ~ exp(intercept - rate k) by least squares on log |p_k|.
 
     ``rate`` > 0 is decay, < 0 growth. ``rate_ci`` is the 95 % interval of the
     slope (Student t, n - 2 degrees of freedom; NaN with fewer than 3 points);
-    ``half_life`` = ln 2 / rate layers (inf when the rate is <= 0); ``r2`` the
+    ``half_life`` = ln 2 / rate layers (inf when the rate is <= 0); ``intercept``
+    log |p| extrapolated to layer 0 (absolute index); ``r2`` the
     coefficient of determination of the log-linear fit; ``n_points`` the layers used
     (those with |p_k| > 0 and finite).
     """
@@ -116,7 +117,8 @@ class Propagation:
 
     Baseline stream: ``base_norm`` (L', T) = |h_k|; ``base_adjacent_cosine`` and
     ``base_step`` (n_layers, T): cos(h_k, h_{k+1}) and |h_{k+1} - h_k| for every k.
-    ``deltas`` (L', N, T, d) only with ``return_deltas=True``.
+    ``deltas`` (L', N, P, d) only with ``return_deltas``: delta_k at the positions
+    ``delta_positions`` (P of them; all T with ``return_deltas=True``).
     """
 
     layer: int
@@ -136,6 +138,7 @@ class Propagation:
     base_adjacent_cosine: np.ndarray
     base_step: np.ndarray
     deltas: np.ndarray | None = None
+    delta_positions: np.ndarray | None = None
 
     @property
     def K(self) -> int:
@@ -157,20 +160,11 @@ class Propagation:
             return np.where(p[:-1] != 0, p[1:] / np.where(p[:-1] != 0, p[:-1], 1.0), np.nan)
 
     def position_mask(self, where: str) -> np.ndarray:
-        """(T,) bool: "injected" positions, "downstream" (after the last injected one),
-        "last" (the last token, the published protocol's read-out) or "all"."""
-        m = np.zeros(self.T, bool)
-        if where == "injected":
-            m[self.positions] = True
-        elif where == "downstream":
-            m[self.positions[-1] + 1 :] = True
-        elif where == "last":
-            m[-1] = True
-        elif where == "all":
-            m[:] = True
-        else:
-            raise ValueError(f"where must be one of {', '.join(map(repr, _VIEWS))}; got {where!r}")
-        return m
+        """(T,) bool: "injected" positions, "downstream" (after the last injected one:
+        with causal attention the only other tokens that can move), "last" (the last
+        token, the published protocol's read-out) or "all". Without a causal mask
+        tokens before the span move too: read them with "all"."""
+        return position_mask(where, self.positions, self.T)
 
     def view(self, metric: str, where: str = "last") -> np.ndarray:
         """(L', N): a metric's mean over the positions ``where`` selects (see :meth:`position_mask`).
@@ -198,7 +192,9 @@ class Propagation:
         One scale: ``scale_index`` (default the largest). The first point is the
         injected hidden state ``layer`` itself, unless no selected position is injected.
         """
-        j = self.S - 1 if scale_index is None else int(scale_index)
+        j = int(np.argmax(self.scales)) if scale_index is None else scale_index
+        if isinstance(j, bool) or not isinstance(j, numbers.Integral) or not 0 <= j < self.S:
+            raise ValueError(f"scale_index must be an int in [0, {self.S}); got {scale_index!r}")
         v = self.view("projection", where).reshape(-1, self.K, self.S)[:, :, j].mean(axis=1)
         return fit_decay(v, self.layers)
 
@@ -212,13 +208,30 @@ class Propagation:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             val = getattr(self, f.name)
-            if f.name == "deltas":
+            if f.name in ("deltas", "delta_positions"):
                 continue
             out[f.name] = val.tolist() if isinstance(val, np.ndarray) else val
         return out
 
 
 # --------------------------------------------------------------------------- validation
+
+
+def position_mask(where: str, positions: np.ndarray, T: int) -> np.ndarray:
+    """(T,) bool selection of :meth:`Propagation.position_mask` for injected ``positions``."""
+    m = np.zeros(T, bool)
+    if where == "injected":
+        m[positions] = True
+    elif where == "downstream":
+        m[positions[-1] + 1 :] = True
+    elif where == "last":
+        m[-1] = True
+    elif where == "all":
+        m[:] = True
+    else:
+        raise ValueError(f"where must be one of {', '.join(map(repr, _VIEWS))}; got {where!r}")
+    return m
+
 
 
 def _layer(layer: Any, n_layers: int) -> int:
@@ -261,9 +274,11 @@ def resolve_positions(positions: Any, T: int) -> np.ndarray:
             return np.array([T - 1])
         raise ValueError(f"positions must be 'all', 'last', an int, a slice or a list of ints; got {positions!r}")
     if isinstance(positions, slice):
-        p = np.arange(T)[positions]
+        p = np.unique(np.arange(T)[positions])
     else:
         p = np.atleast_1d(np.asarray(positions))
+        if p.size == 0:
+            raise ValueError(f"positions selects no token of the T = {T} tokens")
         if p.dtype.kind not in "iu" or p.ndim != 1:
             raise ValueError(f"positions must be 'all', 'last', an int, a slice or a list of ints; got {positions!r}")
         bad = p[(p < -T) | (p >= T)]
@@ -278,11 +293,11 @@ def resolve_positions(positions: Any, T: int) -> np.ndarray:
 # --------------------------------------------------------------------------- engine
 
 
-def baseline(model: Any, inputs: Any, layer: int, dtype: Any) -> tuple[np.ndarray, list[dict[str, Any]]]:
+def baseline(model: Any, input_ids: Any, layer: int, dtype: Any) -> tuple[np.ndarray, list[dict[str, Any]]]:
     """Hidden states (n_layers + 1, T, d) of one sequence and the block caches from ``layer`` on."""
-    h = model.hidden_states(inputs, dtype=dtype)
+    h = model.hidden_states(input_ids, dtype=dtype)
     if h.ndim != 3:
-        raise ValueError(f"inputs must be one sequence (T,) of ids or (T, d_model) floats; got a batch {h.shape[1:]}")
+        raise ValueError(f"input_ids must be one sequence (T,) of ids or (T, d_model) floats; got a batch {h.shape[1:]}")
     blocks = model._params(h.dtype)[0]
     ctx = _blocks.make_context(model.config, h.shape[1], h.dtype)
     caches: list[dict[str, Any]] = []
@@ -319,7 +334,7 @@ class _Metrics:
 
 def propagate(
     model: Any,
-    inputs: Any,
+    input_ids: Any,
     direction: Any,
     scale: Any,
     layer: int,
@@ -329,7 +344,7 @@ def propagate(
     mode: str = "full",
     dtype: Any = None,
     batch_size: int | None = None,
-    return_deltas: bool = False,
+    return_deltas: Any = False,
     progress: Callable[[int, int], None] | None = None,
 ) -> Propagation:
     """Inject scale * v/|v| into hidden state ``layer`` and propagate it to the last block.
@@ -337,7 +352,7 @@ def propagate(
     Parameters
     ----------
     model : Stack (or a pretrained model)
-    inputs : array_like
+    input_ids : array_like
         One sequence: token ids (T,) (the stack needs an embedding), or a float
         residual-stream input (T, d_model) (see :meth:`Stack.hidden_states`).
     direction : array_like, (d_model,) or (K, d_model)
@@ -358,8 +373,10 @@ def propagate(
     batch_size : int, optional
         Perturbations per batched pass (default: as many as fit in about 1 GiB of
         activations).
-    return_deltas : bool
-        Also keep every delta_k = h_inj - h_base: (L', N, T, d_model) in ``dtype``.
+    return_deltas : bool or positions
+        Also keep delta_k = h_inj - h_base for every k: True keeps all T positions,
+        (L', N, T, d_model) in ``dtype``; a positions spec (as ``positions``) keeps
+        only those, (L', N, P, d_model).
     progress : callable(done, total), optional
         Called after every block of every batch.
 
@@ -380,7 +397,7 @@ def propagate(
     if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
                                    or batch_size < 1):
         raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
-    h_base, caches = baseline(model, inputs, layer, dt)
+    h_base, caches = baseline(model, input_ids, layer, dt)
     T, d = h_base.shape[1:]
     pos = resolve_positions(positions, T)
     s = int(pos[0]) if cfg.causal else 0
@@ -399,7 +416,14 @@ def propagate(
     hb2 = np.einsum("ltd,ltd->lt", hb, hb)
     hb_dt, V_dt = h_base[layer:, s:], V.astype(dt)
     metrics = _Metrics(L, N, T)
-    deltas = np.zeros((L, N, T, d), dt) if return_deltas else None
+    keep = None
+    if not isinstance(return_deltas, (bool, np.bool_)):
+        keep = resolve_positions(return_deltas, T)
+    elif return_deltas:
+        keep = np.arange(T)
+    deltas = None if keep is None else np.zeros((L, N, keep.size, d), dt)
+    kin = None if keep is None else np.flatnonzero(keep >= s)  # kept positions that can move
+    rel = None if keep is None else keep[kin] - s
     inj = np.zeros((T - s, 1), bool)
     inj[pos - s] = True
     total, done = -(-n_rows // batch_size) * (L - 1), 0
@@ -436,11 +460,11 @@ def propagate(
                     sel = rows * nS + j
                     metrics.put(i, sel, s, hb2[i], a * dot, a * a * dd, a * proj)
                     if deltas is not None:
-                        deltas[i, sel, s:] = (a * delta).astype(dt)
+                        deltas[i][np.ix_(sel, kin)] = (a * delta[:, rel]).astype(dt)
             else:
                 metrics.put(i, slice(rows[0], rows[-1] + 1), s, hb2[i], dot, dd, proj)
                 if deltas is not None:
-                    deltas[i, rows[0] : rows[-1] + 1, s:] = delta.astype(dt)
+                    deltas[i][np.ix_(rows, kin)] = delta[:, rel].astype(dt)
 
     hf = h_base.astype(np.float64)
     a, b = hf[:-1], hf[1:]
@@ -453,6 +477,7 @@ def propagate(
         projection=metrics.projection, norm_ratio=metrics.norm_ratio, delta_norm=metrics.delta_norm,
         base_norm=np.sqrt(hb2) if s == 0 else np.linalg.norm(hf[layer:], axis=-1),
         base_adjacent_cosine=adj, base_step=np.linalg.norm(b - a, axis=-1), deltas=deltas,
+        delta_positions=keep,
     )
 
 
@@ -485,6 +510,8 @@ def token_jacobians(
     """
     k = model._block_index(block)
     _v.frozen(mode)
+    if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
+        raise ValueError(f"chunk must be an int >= 1; got {chunk!r}")
     x, batched = model._stream("h", h)
     if batched:
         raise ValueError(f"h must have shape (T, d_model); got {x.shape}")

@@ -610,7 +610,7 @@ def test_bad_calls_raise_clear_errors():
         stack.block_forward(0, h[:, :8])
     with pytest.raises(TypeError, match="float32 or float64"):
         stack.hidden_states(h.astype(np.float16))
-    with pytest.raises(ValueError, match="x contains NaN"):
+    with pytest.raises(ValueError, match="input_ids contains NaN"):
         stack.hidden_states(np.where(np.eye(T, D) > 0, np.nan, h))
     with pytest.raises(ValueError, match="max_seq_len = 8"):
         stack.hidden_states(stream((9, D)))
@@ -707,7 +707,7 @@ def test_logits(head, final_norm):
     assert stack.logits(ids, dtype=np.float32).dtype == np.float32
     with pytest.raises(ValueError, match="no language-model head"):
         make_stack(vocab_size=11).logits(ids)
-    with pytest.raises(ValueError, match="x must have shape"):
+    with pytest.raises(ValueError, match="input_ids must have shape"):
         stack.logits(np.zeros((3, D + 1)))
 
 

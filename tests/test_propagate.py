@@ -77,7 +77,7 @@ def test_metrics_match_a_direct_numpy_computation(kw, positions):
 def test_linearized_equals_exact_as_scale_goes_to_zero(kw, mode):
     st = _stack(**kw)
     v = np.random.default_rng(1).standard_normal(16)
-    positions = [2, 5] if st.config.causal else "all"
+    positions = [2, 5]  # a span: for non-causal stacks every row is recomputed anyway
     lin = pe.propagate(st, IDS, v, 1.0, 0, positions, linearized=True, mode=mode, return_deltas=True)
     errs = []
     for a in (1e-3, 1e-4, 1e-5):
@@ -201,6 +201,8 @@ def test_bad_arguments_get_clear_errors():
         pe.propagate(st, IDS, v, 1.0, 0, [3, 10])
     with pytest.raises(ValueError, match="selects no token"):
         pe.propagate(st, IDS, v, 1.0, 0, slice(20, 30))
+    with pytest.raises(ValueError, match="selects no token"):
+        pe.propagate(st, IDS, v, 1.0, 0, [])
     with pytest.raises(ValueError, match="positions must be"):
         pe.propagate(st, IDS, v, 1.0, 0, "first")
     with pytest.raises(ValueError, match="scale contains NaN"):
@@ -215,5 +217,41 @@ def test_bad_arguments_get_clear_errors():
         pe.propagate("gpt2", IDS, v, 1.0, 0)
     with pytest.raises(ValueError, match="one sequence"):
         pe.propagate(st, np.stack([IDS, IDS]), v, 1.0, 0)
+    assert pe.propagate(st, input_ids=IDS, direction=v, scale=1.0, layer=0).T == 10  # the names
     with pytest.raises(TypeError, match="direction must be a float32 or float64"):
         pe.propagate(st, IDS, np.ones(16, int), 1.0, 0)
+
+
+def test_slices_are_sorted_positions_whatever_their_step():
+    st = _stack()
+    v = np.ones(16)
+    ref = pe.propagate(st, IDS, v, 1.0, 0, [3, 4, 5])
+    for spec in (slice(5, 2, -1), slice(-5, -8, -1)):
+        r = pe.propagate(st, IDS, v, 1.0, 0, spec)
+        assert np.array_equal(r.positions, [3, 4, 5])
+        np.testing.assert_array_equal(r.projection, ref.projection)
+    r = pe.propagate(st, IDS, v, 1.0, 0, slice(None, None, 3))
+    assert np.array_equal(r.positions, [0, 3, 6, 9])
+    assert np.array_equal(r.projection[0, 0] != 0, np.isin(np.arange(10), [0, 3, 6, 9]))
+
+
+def test_deltas_at_chosen_positions():
+    st = _stack()
+    V = np.random.default_rng(6).standard_normal((2, 16))
+    full = pe.propagate(st, IDS, V, [1.0, 2.0], 1, slice(4, None), return_deltas=True)
+    for lin in (False, True):
+        part = pe.propagate(st, IDS, V, [1.0, 2.0], 1, slice(4, None), linearized=lin, return_deltas=[1, 6, -1])
+        assert part.deltas.shape == (4, 4, 3, 16) and np.array_equal(part.delta_positions, [1, 6, 9])
+        assert np.all(part.deltas[:, :, 0] == 0)  # before the span: exactly unchanged
+        if not lin:
+            np.testing.assert_array_equal(part.deltas, full.deltas[:, :, [1, 6, 9]])
+
+
+def test_fit_defaults_to_the_largest_scale_and_checks_its_index():
+    st = _stack()
+    r = pe.propagate(st, IDS, np.ones(16), [6.0, 0.1], 0)
+    assert r.fit("all") == r.fit("all", 0)
+    with pytest.raises(ValueError, match=r"scale_index must be an int in \[0, 2\)"):
+        r.fit("all", 2)
+    with pytest.raises(ValueError, match="where must be one of"):
+        r.view("cosine", "middle")

@@ -107,7 +107,63 @@ def test_recovery_on_rmsnorm_states_the_bound_as_measured():
     assert "no structural eigenvalue 1" in rep.verdicts[0]
 
 
+def test_verdict_logic():
+    """Each verdict's head follows its numbers: consistent/contradicted, inconclusive fits."""
+    import dataclasses
+
+    from pyengine.experiments.recovery import _verdicts
+
+    st = _stack(n_layers=6)
+    rep = recovery(st, ids=np.arange(20, 32), layer=0, scales=[0.1], n_directions=2, eps_values=[1e-5, 1e-3],
+                   gamma_values=[0.5, 1.0])
+
+    def fit(rate, half=0.01, n=6):
+        return pe.DecayFit(rate, (rate - half, rate + half), 0.99, math.inf, 0.0, n)
+
+    pred = float(-np.log(rep.rho.max(axis=1)).mean())
+    heads = {}
+    for name, changes in {
+        "match": dict(fit_exact=fit(pred)),
+        "miss": dict(fit_exact=fit(pred + 1.0)),
+        "wide": dict(fit_exact=fit(pred, half=0.5)),
+        "short": dict(fit_exact=fit(pred, n=2)),
+        "res_sep": dict(fit_exact=fit(0.0), no_residual=fit(0.5)),
+        "res_same": dict(fit_exact=fit(0.0), no_residual=fit(0.005)),
+        "eps": dict(eps_sweep=[(1.0, fit(0.0)), (2.0, fit(0.3))], gamma_sweep=[(1.0, fit(0.0)), (2.0, fit(0.01))]),
+        "nan": dict(no_residual=pe.DecayFit(math.nan, (math.nan, math.nan), math.nan, math.nan, math.nan, 1)),
+    }.items():
+        heads[name] = _verdicts(dataclasses.replace(rep, **changes))
+    assert "CONSISTENT" in heads["match"][0] and "INCONCLUSIVE" not in heads["match"][0]
+    assert "CONTRADICTED" in heads["miss"][0]
+    assert "INCONCLUSIVE: wide interval" in heads["wide"][0]
+    assert heads["short"][0].startswith("(1) spectra: INCONCLUSIVE")
+    assert "CHANGES THE RATE" in heads["res_sep"][1] and "NO MEASURABLE EFFECT" in heads["res_same"][1]
+    assert "CHANGES THE RATE" in heads["eps"][2] and "NO MEASURABLE EFFECT" in heads["eps"][3]
+    assert heads["nan"][1].startswith("(2) residual: INCONCLUSIVE")
+    assert "gain along v" in heads["match"][0] and "sigma_max" in heads["match"][0]
+
+
+def test_linear_gap_uses_the_whole_delta():
+    """Exact and linearized deltas compared as vectors, not only along v."""
+    from pyengine.experiments.recovery import _linear_gap, _regime
+
+    st = _stack(n_layers=3)
+    v = np.random.default_rng(0).standard_normal(16)
+    kw = dict(return_deltas="all")
+    ex = pe.propagate(st, np.arange(30, 40), v, [1e-4, 1e2], 0, **kw)
+    li = pe.propagate(st, np.arange(30, 40), v, [1e-4, 1e2], 0, linearized=True, **kw)
+    gap = _linear_gap(ex, li)
+    d_ex, d_li = ex.deltas[1:, 1], li.deltas[1:, 1]
+    want = max(np.linalg.norm(d_ex[k] - d_li[k]) / np.linalg.norm(d_li[k]) for k in range(3))
+    assert gap[1] == pytest.approx(want, rel=1e-12) and gap[0] < 1e-3
+    assert _regime(np.array([1e-4, 1e2]), np.array([0.01, 0.5])) == (1e-4, 1e-4)
+    assert _regime(np.array([3.0, 1.0, 2.0, 4.0]), np.array([0.01, 0.5, 0.05, 0.2])) == (2.0, 3.0)
+    assert _regime(np.array([1.0, 2.0]), np.array([np.nan, 0.5])) is None
+
+
 def test_recovery_bad_arguments():
+    with pytest.raises(ValueError, match="read = 'downstream' selects no token"):
+        recovery(_stack(), ids=np.arange(5), read="downstream")
     with pytest.raises(ValueError, match="no tokenizer"):
         recovery(_stack(vocab_size=100), text="x")
     with pytest.raises(ValueError, match="read must be"):
@@ -134,6 +190,18 @@ def test_cli_recovery_writes_json_csv_png(tmp_path, capsys):
     metrics = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
     assert len(metrics) == 2 * 3 * (2 * 3) * 11  # runs x layers x (K x S) x T
     assert (out / "recovery.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_cli_missing_model_library_is_one_line(monkeypatch, capsys):
+    import pyengine.cli as cli
+
+    def missing(name, seed=0):
+        raise ImportError("the model readers are not installed: pip install \".[models]\"")
+
+    monkeypatch.setattr(cli, "load_model", missing)
+    assert main(["recovery", "--model", "SmolLM2-135M-Instruct"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("pyengine: error:") and "models" in err and err.count("\n") == 1
 
 
 def test_cli_recovery_errors_are_one_line(tmp_path, capsys):

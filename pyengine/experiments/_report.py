@@ -22,7 +22,7 @@ _COLS = [  # key, header, width, format
     ("projection_linear", "proj lin", 10, ".3g"),
     ("cosine", "cos", 9, ".4f"),
     ("norm_ratio", "|h'|/|h|", 10, ".4f"),
-    ("gain", "gain", 9, ".4f"),
+    ("gain_linear", "gain", 9, ".4f"),
     ("rho", "rho", 9, ".4f"),
     ("sigma_max", "sig_max", 9, ".3f"),
     ("adjacent_cosine", "cos(h,h+)", 10, ".4f"),
@@ -43,8 +43,8 @@ def format_table(rep: Recovery) -> str:
         f"tokens: T = {ex.T}; injected at hidden state {rep.layer} (input of block {rep.layer + 1}) on "
         f"{ex.positions.size} position(s); K = {ex.K} directions x S = {ex.S} scales; read-out: {rep.read} token(s); "
         f"table at scale {rep.protocol_scale:g}, mean over directions",
-        "rho, sig_max: diagonal block of the Jacobian of the block leaving hidden state k (float64, dense); "
-        "gain: |proj_k / proj_k-1|",
+        "gain (v.A delta / v.delta, linearized) and cos(h,h+) = cos(h_k-1, h_k): the block arriving at k; "
+        "rho, sig_max: the diagonal Jacobian block (float64, dense) of the block leaving k",
         "".join(f"{h:>{w}}" for _, h, w, _f in _COLS),
     ]
     for row in rep.layer_table():

@@ -31,7 +31,15 @@ from typing import Any
 import numpy as np
 
 from ..model import Stack, StackConfig, init_weights
-from ..propagation import DecayFit, Propagation, baseline, propagate, resolve_positions, token_jacobians
+from ..propagation import (
+    DecayFit,
+    Propagation,
+    baseline,
+    position_mask,
+    propagate,
+    resolve_positions,
+    token_jacobians,
+)
 
 __all__ = ["DEFAULT_TEXT", "Recovery", "byte_ids", "default_model", "recovery"]
 
@@ -72,9 +80,10 @@ class Recovery:
     S scales). ``fit_exact`` / ``fit_linear``: decay fits of the mean |projection| at
     the read-out (``read``) and the protocol scale. ``spectral``: per block passed,
     rho and sigma_max of the diagonal Jacobian block at each token of
-    ``spectral_tokens`` and |A 1 - 1|_inf. ``linear_gap`` (S,): the largest relative
-    difference of exact and linearized projections over layers; ``linear_regime``
-    the scale range where it stays within 10 %. ``no_residual``, ``eps_sweep``,
+    ``spectral_tokens`` and |A 1 - 1|_inf. ``linear_gap`` (S,): the largest, over the
+    layers after the injection, of |delta_ex - delta_lin| / |delta_lin| at the read-out
+    positions (summed over directions); ``linear_regime`` the longest run of scales
+    where it stays within 10 %. ``gain_linear``: the gain along v of each block. ``no_residual``, ``eps_sweep``,
     ``gamma_sweep``: decay fits of the ablations. ``verdicts``: one line per prediction.
     """
 
@@ -105,6 +114,16 @@ class Recovery:
     def scale_index(self) -> int:
         return int(np.argmin(np.abs(self.exact.scales - self.protocol_scale)))
 
+    @property
+    def gain_linear(self) -> np.ndarray:
+        """(n_blocks,): v.A_k delta / v.delta of the linearized run (scale-free), geometric
+        mean over directions of its magnitude averaged over the read-out positions."""
+        li = self.linear
+        g = np.abs(li.gain[..., li.position_mask(self.read)])
+        with np.errstate(divide="ignore", invalid="ignore"):
+            g = np.nanmean(np.where(np.isfinite(g), g, np.nan), axis=-1).reshape(-1, li.K, li.S)[:, :, 0]
+            return np.exp(np.nanmean(np.log(g), axis=1))
+
     def layer_table(self) -> list[dict[str, float]]:
         """One row per hidden state k >= layer: the protocol read-out, mean over directions."""
         j, ex, li = self.scale_index, self.exact, self.linear
@@ -113,7 +132,7 @@ class Recovery:
         def at(p: Propagation, metric: str) -> np.ndarray:
             return p.view(metric, self.read).reshape(-1, p.K, p.S)[:, :, j].mean(axis=1)
 
-        gain = np.abs(ex.gain[..., m]).mean(axis=-1).reshape(-1, ex.K, ex.S)[:, :, j]
+        gain = self.gain_linear
         rows = []
         for i, k in enumerate(ex.layers):
             row = {
@@ -124,7 +143,7 @@ class Recovery:
                 "projection_linear": float(at(li, "projection")[i]),
                 "cosine": float(at(ex, "cosine")[i]),
                 "norm_ratio": float(at(ex, "norm_ratio")[i]),
-                "gain": float(np.exp(np.log(gain[i - 1]).mean())) if i else float("nan"),
+                "gain_linear": float(gain[i - 1]) if i else float("nan"),
                 "rho": float(self.rho[i].max()) if i < self.rho.shape[0] else float("nan"),
                 "sigma_max": float(self.sigma[i].max()) if i < self.sigma.shape[0] else float("nan"),
                 "adjacent_cosine": float(ex.base_adjacent_cosine[k - 1][m].mean()) if k else float("nan"),
@@ -154,70 +173,103 @@ class Recovery:
 
 
 def _fmt_fit(f: DecayFit) -> str:
-    return f"{f.rate:+.3f} [{f.rate_ci[0]:+.3f}, {f.rate_ci[1]:+.3f}] per layer (R^2 {f.r2:.2f})"
+    return f"{f.rate:+.3f} [{f.rate_ci[0]:+.3f}, {f.rate_ci[1]:+.3f}] per layer (R^2 {f.r2:.2f}, {f.n_points} layers)"
+
+
+def _solid(f: DecayFit) -> bool:
+    """A fit with a finite rate and a finite 95 % interval (at least 3 layers)."""
+    return f.n_points >= 3 and all(math.isfinite(v) for v in (f.rate, *f.rate_ci))
 
 
 def _halfwidth(f: DecayFit) -> float:
-    w = (f.rate_ci[1] - f.rate_ci[0]) / 2
-    return w if math.isfinite(w) else 0.0
+    return (f.rate_ci[1] - f.rate_ci[0]) / 2
+
+
+#: Verdict (1) calls the spectra consistent when |rate + mean log rho| is within the
+#: fit's 95 % half-width + SPECTRA_ABS + SPECTRA_REL * |mean log rho|.
+SPECTRA_ABS, SPECTRA_REL = 0.05, 0.25
+#: An interval half-width above this makes a verdict inconclusive.
+WIDE = 0.25
 
 
 def _verdicts(r: Recovery) -> list[str]:
     cfg, out = r.config, []
     lam, fit = r.fit_exact.rate, r.fit_exact
-    log_rho = np.log(r.rho.max(axis=1))
-    pred = float(-log_rho.mean())
-    rho_min = float(r.rho.min())
+    pred = float(-np.log(r.rho.max(axis=1)).mean())
+    rho_min, sig = float(r.rho.min()), r.sigma.max(axis=1)
     one = float(r.ones_residual.max())
-    structural = cfg.placement == "pre" and cfg.residual and cfg.norm == "layernorm"
-    if structural:
+    g = r.gain_linear
+    gains = (f"linearized gain along v, v.A_k delta / v.delta: geometric mean {math.exp(np.nanmean(np.log(g))):.4f} "
+             f"per block (range {np.nanmin(g):.4f}-{np.nanmax(g):.4f})" if np.isfinite(g).any() else
+             "linearized gain along v: undefined (zero projection)")
+    if cfg.placement == "pre" and cfg.residual and cfg.norm == "layernorm":
         bound = (f"rho(A_k) >= 1 for every pre-LN residual block: each LayerNorm Jacobian annihilates the "
                  f"all-ones vector, so A_k 1 = 1 (measured max |A_k 1 - 1| = {one:.1e}); measured min rho = "
-                 f"{rho_min:.4f}")
+                 f"{rho_min:.4f}, so -log rho <= 0 predicts no decay")
     else:
         bound = (f"this stack ({cfg.placement}-{cfg.norm}, residual {'on' if cfg.residual else 'off'}) has no "
-                 f"structural eigenvalue 1 (max |A_k 1 - 1| = {one:.2e}); measured min rho = {rho_min:.4f}")
+                 f"structural eigenvalue 1 (max |A_k 1 - 1| = {one:.2e}): the bound is measured, min rho = "
+                 f"{rho_min:.4f}")
     if not cfg.causal:
         bound += ("; attention is not causal here, so the full Jacobian is not block-triangular and these "
                   "per-token blocks do not carry its eigenvalues")
-    ok = math.isfinite(lam) and abs(lam - pred) <= _halfwidth(fit) + 0.05 + 0.25 * abs(pred)
+    tol = SPECTRA_ABS + SPECTRA_REL * abs(pred)
+    if not _solid(fit):
+        head = "INCONCLUSIVE (the fit has too few layers or no finite interval)"
+    else:
+        ok = abs(lam - pred) <= _halfwidth(fit) + tol
+        head = ("CONSISTENT" if ok else "CONTRADICTED") + (" (INCONCLUSIVE: wide interval)" if _halfwidth(fit) > WIDE
+                                                          else "")
     out.append(
-        f"(1) spectra: {('CONSISTENT' + (' (INCONCLUSIVE: wide interval)' if _halfwidth(fit) > 0.25 else '')) if ok else 'CONTRADICTED'}: -mean log rho = {pred:+.3f} per layer predicts "
-        f"the rate; measured {_fmt_fit(fit)}. {bound}."
+        f"(1) spectra: {head}: -mean log rho = {pred:+.3f} per layer would be the rate (accepted within the "
+        f"interval + {tol:.3f}); measured {_fmt_fit(fit)}; sigma_max {sig.min():.3f}-{sig.max():.3f}; {gains}. "
+        f"{bound}."
     )
     nr = r.no_residual
-    sep = math.isfinite(nr.rate) and abs(nr.rate - lam) > _halfwidth(nr) + _halfwidth(fit)
-    out.append(
-        f"(2) residual: {'CHANGES THE RATE' if sep else 'NO MEASURABLE EFFECT'}: with residual "
-        f"{lam:+.3f}, without {_fmt_fit(nr)}."
-    )
+    if not (_solid(nr) and _solid(fit)):
+        head = "INCONCLUSIVE (too few layers or no finite interval)"
+    else:
+        head = "CHANGES THE RATE" if abs(nr.rate - lam) > _halfwidth(nr) + _halfwidth(fit) else "NO MEASURABLE EFFECT"
+    out.append(f"(2) residual: {head}: with residual {lam:+.3f}, without {_fmt_fit(nr)}.")
     for name, sweep in (("eps", r.eps_sweep), ("gamma scale", r.gamma_sweep)):
+        vals = ", ".join(f"{v:.3g}: {f.rate:+.3f}" for v, f in sweep)
+        if len(sweep) < 2 or not all(_solid(f) for _, f in sweep):
+            out.append(f"(3) {name}: INCONCLUSIVE (fewer than two values or a fit without an interval): {vals}.")
+            continue
         rates = np.array([f.rate for _, f in sweep])
-        widths = max((_halfwidth(f) for _, f in sweep), default=0.0)
-        spread = float(np.nanmax(rates) - np.nanmin(rates)) if np.isfinite(rates).any() else float("nan")
-        effect = math.isfinite(spread) and spread > 2 * widths + 0.02
-        vals = ", ".join(f"{v:g}: {f.rate:+.3f}" for v, f in sweep)
-        out.append(f"(3) {name}: {'CHANGES THE RATE' if effect else 'NO MEASURABLE EFFECT'} "
-                   f"(spread {spread:.3f} per layer): {vals}.")
+        widths = max(_halfwidth(f) for _, f in sweep)
+        spread = float(rates.max() - rates.min())
+        head = "CHANGES THE RATE" if spread > 2 * widths + 0.02 else "NO MEASURABLE EFFECT"
+        out.append(f"(3) {name}: {head} (spread {spread:.3f} per layer, intervals +-{widths:.3f}): {vals}.")
     lr = r.linear_regime
-    out.append("linear regime: " + (f"exact and linearized agree within {LINEAR_TOL:.0%} for scales "
-                                    f"{lr[0]:g} to {lr[1]:g}" if lr else
-                                    f"no scale tried keeps exact and linearized within {LINEAR_TOL:.0%}") + ".")
+    out.append("linear regime: " + (f"exact and linearized delta agree within {LINEAR_TOL:.0%} (|d_ex - d_lin| / "
+                                    f"|d_lin| at the read-out, every layer) for scales {lr[0]:g} to {lr[1]:g}"
+                                    if lr else f"no scale tried keeps exact and linearized delta within "
+                                    f"{LINEAR_TOL:.0%}") + ".")
     return out
 
 
-def _linear_gap(ex: Propagation, li: Propagation, where: str) -> np.ndarray:
-    """(S,): max over the layers after the injection of |P_ex - P_lin| / P_lin, where P is the
-    read-out's mean |projection| over directions (the curve that is fitted)."""
-    pe_, pl = (p.view("projection", where).reshape(-1, p.K, p.S).mean(axis=1)[1:] for p in (ex, li))
+def _linear_gap(ex: Propagation, li: Propagation) -> np.ndarray:
+    """(S,): max over the layers after the injection of |delta_ex - delta_lin| / |delta_lin|,
+    both summed over the directions and the kept (read-out) positions; NaN where
+    delta_lin is 0 at every such layer."""
+    L = ex.deltas.shape[0]
+    de = ex.deltas[1:].reshape(L - 1, ex.K, ex.S, -1).astype(np.float64)
+    dl = li.deltas[1:].reshape(L - 1, li.K, li.S, -1).astype(np.float64)
+    num = np.sqrt(((de - dl) ** 2).sum(axis=(1, 3)))
+    den = np.sqrt((dl**2).sum(axis=(1, 3)))
     with np.errstate(divide="ignore", invalid="ignore"):
-        return np.nanmax(np.where(pl > 0, np.abs(pe_ - pl) / pl, np.nan), axis=0, initial=0.0)
+        gap = np.where(den > 0, num / den, np.nan)
+    out = np.full(ex.S, np.nan)
+    ok = np.isfinite(gap).any(axis=0)
+    out[ok] = np.nanmax(gap[:, ok], axis=0)
+    return out
 
 
 def _regime(scales: np.ndarray, gap: np.ndarray) -> tuple[float, float] | None:
     """The longest run of consecutive scales (sorted) whose gap is within LINEAR_TOL."""
     order = np.argsort(scales)
-    ok = gap[order] <= LINEAR_TOL
+    ok = np.nan_to_num(gap[order], nan=np.inf) <= LINEAR_TOL
     best, run = None, None
     for i, good in enumerate(ok):
         run = (run[0], i) if good and run else ((i, i) if good else None)
@@ -270,7 +322,8 @@ def recovery(
     spectral_tokens : "last", int or sequence of ints
         Tokens whose diagonal Jacobian blocks are formed densely (float64).
     eps_values, gamma_values : sequences
-        The sweeps (default eps: the model's eps times 1e-3, 1, 1e2, 1e4).
+        The sweeps (default eps: the model's own, and 0.01, 0.1 and 1 times the median
+        mean square of the stream's entries after the injection, where eps matters).
     seed : int
     dtype : float32 or float64
         Compute dtype of the propagations.
@@ -296,6 +349,12 @@ def recovery(
     ids = np.asarray(ids)
     if read not in ("last", "injected", "downstream", "all"):
         raise ValueError(f"read must be 'last', 'injected', 'downstream' or 'all'; got {read!r}")
+    if ids.ndim not in (1, 2) or ids.ndim != (1 if ids.dtype.kind in "iu" else 2):
+        raise ValueError(f"ids must be one sequence: token ids (T,) or a float stream (T, d); got shape {ids.shape}")
+    T = ids.shape[0]
+    read_at = np.flatnonzero(position_mask(read, resolve_positions(positions, T), T))
+    if read_at.size == 0:
+        raise ValueError(f"read = {read!r} selects no token for positions = {positions!r} (T = {T})")
     sc = np.unique(np.append(np.asarray(scales, dtype=np.float64), protocol_scale))
     if directions is None:
         if isinstance(n_directions, bool) or not isinstance(n_directions, int) or n_directions < 1:
@@ -313,10 +372,10 @@ def recovery(
 
     run = dict(positions=positions, dtype=dtype)
     ex = timed("exact propagation", 0.0, 0.35,
-               lambda cb: propagate(model, ids, directions, sc, layer, progress=cb, **run))
+               lambda cb: propagate(model, ids, directions, sc, layer, return_deltas=read_at, progress=cb, **run))
     li = timed("linearized propagation", 0.35, 0.45,
-               lambda cb: propagate(model, ids, directions, sc, layer, linearized=True, progress=cb, **run))
-    T = ex.T
+               lambda cb: propagate(model, ids, directions, sc, layer, linearized=True, return_deltas=read_at,
+                                    progress=cb, **run))
     toks = resolve_positions(spectral_tokens, T)
 
     def spectra(cb: Callable[[int, int], None]) -> tuple[np.ndarray, ...]:
@@ -338,16 +397,19 @@ def recovery(
         return propagate(m, ids, directions, sc[j], layer, **run).fit(read)
 
     no_res = timed("ablation: no residual", 0.7, 0.75, lambda cb: fit_of(model.replace(residual=False)))
-    if eps_values is None:
-        eps_values = [cfg.eps * f for f in (1e-3, 1.0, 1e2, 1e4)] if cfg.eps > 0 else [0.0, 1e-5, 1e-3, 1e-1]
+    if eps_values is None:  # the model's eps, and eps comparable to the stream's mean square
+        ms = float(np.median(ex.base_norm**2)) / cfg.d_model
+        eps_values = sorted({cfg.eps, 1e-2 * ms, 1e-1 * ms, ms})
     eps_sweep = timed("sweep: norm eps", 0.75, 0.9,
                       lambda cb: [(float(e), fit_of(model.replace(eps=float(e)))) for e in eps_values])
     gamma_sweep = timed("sweep: gamma scale", 0.9, 1.0,
                         lambda cb: [(float(g), fit_of(model.replace(gamma_scale=float(g)))) for g in gamma_values])
-    gap = _linear_gap(ex, li, read)
+    gap = _linear_gap(ex, li)
     rep = Recovery(
         model=name or type(model).__name__, config=cfg, text=text, ids=ids, layer=ex.layer, read=read,
-        protocol_scale=float(sc[j]), exact=ex, linear=li, fit_exact=ex.fit(read, j), fit_linear=li.fit(read, j),
+        protocol_scale=float(sc[j]), exact=dataclasses.replace(ex, deltas=None, delta_positions=None),
+        linear=dataclasses.replace(li, deltas=None, delta_positions=None),
+        fit_exact=ex.fit(read, j), fit_linear=li.fit(read, j),
         spectral_tokens=toks, rho=rho, sigma=sig, ones_residual=one, linear_gap=gap,
         linear_regime=_regime(sc, gap), no_residual=no_res, eps_sweep=eps_sweep, gamma_sweep=gamma_sweep,
         verdicts=[], seconds=seconds,

@@ -135,7 +135,7 @@ def test_verdict_logic():
         heads[name] = _verdicts(dataclasses.replace(rep, **changes))
     assert "CONSISTENT" in heads["match"][0] and "INCONCLUSIVE" not in heads["match"][0]
     assert "CONTRADICTED" in heads["miss"][0]
-    assert "INCONCLUSIVE: wide interval" in heads["wide"][0]
+    assert heads["wide"][0].startswith("(1) spectra: INCONCLUSIVE (the rate's 95 % interval is +-0.50 wide)")
     assert heads["short"][0].startswith("(1) spectra: INCONCLUSIVE")
     assert "CHANGES THE RATE" in heads["res_sep"][1] and "NO MEASURABLE EFFECT" in heads["res_same"][1]
     assert "CHANGES THE RATE" in heads["eps"][2] and "NO MEASURABLE EFFECT" in heads["eps"][3]

@@ -216,10 +216,10 @@ def _verdicts(r: Recovery) -> list[str]:
     tol = SPECTRA_ABS + SPECTRA_REL * abs(pred)
     if not _solid(fit):
         head = "INCONCLUSIVE (the fit has too few layers or no finite interval)"
+    elif _halfwidth(fit) > WIDE:
+        head = f"INCONCLUSIVE (the rate's 95 % interval is +-{_halfwidth(fit):.2f} wide)"
     else:
-        ok = abs(lam - pred) <= _halfwidth(fit) + tol
-        head = ("CONSISTENT" if ok else "CONTRADICTED") + (" (INCONCLUSIVE: wide interval)" if _halfwidth(fit) > WIDE
-                                                          else "")
+        head = "CONSISTENT" if abs(lam - pred) <= _halfwidth(fit) + tol else "CONTRADICTED"
     out.append(
         f"(1) spectra: {head}: -mean log rho = {pred:+.3f} per layer would be the rate (accepted within the "
         f"interval + {tol:.3f}); measured {_fmt_fit(fit)}; sigma_max {sig.min():.3f}-{sig.max():.3f}; {gains}. "

@@ -1,8 +1,8 @@
 """Row reductions shared by the Numba kernels: float64 sums in lanes, in a fixed order.
 
 Used by :mod:`pyengine._numba.layernorm` (row statistics and the JVP/VJP sums) and
-:mod:`pyengine._numba.spectral` (row statistics, and ``LANES``, :func:`_zero` and
-:func:`_fold` for its own fused passes). Every reduction accumulates in float64,
+:mod:`pyengine._numba.spectral` and :mod:`pyengine._numba._secular` (row statistics,
+and ``LANES``, :func:`_zero` and :func:`_fold` for their own fused passes). Every reduction accumulates in float64,
 also for float32 input; ``x``, ``w``, ``g``, ``u`` are rows ``(d,)``, ``c`` a
 float64 centre (the mean, or 0 for RMSNorm), ``acc`` a float64 scratch of shape
 ``(2, LANES)`` (or more rows) owned by the calling thread.

@@ -160,7 +160,7 @@ def _plot(rep: Recovery, path: str) -> str:
     a = ax[1, 2]
     a.loglog(ex.scales, np.maximum(rep.linear_gap, 1e-16), "o-")
     a.axhline(0.1, color="k", lw=0.8, ls="--")
-    a.set(title="max |proj exact - proj lin| / |proj lin|", xlabel="scale")
+    a.set(title="linear regime: max over layers |delta_ex - delta_lin| / |delta_lin|", xlabel="scale")
     fig.suptitle(f"pyengine recovery: {rep.model}")
     fig.savefig(path, dpi=90)
     plt.close(fig)

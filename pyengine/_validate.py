@@ -71,6 +71,15 @@ def param(name: str, a: Any, x2: np.ndarray, fill: float) -> np.ndarray:
     return np.ascontiguousarray(arr, dtype=x2.dtype)
 
 
+def count(name: str, value: Any, allow_none: bool = False) -> int | None:
+    """A positive int (bool excluded), or None if ``allow_none``; ValueError naming ``name``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
+        raise ValueError(f"{name} must be a positive integer; got {value!r}")
+    return int(value)
+
+
 def eps(value: Any) -> float:
     """eps: a finite real number >= 0."""
     if isinstance(value, bool) or not isinstance(value, numbers.Real):

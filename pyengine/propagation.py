@@ -394,9 +394,7 @@ def propagate(
     S = _scales(scale)
     _v.frozen(mode)
     dt = model.dtype if dtype is None else _float_dtype(dtype)
-    if batch_size is not None and (isinstance(batch_size, bool) or not isinstance(batch_size, numbers.Integral)
-                                   or batch_size < 1):
-        raise ValueError(f"batch_size must be an int >= 1; got {batch_size!r}")
+    batch_size = _v.count("batch_size", batch_size, allow_none=True)
     h_base, caches = baseline(model, input_ids, layer, dt)
     T, d = h_base.shape[1:]
     pos = resolve_positions(positions, T)
@@ -510,8 +508,7 @@ def token_jacobians(
     """
     k = model._block_index(block)
     _v.frozen(mode)
-    if isinstance(chunk, bool) or not isinstance(chunk, numbers.Integral) or chunk < 1:
-        raise ValueError(f"chunk must be an int >= 1; got {chunk!r}")
+    chunk = _v.count("chunk", chunk)
     x, batched = model._stream("h", h)
     if batched:
         raise ValueError(f"h must have shape (T, d_model); got {x.shape}")

@@ -267,14 +267,6 @@ def _check_tol(tol: Any) -> float:
     return float(tol)
 
 
-def _check_count(name: str, value: Any, allow_none: bool = False) -> int | None:
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
-        raise ValueError(f"{name} must be a positive integer; got {value!r}")
-    return int(value)
-
-
 def _check_method(method: Any, allowed: tuple[str, ...]) -> str:
     if method not in allowed:
         raise ValueError(f"method must be one of {', '.join(map(repr, allowed))}; got {method!r}")
@@ -392,8 +384,8 @@ def spectral_norm(
     """
     op = as_batched_operator(op)
     method = _check_method(method, METHODS_NORM)
-    tol, max_iter = _check_tol(tol), _check_count("max_iter", max_iter)
-    chunk_size = _check_count("chunk_size", chunk_size, allow_none=True)
+    tol, max_iter = _check_tol(tol), _v.count("max_iter", max_iter)
+    chunk_size = _v.count("chunk_size", chunk_size, allow_none=True)
     callback = _check_callback(callback)
     backend = _check_name(backend)
     key = _seed_key(seed)
@@ -494,8 +486,8 @@ def _norm_spectral_norm(
     g = _v.param("gamma", gamma, x2, 1.0)
     eps, frozen = _v.eps(eps), _v.frozen(mode)
     method = _check_method(method, METHODS_LN)
-    tol, max_iter = _check_tol(tol), _check_count("max_iter", max_iter)
-    chunk_size = _check_count("chunk_size", chunk_size, allow_none=True)
+    tol, max_iter = _check_tol(tol), _v.count("max_iter", max_iter)
+    chunk_size = _v.count("chunk_size", chunk_size, allow_none=True)
     callback = _check_callback(callback)
     backend = _check_name(backend)
     key = _seed_key(seed)
@@ -596,7 +588,7 @@ def spectral_radius(
     op = as_batched_operator(op)
     if op.shape[0] != op.shape[1]:
         raise ValueError(f"op must be square for a spectral radius; got operators of shape {op.shape}")
-    tol, max_iter = _check_tol(tol), _check_count("max_iter", max_iter)
+    tol, max_iter = _check_tol(tol), _v.count("max_iter", max_iter)
     key = _seed_key(seed)
     B, n = op.batch, op.shape[0]
     V = _start_vectors(key, 0, B, n) if v0 is None else _check_v0(v0, B, n)

@@ -77,6 +77,8 @@ def test_token_jacobians_bad_arguments():
         token_jacobians(st, h[0], 4, [0])
     with pytest.raises(ValueError, match=r"h must have shape \(T, d_model\)"):
         token_jacobians(st, h[:2], 0, [0])
+    with pytest.raises(ValueError, match="chunk must be a positive integer"):
+        token_jacobians(st, h[0], 0, [0], chunk=0)
 
 
 def test_recovery_report_on_a_small_stack():
@@ -166,6 +168,8 @@ def test_recovery_bad_arguments():
         recovery(_stack(), ids=np.arange(5), read="downstream")
     with pytest.raises(ValueError, match="no tokenizer"):
         recovery(_stack(vocab_size=100), text="x")
+    with pytest.raises(ValueError, match="n_directions must be a positive integer"):
+        recovery(_stack(), ids=np.arange(5), n_directions=0)
     with pytest.raises(ValueError, match="read must be"):
         recovery(_stack(), ids=np.arange(5), read="first")
     with pytest.raises(ValueError, match="text must not be empty"):

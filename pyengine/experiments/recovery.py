@@ -30,6 +30,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _validate as _v
 from ..model import Stack, StackConfig, init_weights
 from ..propagation import (
     DecayFit,
@@ -357,9 +358,8 @@ def recovery(
         raise ValueError(f"read = {read!r} selects no token for positions = {positions!r} (T = {T})")
     sc = np.unique(np.append(np.asarray(scales, dtype=np.float64), protocol_scale))
     if directions is None:
-        if isinstance(n_directions, bool) or not isinstance(n_directions, int) or n_directions < 1:
-            raise ValueError(f"n_directions must be an int >= 1; got {n_directions!r}")
-        directions = np.random.default_rng(seed).standard_normal((n_directions, cfg.d_model))
+        n = _v.count("n_directions", n_directions)
+        directions = np.random.default_rng(seed).standard_normal((n, cfg.d_model))
     j = int(np.argmin(np.abs(sc - protocol_scale)))
     seconds: dict[str, float] = {}
 

@@ -447,7 +447,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         for info in backends.available_backends().values():
             print(f"{info.name:<6} {'available' if info.available else 'unavailable: ' + info.reason}")
         return 0
-    except (ValueError, TypeError, OSError, MemoryError, ImportError, RuntimeError) as exc:
+    except (ValueError, TypeError, OSError, MemoryError, ImportError) as exc:
         print(f"pyengine: error: {exc}", file=sys.stderr)
         return 2
 

@@ -442,6 +442,11 @@ class Stack:
             Wrong dtype or shape, NaN/Inf input, more tokens than max_seq_len
             (learned positions), ids out of range.
         """
+        return self._forward(input_ids, dtype)[0]
+
+    def _forward(self, input_ids: Any, dtype: Any = None, cache_from: int | None = None) -> tuple[np.ndarray, list]:
+        """:meth:`hidden_states`, and the block caches (what a JVP needs) of blocks
+        ``cache_from``.. (none if None), for engines that linearize at this run."""
         cfg = self._config
         x = input_ids
         if np.asarray(x).dtype.kind in "iu":
@@ -463,9 +468,13 @@ class Stack:
         if cfg.embed_norm:
             out[0] = self._norm(glob, "embed.norm", out[0])
         ctx = _blocks.make_context(cfg, T, h.dtype)
+        caches: list[dict[str, Any]] = []
         for k in range(cfg.n_layers):
-            out[k + 1] = _blocks.block_forward(blocks[k], ctx, out[k], {})
-        return out if batched else out[:, 0]
+            cache: dict[str, Any] = {}
+            out[k + 1] = _blocks.block_forward(blocks[k], ctx, out[k], cache)
+            if cache_from is not None and k >= cache_from:
+                caches.append(cache)
+        return (out if batched else out[:, 0]), caches
 
     def block_forward(self, k: int, h: Any, return_cache: bool = False) -> Any:
         """Block k applied to the stream ``h`` (T, d_model) or (B, T, d_model), in h's dtype.

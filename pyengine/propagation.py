@@ -295,18 +295,9 @@ def resolve_positions(positions: Any, T: int) -> np.ndarray:
 
 def baseline(model: Any, input_ids: Any, layer: int, dtype: Any) -> tuple[np.ndarray, list[dict[str, Any]]]:
     """Hidden states (n_layers + 1, T, d) of one sequence and the block caches from ``layer`` on."""
-    h = model.hidden_states(input_ids, dtype=dtype)
+    h, caches = model._forward(input_ids, dtype, cache_from=layer)
     if h.ndim != 3:
         raise ValueError(f"input_ids must be one sequence (T,) of ids or (T, d_model) floats; got a batch {h.shape[1:]}")
-    blocks = model._params(h.dtype)[0]
-    ctx = _blocks.make_context(model.config, h.shape[1], h.dtype)
-    caches: list[dict[str, Any]] = []
-    for k in range(layer, model.config.n_layers):
-        c: dict[str, Any] = {}
-        out = _blocks.block_forward(blocks[k], ctx, h[k][None], c)
-        if not np.array_equal(out[0], h[k + 1]):  # same code, same input: must be bitwise equal
-            raise RuntimeError(f"block {k} is not deterministic: rerunning it changed its output")
-        caches.append(c)
     return h, caches
 
 

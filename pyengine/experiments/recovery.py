@@ -35,7 +35,6 @@ from ..model import Stack, StackConfig, init_weights
 from ..propagation import (
     DecayFit,
     Propagation,
-    baseline,
     position_mask,
     propagate,
     resolve_positions,
@@ -379,7 +378,7 @@ def recovery(
     toks = resolve_positions(spectral_tokens, T)
 
     def spectra(cb: Callable[[int, int], None]) -> tuple[np.ndarray, ...]:
-        h, _ = baseline(model, ids, cfg.n_layers - 1, np.float64)
+        h = model.hidden_states(ids, dtype=np.float64)
         n = cfg.n_layers - layer
         rho, sig, one = (np.empty((n, toks.size)) for _ in range(3))
         for i, k in enumerate(range(layer, cfg.n_layers)):

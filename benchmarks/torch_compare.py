@@ -22,21 +22,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import time
 
 import numpy as np
 
 import pyengine as pe
-
-
-def _median(fn, repeat: int) -> float:
-    fn()
-    ts = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return float(np.median(ts))
+from pyengine.bench import time_call
 
 
 def torch_stack(stack: pe.Stack, sdpa: bool = True):
@@ -128,17 +118,17 @@ def main() -> None:
     tang_np = tang.numpy()
     _, cache = stack.block_forward(1, h1, return_cache=True)
     res = {
-        "pe_forward": _median(lambda: stack.hidden_states(h_batch), args.repeat) / (K + 1),
-        "pe_block_forward": _median(lambda: stack.block_forward(1, h_batch[:K]), args.repeat) / K,
-        "pe_block_jvp": _median(lambda: stack.block_jvp(1, h1, tang_np, cache=cache), args.repeat) / K,
-        "torch_forward": _median(t_forward, args.repeat) / (K + 1),
-        "torch_vmap_jvp": _median(t_vmap_jvp, args.repeat) / K,
-        "pe_exact_all": _median(lambda: pe.propagate(stack, ids, V, 6.0, 0, "all"), args.repeat) / (K + 1),
-        "pe_exact_span": _median(lambda: pe.propagate(stack, ids, V, 6.0, 0, slice(T // 2, None)),
-                                 args.repeat) / (K + 1),
-        "pe_linearized": _median(lambda: pe.propagate(stack, ids, V, 6.0, 0, "all", linearized=True),
-                                 args.repeat) / K,
-        "gemms_alone": _median(lambda: [np.matmul(a, b) for a, b in ops], args.repeat) / (K + 1),
+        "pe_forward": time_call(lambda: stack.hidden_states(h_batch), args.repeat)[0] / (K + 1),
+        "pe_block_forward": time_call(lambda: stack.block_forward(1, h_batch[:K]), args.repeat)[0] / K,
+        "pe_block_jvp": time_call(lambda: stack.block_jvp(1, h1, tang_np, cache=cache), args.repeat)[0] / K,
+        "torch_forward": time_call(t_forward, args.repeat)[0] / (K + 1),
+        "torch_vmap_jvp": time_call(t_vmap_jvp, args.repeat)[0] / K,
+        "pe_exact_all": time_call(lambda: pe.propagate(stack, ids, V, 6.0, 0, "all"), args.repeat)[0] / (K + 1),
+        "pe_exact_span": time_call(lambda: pe.propagate(stack, ids, V, 6.0, 0, slice(T // 2, None)),
+                                   args.repeat)[0] / (K + 1),
+        "pe_linearized": time_call(lambda: pe.propagate(stack, ids, V, 6.0, 0, "all", linearized=True),
+                                   args.repeat)[0] / K,
+        "gemms_alone": time_call(lambda: [np.matmul(a, b) for a, b in ops], args.repeat)[0] / (K + 1),
     }
     for name, s in res.items():
         print(f"{name:<16} {1e3 * s:9.1f} ms per sequence/tangent")

@@ -31,7 +31,7 @@ import numpy as np
 
 from . import backends
 
-__all__ = ["Case", "compare", "copy_bandwidth", "machine_limits", "register_case", "run"]
+__all__ = ["Case", "compare", "copy_bandwidth", "machine_limits", "register_case", "run", "time_call"]
 
 #: Shapes (tokens, d): the standard run and ``--quick``.
 SIZES = {"standard": [(8192, 768), (2048, 4096)], "quick": [(2048, 768)]}
@@ -192,8 +192,9 @@ def _kernel_case(kernel: str) -> Case:
     )
 
 
-def _time(call: Callable[[], Any], repeat: int) -> tuple[float, float]:
-    """(median, relative spread (max - min)/median) of ``repeat`` timed calls after a warm-up."""
+def time_call(call: Callable[[], Any], repeat: int) -> tuple[float, float]:
+    """(median seconds, relative spread (max - min)/median) of ``repeat`` timed calls after
+    one untimed warm-up call (JIT compilation, page faults)."""
     call()
     times = []
     for _ in range(repeat):
@@ -218,7 +219,7 @@ def copy_bandwidth(nbytes: int, repeat: int = 5) -> float:
         copy = lambda: _core.stream_copy(src, dst)  # noqa: E731
     else:
         copy = lambda: np.copyto(dst, src)  # noqa: E731
-    t, _ = _time(copy, repeat)
+    t, _ = time_call(copy, repeat)
     return 2 * nbytes / t
 
 
@@ -228,7 +229,7 @@ def machine_limits(quick: bool = False) -> dict[str, float]:
     n = 1024 if quick else 2048
     for dt in ("float32", "float64"):
         a = np.random.default_rng(0).standard_normal((n, n)).astype(dt)
-        t, _ = _time(lambda: a @ a, 3)
+        t, _ = time_call(lambda: a @ a, 3)
         limits[f"gemm_{dt}_flop_per_s"] = 2 * n**3 / t
     return limits
 
@@ -267,7 +268,7 @@ def run(quick: bool = False, repeat: int | None = None, dtypes: tuple[str, ...] 
         _progress(i, len(plan), f"{case.name} {b} {dt} {size[0]}x{size[1]}")
         call, moved, flops = case.setup(b, dt, size)
         # The reference is slow: fewer runs, but at least two, so its spread is measured.
-        t, spread = _time(call, max(2, repeat // 2) if b == "numpy" else repeat)
+        t, spread = time_call(call, max(2, repeat // 2) if b == "numpy" else repeat)
         t /= case.per_call
         key = (case.name, dt, size)
         if b == "numpy":

@@ -23,6 +23,7 @@ import numpy as np
 
 from . import backends
 from . import layernorm as ln
+from .bench import time_call
 
 __all__ = ["main"]
 
@@ -42,17 +43,6 @@ def _kernel_call(kernel: str, x, w, gamma, beta, backend: str, out):
     if kernel == "rms_norm":
         return fn(x, gamma, backend=backend, out=out)
     return fn(x, w, gamma, backend=backend, out=out)
-
-
-def _time(fn, repeat: int) -> float:
-    """Median wall time of ``repeat`` calls after one warm-up call (JIT compile, page faults)."""
-    fn()
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
 
 
 def demo(tokens: int, d: int, dtype: str, repeat: int) -> int:
@@ -79,7 +69,7 @@ def demo(tokens: int, d: int, dtype: str, repeat: int) -> int:
             _progress(f"{kernel} on {name} ...")
             got = _kernel_call(kernel, x, w, gamma, beta, name, out)
             err = float(np.abs(got.astype(np.float64) - ref).max()) / scale
-            t = _time(lambda: _kernel_call(kernel, x, w, gamma, beta, name, out), repeat)
+            t = time_call(lambda: _kernel_call(kernel, x, w, gamma, beta, name, out), repeat)[0]
             t_ref = t if name == "numpy" else t_ref
             gbs = streams * x.nbytes / t / 1e9
             speed = f"{t_ref / t:9.1f}x" if t_ref else ""

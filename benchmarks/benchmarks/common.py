@@ -2,10 +2,6 @@
 
 from __future__ import annotations
 
-import time
-
-import numpy as np
-
 from pyengine import backends
 
 BACKENDS = list(backends.BACKENDS)
@@ -26,13 +22,10 @@ def require_backend(name: str) -> None:
 
 
 def median_time(fn, repeat: int = 10) -> float:
-    """Median wall time of ``repeat`` calls (for track_* ratios measured in one process)."""
-    times = []
-    for _ in range(repeat):
-        t0 = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - t0)
-    return float(np.median(times))
+    """Median wall time of ``repeat`` calls after a warm-up (for track_* ratios measured in one process)."""
+    from pyengine.bench import time_call
+
+    return time_call(fn, repeat)[0]
 
 
 def copy_bandwidth(nbytes: int, repeat: int = 10) -> float:

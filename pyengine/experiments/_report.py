@@ -57,16 +57,12 @@ def format_table(rep: Recovery) -> str:
     return "\n".join(lines)
 
 
-def _json_default(o: Any) -> Any:
-    if isinstance(o, np.generic):
-        return o.item()
-    if isinstance(o, np.ndarray):
-        return o.tolist()
-    raise TypeError(f"not JSON serializable: {type(o).__name__}")
-
-
 def _clean(o: Any) -> Any:
-    """NaN and inf become None (strict JSON)."""
+    """Plain JSON values: NumPy scalars and arrays become Python ones, NaN and inf None."""
+    if isinstance(o, np.ndarray):
+        o = o.tolist()
+    elif isinstance(o, np.generic):
+        o = o.item()
     if isinstance(o, float):
         return o if math.isfinite(o) else None
     if isinstance(o, dict):
@@ -82,7 +78,7 @@ def write(rep: Recovery, folder: str, plots: bool = True) -> list[str]:
     paths = []
     p = os.path.join(folder, "recovery.json")
     with open(p, "w") as f:
-        json.dump(_clean(json.loads(json.dumps(rep.to_dict(), default=_json_default))), f, indent=1,
+        json.dump(_clean(rep.to_dict()), f, indent=1,
                   allow_nan=False)
     paths.append(p)
     p = os.path.join(folder, "layers.csv")

@@ -98,32 +98,44 @@ def frozen(mode: Any) -> bool:
 
 
 def output(
-    out: Any, shape: tuple[int, ...], dtype: np.dtype, inputs: tuple[Any, ...], core: int = 1
+    out: Any, shape: tuple[int, ...], dtype: np.dtype, inputs: tuple[Any, ...], core: int | None = 1,
+    *, inplace: np.ndarray | None = None, name: str = "out", of: str = "x",
 ) -> tuple[np.ndarray, np.ndarray]:
     """The result array (``out`` or a new one) and its C-contiguous kernel view.
 
     ``shape`` is the full output shape; the kernel view keeps the last ``core``
     axes (1: (n, d); 2 for Jacobians: (n, d, d)) and merges the rest into one
-    token axis.
+    token axis (``core=None``: no view, None in its place). ``out`` must not overlap any of ``inputs``, except that it may be
+    ``inplace`` itself (the whole array, for kernels that work in place). ``name``
+    and ``of`` (the input whose dtype the result takes) are for the messages.
     """
     if out is None:
         res = np.empty(shape, dtype=dtype)
-    else:
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"out must be a numpy.ndarray; got {type(out).__name__}")
-        if out.shape != shape:
-            raise ValueError(f"out must have shape {shape}; got {out.shape}")
-        if out.dtype != dtype:
-            raise ValueError(f"out must have dtype {dtype} (the dtype of x); got {out.dtype}")
-        if not out.flags.c_contiguous:
-            raise ValueError("out must be C-contiguous")
-        if not out.flags.writeable:
-            raise ValueError("out must be writeable")
-        for a in inputs:
-            if isinstance(a, np.ndarray) and np.may_share_memory(out, a):
-                raise ValueError("out must not overlap any input array")
-        res = out
-    return res, res.reshape((-1,) + shape[len(shape) - core :])
+        return res, None if core is None else res.reshape((-1,) + shape[len(shape) - core :])
+    if not isinstance(out, np.ndarray):
+        raise TypeError(f"{name} must be a numpy.ndarray; got {type(out).__name__}")
+    if out.shape != shape:
+        raise ValueError(f"{name} must have shape {shape}; got {out.shape}")
+    if out.dtype != dtype:
+        raise ValueError(f"{name} must have dtype {dtype} (the dtype of {of}); got {out.dtype}")
+    if not out.flags.c_contiguous:
+        raise ValueError(f"{name} must be C-contiguous")
+    if not out.flags.writeable:
+        raise ValueError(f"{name} must be writeable")
+    seen: set[int] = set()
+    for a in inputs:
+        if not isinstance(a, np.ndarray) or id(a) in seen:
+            continue
+        seen.add(id(a))
+        if a is out and a is inplace:  # in place, the common case: no need to look further
+            continue
+        if np.may_share_memory(out, a):
+            same = (a is inplace and a.shape == out.shape and a.flags.c_contiguous
+                    and a.ctypes.data == out.ctypes.data)
+            if not same:
+                hint = " (it may be the input itself, for in-place use)" if inplace is not None else ""
+                raise ValueError(f"{name} must not overlap any input array{hint}")
+    return out, None if core is None else out.reshape((-1,) + shape[len(shape) - core :])
 
 
 def dense_budget(shape: tuple[int, ...], dtype: np.dtype, max_bytes: Any) -> None:

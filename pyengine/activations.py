@@ -72,37 +72,6 @@ def kernel(name: str, backend: str = "auto"):
 # --------------------------------------------------------------------------- checks
 
 
-def _output(out: Any, shape: tuple[int, ...], dtype: np.dtype, inputs: tuple[Any, ...],
-            inplace: np.ndarray | None, name: str = "out") -> np.ndarray:
-    """``out`` checked (or a new array); ``inplace`` is the one input it may be."""
-    if out is None:
-        return np.empty(shape, dtype=dtype)
-    if not isinstance(out, np.ndarray):
-        raise TypeError(f"{name} must be a numpy.ndarray; got {type(out).__name__}")
-    if out.shape != shape:
-        raise ValueError(f"{name} must have shape {shape}; got {out.shape}")
-    if out.dtype != dtype:
-        raise ValueError(f"{name} must have dtype {dtype}; got {out.dtype}")
-    if not out.flags.c_contiguous:
-        raise ValueError(f"{name} must be C-contiguous")
-    if not out.flags.writeable:
-        raise ValueError(f"{name} must be writeable")
-    seen: set[int] = set()
-    for a in inputs:
-        if not isinstance(a, np.ndarray) or id(a) in seen:
-            continue
-        seen.add(id(a))
-        if a is out and a is inplace:  # in place, the common case: no need to look further
-            continue
-        if np.may_share_memory(out, a):
-            same = (a is inplace and a.shape == out.shape and a.flags.c_contiguous
-                    and a.ctypes.data == out.ctypes.data)
-            if not same:
-                hint = " (it may be the input itself, for in-place use)" if inplace is not None else ""
-                raise ValueError(f"{name} must not overlap any input array{hint}")
-    return out
-
-
 def _where(lead: tuple[int, ...], flat_row: int) -> str:
     return str(tuple(int(i) for i in np.unravel_index(flat_row, lead)))
 
@@ -186,7 +155,7 @@ def softmax(x: Any, *, offset: int | None = None, out: np.ndarray | None = None,
     shape = x.shape
     tq, tk = shape[-2:]
     off = _offset(offset, tk)
-    res = _output(out, shape, x.dtype, (x0, x), x)
+    res = _v.output(out, shape, x.dtype, (x0, x), None, inplace=x)[0]
     if x.size == 0:
         return res
     x3 = x.reshape(-1, tq, tk)
@@ -257,7 +226,7 @@ def softmax_jvp(p: Any, dx: Any, *, out: np.ndarray | None = None, backend: str 
         )
     dx = np.ascontiguousarray(dxa, dtype=p.dtype)
     shape = dx.shape
-    res = _output(out, shape, p.dtype, (p0, dx0, dx), dx)
+    res = _v.output(out, shape, p.dtype, (p0, dx0, dx), None, inplace=dx, of="p")[0]
     if dx.size == 0:
         return res
     tq, tk = core[-2:]
@@ -322,7 +291,7 @@ def activation(name: str, x: Any, *, out: np.ndarray | None = None, backend: str
     x0 = x
     xa, x2, n = _rows(name, x)
     shape = xa.shape[:-1] + (n,) if name == "silu_gated" else xa.shape
-    res = _output(out, shape, xa.dtype, (x0, xa), None if name == "silu_gated" else xa)
+    res = _v.output(out, shape, xa.dtype, (x0, xa), None, inplace=None if name == "silu_gated" else xa)[0]
     if xa.size == 0:
         return res
     nbad = fn(x2, res.reshape(x2.shape[0], n))

@@ -44,6 +44,7 @@ from numba import prange
 
 from ..backends import register
 from ._jit import jit, pjit
+from ._reduce import LANES, _fold
 
 __all__ = [
     "ERFCX_COEF",
@@ -59,10 +60,6 @@ __all__ = [
     "softmax",
     "softmax_jvp",
 ]
-
-#: Partial results per reduction (see :mod:`pyengine._numba.layernorm`: large enough
-#: that LLVM keeps the loop over lanes a loop and vectorizes it).
-LANES = 64
 
 _f64 = np.float64
 
@@ -264,17 +261,6 @@ def _max(x, n, acc):
         v = _f64(x[i])
         m = v if v > m else m
     return m
-
-
-@jit
-def _fold(acc):
-    """Sum of the LANES partial sums in acc, pairwise, in a fixed order (overwrites acc)."""
-    h = LANES // 2
-    while h > 0:
-        for k in range(h):
-            acc[k] += acc[k + h]
-        h //= 2
-    return acc[0]
 
 
 @jit

@@ -401,8 +401,9 @@ def propagate(
     ctx = _blocks.make_context(cfg, T, dt, s)
     jvp_caches = [_blocks.suffix(_blocks.make_context(cfg, T, dt), c, s) for c in caches] if linearized else None
 
-    hb = h_base[layer:, s:].astype(np.float64)  # (L, T', d)
-    hb2 = np.einsum("ltd,ltd->lt", hb, hb)
+    hf = h_base.astype(np.float64)  # (n_layers + 1, T, d)
+    sq = np.einsum("ktd,ktd->kt", hf, hf)  # |h_k|^2 per position
+    hb, hb2 = hf[layer:, s:], sq[layer:, s:]  # (L, T', d), (L, T')
     hb_dt, V_dt = h_base[layer:, s:], V.astype(dt)
     metrics = _Metrics(L, N, T)
     keep = None
@@ -455,16 +456,14 @@ def propagate(
                 if deltas is not None:
                     deltas[i][np.ix_(rows, kin)] = delta[:, rel].astype(dt)
 
-    hf = h_base.astype(np.float64)
     a, b = hf[:-1], hf[1:]
-    na, nb = np.linalg.norm(a, axis=-1), np.linalg.norm(b, axis=-1)
     with np.errstate(divide="ignore", invalid="ignore"):
-        adj = np.einsum("ktd,ktd->kt", a, b) / (na * nb)
+        adj = np.einsum("ktd,ktd->kt", a, b) / np.sqrt(sq[:-1] * sq[1:])
     return Propagation(
         layer=layer, layers=np.arange(layer, cfg.n_layers + 1), directions=V, scales=S, positions=pos, T=T,
         linearized=bool(linearized), mode=mode, causal=cfg.causal, cosine=metrics.cosine,
         projection=metrics.projection, norm_ratio=metrics.norm_ratio, delta_norm=metrics.delta_norm,
-        base_norm=np.sqrt(hb2) if s == 0 else np.linalg.norm(hf[layer:], axis=-1),
+        base_norm=np.sqrt(sq[layer:]),
         base_adjacent_cosine=adj, base_step=np.linalg.norm(b - a, axis=-1), deltas=deltas,
         delta_positions=keep,
     )

@@ -17,7 +17,7 @@ import os as _os
 # parallel region. It must be set before libgomp loads; a user's setting wins.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
-from .activations import activation, activation_jvp_coef, softmax, softmax_jvp
+from .kernels.activations import activation, activation_jvp_coef, softmax, softmax_jvp
 from .backends import (
     available_backends,
     get_num_threads,
@@ -25,7 +25,7 @@ from .backends import (
     set_num_threads,
     use_backend,
 )
-from .layernorm import (
+from .kernels.layernorm import (
     layer_norm,
     layer_norm_jacobian,
     layer_norm_jvp,
@@ -35,7 +35,7 @@ from .layernorm import (
     rms_norm_jvp,
     rms_norm_vjp,
 )
-from .operators import (
+from .linalg.operators import (
     BatchedOperator,
     DenseOperator,
     Identity,
@@ -44,10 +44,9 @@ from .operators import (
     RMSNormJacobian,
     Scaled,
     Sum,
-    as_linear_operator,
-    from_linear_operator,
 )
-from .spectral import (
+from .linalg.convert import as_linear_operator, from_linear_operator
+from .linalg.spectral import (
     SpectralRadiusResult,
     SpectralResult,
     WeightScan,
@@ -57,9 +56,10 @@ from .spectral import (
     spectral_radius,
     weight_scan,
 )
-from .model import Stack, StackConfig, init_weights
-from .pretrained import PretrainedModel, load_pretrained
-from .propagation import DecayFit, Propagation, fit_decay, propagate
+from .models.initialization import init_weights
+from .models.stack import Stack, StackConfig
+from .models.pretrained import PretrainedModel, load_pretrained
+from .analysis.propagate import DecayFit, Propagation, fit_decay, propagate
 
 __version__ = "0.1.0"
 

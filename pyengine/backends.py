@@ -1,7 +1,7 @@
 """The one registry of backends: ``(kernel id, backend name) -> callable``.
 
 Backends are ``"cpp"`` (the compiled extension ``pyengine._core``), ``"numba"``
-and ``"numpy"`` (the reference, ``pyengine._reference``). ``"auto"`` picks the
+and ``"numpy"`` (the reference, ``pyengine.kernels._reference``). ``"auto"`` picks the
 first available of :data:`AUTO_ORDER`. Each backend module registers its kernels
 with :func:`register` when it is first imported, and it is imported only when a
 kernel of that backend is first asked for, so ``import pyengine`` stays fast and
@@ -74,9 +74,9 @@ KERNELS: tuple[str, ...] = NORM_KERNELS + SPECTRAL_KERNELS + ACTIVATION_KERNELS
 
 #: Backend name -> the module that registers its kernels when imported.
 _MODULES: dict[str, str] = {
-    "cpp": "pyengine._cpp",
-    "numba": "pyengine._numba",
-    "numpy": "pyengine._reference",
+    "cpp": "pyengine.kernels._cpp",
+    "numba": "pyengine.kernels._numba",
+    "numpy": "pyengine.kernels._reference",
 }
 BACKENDS: tuple[str, ...] = tuple(_MODULES)
 #: Preference order of ``backend="auto"``: fastest first.
@@ -146,7 +146,8 @@ def _load(backend: str) -> bool:
     return backend in _LOADED
 
 
-def _check_name(backend: object) -> str:
+def check_name(backend: object) -> str:
+    """``backend`` itself if it is ``"auto"`` or a known backend name; else a ValueError naming it."""
     if not isinstance(backend, str) or (backend != "auto" and backend not in _MODULES):
         raise ValueError(
             f"backend must be one of 'auto', {', '.join(map(repr, BACKENDS))}; got {backend!r}"
@@ -158,7 +159,7 @@ def resolve(kernel: str, backend: str = "auto") -> Callable[..., Any]:
     """Return the callable for ``kernel`` on ``backend`` (``"auto"``: fastest available)."""
     if kernel not in KERNELS:
         raise KeyError(f"unknown kernel id {kernel!r}")
-    backend = _check_name(backend)
+    backend = check_name(backend)
     if backend == "auto":
         backend = _DEFAULT.get()
     candidates = AUTO_ORDER if backend == "auto" else (backend,)
@@ -200,7 +201,7 @@ def available_backends() -> dict[str, BackendInfo]:
 @contextlib.contextmanager
 def use_backend(backend: str) -> Iterator[None]:
     """Make ``backend`` what ``backend="auto"`` means inside a ``with`` block."""
-    token = _DEFAULT.set(_check_name(backend))
+    token = _DEFAULT.set(check_name(backend))
     try:
         yield
     finally:

@@ -10,7 +10,7 @@ import pytest
 from scipy import special
 
 import pyengine as pe
-from pyengine import activations as pa
+from pyengine.kernels import activations as pa
 from pyengine import backends
 
 #: Comparison tolerances against the reference, per dtype: (rtol, atol relative to the

@@ -1,4 +1,4 @@
-"""pyengine.model: stack configs, weights files, forward against a naive implementation,
+"""pyengine.models.stack: stack configs, weights files, forward against a naive implementation,
 and the block JVP against central finite differences for every stack variant."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 
 import pyengine as pe
-from pyengine import _blocks
-from pyengine.model import BlockCache, Stack, StackConfig, expected_arrays, init_weights
+from pyengine.models import _blocks
+from pyengine.models import BlockCache, Stack, StackConfig, expected_arrays, init_weights
 
 D, H, T, D_MLP = 16, 2, 5, 32
 #: Central-difference step and the accepted error, relative to the difference's norm.

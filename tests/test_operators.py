@@ -8,7 +8,7 @@ import scipy.sparse
 import scipy.sparse.linalg
 
 import pyengine as pe
-from pyengine import operators as po
+from pyengine.linalg import operators as po
 
 NORMS = {"layer_norm": pe.LayerNormJacobian, "rms_norm": pe.RMSNormJacobian}
 MODES = ["full", "frozen_scale"]
@@ -99,7 +99,7 @@ def compositions(rng):
         ("transpose", T.T @ T),
         ("J@J", J @ J),
         ("negative", -(W @ J)),
-        ("from scipy", po.from_linear_operator(scipy.sparse.random(6, 6, density=0.5, random_state=3))),
+        ("from scipy", pe.from_linear_operator(scipy.sparse.random(6, 6, density=0.5, random_state=3))),
     ]
 
 
@@ -145,7 +145,7 @@ def test_bounds_compose(rng):
     np.testing.assert_allclose((W @ J).upper_bound(), bw * bj)
     np.testing.assert_allclose((pe.Identity(6) + W @ J).upper_bound(), 1 + bw * bj)
     np.testing.assert_allclose((-3 * J).upper_bound(), 3 * bj)
-    assert np.isinf(po.from_linear_operator(np.eye(3)).upper_bound()).all()
+    assert np.isinf(pe.from_linear_operator(np.eye(3)).upper_bound()).all()
 
 
 def test_take_selects_operators(rng):

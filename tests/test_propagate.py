@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pyengine as pe
-from pyengine import propagation as P
+from pyengine.analysis.propagate import resolve_positions
 
 
 def _stack(dtype=np.float64, **kw):
@@ -48,7 +48,7 @@ def test_metrics_match_a_direct_numpy_computation(kw, positions):
     V = rng.standard_normal((2, 16))
     scales = np.array([0.5, 3.0])
     r = pe.propagate(st, IDS, V, scales, 1, positions, return_deltas=True)
-    pos = P.resolve_positions(positions, IDS.size)
+    pos = resolve_positions(positions, IDS.size)
     assert r.cosine.shape == (st.config.n_layers, 4, IDS.size)
     for i in range(2):
         for j, a in enumerate(scales):

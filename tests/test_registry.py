@@ -13,7 +13,7 @@ from pyengine import backends
 
 def test_every_kernel_has_a_reference():
     for kernel in backends.KERNELS:
-        assert backends.resolve(kernel, "numpy").__module__.startswith("pyengine._reference.")
+        assert backends.resolve(kernel, "numpy").__module__.startswith("pyengine.kernels._reference.")
 
 
 def test_every_available_backend_has_every_kernel():

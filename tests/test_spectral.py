@@ -11,7 +11,7 @@ import scipy.sparse.linalg
 
 import pyengine as pe
 from pyengine import backends
-from pyengine import spectral as sp
+from pyengine.linalg import spectral as sp
 from pyengine.cli import main
 
 NORMS = ["layer_norm", "rms_norm"]

@@ -18,7 +18,7 @@ from pyengine import backends
 NORMS = ("layer_norm", "rms_norm")
 #: Agreement in lambda = (s sigma)^2: relative, plus an absolute floor of a few ulps of
 #: max(gamma^2), the rounding of the data that any method inherits (module docstring of
-#: pyengine._numba.spectral). Typical errors are 1e-15.
+#: pyengine.kernels._numba.spectral). Typical errors are 1e-15.
 LAM_RTOL = 1e-12
 LAM_ATOL = 1e-14
 

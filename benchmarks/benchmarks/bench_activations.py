@@ -16,7 +16,7 @@ import functools
 
 import numpy as np
 
-import pyengine.activations as pa
+import pyengine as pa
 
 from .common import BACKENDS, DTYPES, copy_bandwidth, median_time, require_backend
 

@@ -1,4 +1,4 @@
-"""asv suites for transformer stacks (pyengine.model), GPT-2-small shaped, float32.
+"""asv suites for transformer stacks (pyengine.models.stack), GPT-2-small shaped, float32.
 
 Issue 4's targets are ratios measured in one process: a batched forward costs at
 most 1.3x its own matrix products executed alone with NumPy/BLAS

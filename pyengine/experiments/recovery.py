@@ -31,8 +31,8 @@ from typing import Any
 import numpy as np
 
 from .. import _validate as _v
-from ..model import Stack, StackConfig, init_weights
-from ..propagation import (
+from ..models import Stack, StackConfig, init_weights
+from ..analysis.propagate import (
     DecayFit,
     Propagation,
     position_mask,

@@ -1,0 +1,519 @@
+"""Batched perturbation propagation through a stack, exact and linearized, with its metrics.
+
+:func:`propagate` adds delta = scale * v/|v| to one hidden state of a sequence and
+follows the injected streams through the remaining blocks, next to the baseline
+stream. K directions times S scales go through as one batch (one GEMM per weight
+per block). With a causal mask, the rows before the first injected position
+cannot change and are not recomputed: their keys and values come from the
+baseline. ``linearized=True`` pushes delta through the exact block JVPs at the
+baseline instead (one tangent per direction: the result is linear in the scale).
+
+Indexing follows :meth:`pyengine.Stack.hidden_states`: hidden state 0 is the
+embedding output, hidden state k the stream after block k (blocks counted from 1);
+injecting at ``layer`` perturbs the input of block ``layer + 1``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+import numbers
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from ..models import _blocks
+from .. import _validate as _v
+
+__all__ = ["DecayFit", "Propagation", "fit_decay", "propagate", "token_jacobians"]
+
+#: Bytes of activations one propagation chunk may hold (sets the default batch size).
+CHUNK_BYTES = 1 << 30
+_VIEWS = ("last", "injected", "downstream", "all")
+
+
+@dataclasses.dataclass(frozen=True)
+class DecayFit:
+    """Exponential fit |p_k| ~ exp(intercept - rate k) by least squares on log |p_k|.
+
+    ``rate`` > 0 is decay, < 0 growth. ``rate_ci`` is the 95 % interval of the
+    slope (Student t, n - 2 degrees of freedom; NaN with fewer than 3 points);
+    ``half_life`` = ln 2 / rate layers (inf when the rate is <= 0); ``intercept``
+    log |p| extrapolated to layer 0 (absolute index); ``r2`` the
+    coefficient of determination of the log-linear fit; ``n_points`` the layers used
+    (those with |p_k| > 0 and finite).
+    """
+
+    rate: float
+    rate_ci: tuple[float, float]
+    r2: float
+    half_life: float
+    intercept: float
+    n_points: int
+
+    def to_dict(self) -> dict[str, Any]:
+        return {"rate": self.rate, "rate_ci": list(self.rate_ci), "r2": self.r2,
+                "half_life": self.half_life, "intercept": self.intercept, "n_points": self.n_points}
+
+
+def fit_decay(values: Any, layers: Any | None = None) -> DecayFit:
+    """Fit the exponential rate of ``|values|`` over ``layers`` (default 0, 1, ...).
+
+    Parameters
+    ----------
+    values : array_like, (n,)
+        A magnitude per layer, e.g. ``|projection|`` at one position.
+    layers : array_like, (n,), optional
+        The layer index of each value.
+
+    Returns
+    -------
+    DecayFit
+        NaN rate (and n_points < 2) when fewer than two values are > 0.
+    """
+    from scipy import stats
+
+    y = np.abs(np.asarray(values, dtype=np.float64))
+    if y.ndim != 1:
+        raise ValueError(f"values must be 1-D (one per layer); got shape {y.shape}")
+    x = np.arange(y.size, dtype=np.float64) if layers is None else np.asarray(layers, dtype=np.float64)
+    if x.shape != y.shape:
+        raise ValueError(f"layers must have the shape of values {y.shape}; got {x.shape}")
+    keep = np.isfinite(y) & (y > 0) & np.isfinite(x)
+    x, y = x[keep], np.log(y[keep])
+    n = int(x.size)
+    nan = float("nan")
+    if n < 2 or np.ptp(x) == 0:
+        return DecayFit(nan, (nan, nan), nan, nan, nan, n)
+    xm, ym = x.mean(), y.mean()
+    sxx = float(((x - xm) ** 2).sum())
+    slope = float(((x - xm) * (y - ym)).sum() / sxx)
+    intercept = float(ym - slope * xm)
+    resid = y - (intercept + slope * x)
+    ss_res, ss_tot = float((resid**2).sum()), float(((y - ym) ** 2).sum())
+    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
+    if n > 2:
+        half = float(stats.t.ppf(0.975, n - 2)) * math.sqrt(ss_res / (n - 2) / sxx)
+        ci = (-slope - half, -slope + half)
+    else:
+        ci = (nan, nan)
+    rate = -slope
+    return DecayFit(rate, ci, r2, math.log(2) / rate if rate > 0 else math.inf, intercept, n)
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class Propagation:
+    """What :func:`propagate` measured. N = K * S perturbations, perturbation ``i * S + j``
+    is direction i at scale j; L' = n_layers + 1 - layer hidden states (``layers``).
+
+    Metrics (float64, shape (L', N, T)), at hidden state k, perturbation n, position t,
+    with delta = h_inj - h_base:
+
+    - ``cosine``: cos(h_inj, h_base);
+    - ``projection``: delta . v / |v| (v the perturbation's direction);
+    - ``norm_ratio``: |h_inj| / |h_base|;
+    - ``delta_norm``: |delta|.
+
+    Baseline stream: ``base_norm`` (L', T) = |h_k|; ``base_adjacent_cosine`` and
+    ``base_step`` (n_layers, T): cos(h_k, h_{k+1}) and |h_{k+1} - h_k| for every k.
+    ``deltas`` (L', N, P, d) only with ``return_deltas``: delta_k at the positions
+    ``delta_positions`` (P of them; all T with ``return_deltas=True``).
+    """
+
+    layer: int
+    layers: np.ndarray
+    directions: np.ndarray  # (K, d) unit, float64
+    scales: np.ndarray  # (S,)
+    positions: np.ndarray  # (P,) injected positions, sorted
+    T: int
+    linearized: bool
+    mode: str
+    causal: bool
+    cosine: np.ndarray
+    projection: np.ndarray
+    norm_ratio: np.ndarray
+    delta_norm: np.ndarray
+    base_norm: np.ndarray
+    base_adjacent_cosine: np.ndarray
+    base_step: np.ndarray
+    deltas: np.ndarray | None = None
+    delta_positions: np.ndarray | None = None
+
+    @property
+    def K(self) -> int:
+        return int(self.directions.shape[0])
+
+    @property
+    def S(self) -> int:
+        return int(self.scales.size)
+
+    @property
+    def N(self) -> int:
+        return self.K * self.S
+
+    @property
+    def gain(self) -> np.ndarray:
+        """(L' - 1, N, T): projection_{k+1} / projection_k (NaN where projection_k = 0)."""
+        p = self.projection
+        with np.errstate(divide="ignore", invalid="ignore"):
+            return np.where(p[:-1] != 0, p[1:] / np.where(p[:-1] != 0, p[:-1], 1.0), np.nan)
+
+    def position_mask(self, where: str) -> np.ndarray:
+        """(T,) bool: "injected" positions, "downstream" (after the last injected one:
+        with causal attention the only other tokens that can move), "last" (the last
+        token, the published protocol's read-out) or "all". Without a causal mask
+        tokens before the span move too: read them with "all"."""
+        return position_mask(where, self.positions, self.T)
+
+    def view(self, metric: str, where: str = "last") -> np.ndarray:
+        """(L', N): a metric's mean over the positions ``where`` selects (see :meth:`position_mask`).
+
+        ``projection`` and ``delta_norm`` average magnitudes (|projection|); the
+        result is NaN where the selection is empty (e.g. nothing downstream).
+        """
+        if metric not in ("cosine", "projection", "norm_ratio", "delta_norm"):
+            raise ValueError(f"metric must be cosine, projection, norm_ratio or delta_norm; got {metric!r}")
+        a = getattr(self, metric)
+        m = self.position_mask(where)
+        if not m.any():
+            return np.full(a.shape[:2], np.nan)
+        a = a[..., m]
+        return (np.abs(a) if metric == "projection" else a).mean(axis=-1)
+
+    def per_direction(self, metric: str) -> np.ndarray:
+        """(L', K, S, T): a metric with the perturbation axis split into direction x scale."""
+        a = getattr(self, metric)
+        return a.reshape(a.shape[0], self.K, self.S, *a.shape[2:])
+
+    def fit(self, where: str = "last", scale_index: int | None = None) -> DecayFit:
+        """Decay fit of the mean (over directions) |projection| at positions ``where``.
+
+        One scale: ``scale_index`` (default the largest). The first point is the
+        injected hidden state ``layer`` itself, unless no selected position is injected.
+        """
+        j = int(np.argmax(self.scales)) if scale_index is None else scale_index
+        if isinstance(j, bool) or not isinstance(j, numbers.Integral) or not 0 <= j < self.S:
+            raise ValueError(f"scale_index must be an int in [0, {self.S}); got {scale_index!r}")
+        v = self.view("projection", where).reshape(-1, self.K, self.S)[:, :, j].mean(axis=1)
+        return fit_decay(v, self.layers)
+
+    def fits(self, where: str = "last") -> list[list[DecayFit]]:
+        """Decay fit per direction and scale: ``fits()[i][j]``."""
+        v = self.view("projection", where).reshape(-1, self.K, self.S)
+        return [[fit_decay(v[:, i, j], self.layers) for j in range(self.S)] for i in range(self.K)]
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain lists and numbers (JSON-ready); deltas are left out."""
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(self):
+            val = getattr(self, f.name)
+            if f.name in ("deltas", "delta_positions"):
+                continue
+            out[f.name] = val.tolist() if isinstance(val, np.ndarray) else val
+        return out
+
+
+# --------------------------------------------------------------------------- validation
+
+
+def position_mask(where: str, positions: np.ndarray, T: int) -> np.ndarray:
+    """(T,) bool selection of :meth:`Propagation.position_mask` for injected ``positions``."""
+    m = np.zeros(T, bool)
+    if where == "injected":
+        m[positions] = True
+    elif where == "downstream":
+        m[positions[-1] + 1 :] = True
+    elif where == "last":
+        m[-1] = True
+    elif where == "all":
+        m[:] = True
+    else:
+        raise ValueError(f"where must be one of {', '.join(map(repr, _VIEWS))}; got {where!r}")
+    return m
+
+
+
+def _layer(layer: Any, n_layers: int) -> int:
+    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < n_layers:
+        raise ValueError(
+            f"layer must be a hidden-state index in [0, {n_layers - 1}] (the input of a block); got {layer!r}"
+        )
+    return int(layer)
+
+
+def _directions(direction: Any, d: int) -> np.ndarray:
+    v = _v.float_array("direction", direction)
+    if v.ndim not in (1, 2) or v.shape[-1] != d or v.size == 0:
+        raise ValueError(f"direction must have shape ({d},) or (K, {d}) with K >= 1; got {v.shape}")
+    v = np.atleast_2d(v).astype(np.float64)
+    if not np.isfinite(v).all():
+        raise ValueError("direction contains NaN or Inf")
+    n = np.linalg.norm(v, axis=1)
+    if (n == 0).any():
+        raise ValueError(f"direction {int(np.argmin(n))} is the zero vector: it has no direction")
+    return v / n[:, None]
+
+
+def _scales(scale: Any) -> np.ndarray:
+    s = np.asarray(scale, dtype=object if isinstance(scale, str) else None)
+    if s.dtype.kind not in "iuf" or s.ndim > 1 or s.size == 0:
+        raise ValueError(f"scale must be a number or a 1-D array of numbers; got {scale!r}")
+    s = np.atleast_1d(s).astype(np.float64)
+    if not np.isfinite(s).all():
+        raise ValueError("scale contains NaN or Inf")
+    return s
+
+
+def resolve_positions(positions: Any, T: int) -> np.ndarray:
+    """Sorted unique positions from "all", "last", an int, a slice or a list (negative from the end)."""
+    if isinstance(positions, str):
+        if positions == "all":
+            return np.arange(T)
+        if positions == "last":
+            return np.array([T - 1])
+        raise ValueError(f"positions must be 'all', 'last', an int, a slice or a list of ints; got {positions!r}")
+    if isinstance(positions, slice):
+        p = np.unique(np.arange(T)[positions])
+    else:
+        p = np.atleast_1d(np.asarray(positions))
+        if p.size == 0:
+            raise ValueError(f"positions selects no token of the T = {T} tokens")
+        if p.dtype.kind not in "iu" or p.ndim != 1:
+            raise ValueError(f"positions must be 'all', 'last', an int, a slice or a list of ints; got {positions!r}")
+        bad = p[(p < -T) | (p >= T)]
+        if bad.size:
+            raise ValueError(f"positions must lie in [-{T}, {T}) for a sequence of T = {T} tokens; got {bad[0]}")
+        p = np.unique(p % T)
+    if p.size == 0:
+        raise ValueError(f"positions selects no token of the T = {T} tokens")
+    return p.astype(np.intp)
+
+
+# --------------------------------------------------------------------------- engine
+
+
+def baseline(model: Any, input_ids: Any, layer: int, dtype: Any) -> tuple[np.ndarray, list[dict[str, Any]]]:
+    """Hidden states (n_layers + 1, T, d) of one sequence and the block caches from ``layer`` on."""
+    h, caches = model._forward(input_ids, dtype, cache_from=layer)
+    if h.ndim != 3:
+        raise ValueError(f"input_ids must be one sequence (T,) of ids or (T, d_model) floats; got a batch {h.shape[1:]}")
+    return h, caches
+
+
+class _Metrics:
+    """Accumulates the metrics of hidden states layer..n_layers from per-state dot products."""
+
+    def __init__(self, L: int, N: int, T: int) -> None:
+        shape = (L, N, T)
+        self.cosine = np.ones(shape)
+        self.projection = np.zeros(shape)
+        self.norm_ratio = np.ones(shape)
+        self.delta_norm = np.zeros(shape)
+
+    def put(self, i: int, n: slice, s: int, hb: np.ndarray, dot: np.ndarray, dd: np.ndarray, proj: np.ndarray) -> None:
+        """Hidden state i, perturbations n, rows s..T-1: |h_b|^2 (T',), delta.h_b, |delta|^2, delta.v (n, T')."""
+        nb2 = hb
+        ni2 = np.maximum(nb2 + 2.0 * dot + dd, 0.0)
+        nb, ni = np.sqrt(nb2), np.sqrt(ni2)
+        with np.errstate(divide="ignore", invalid="ignore"):
+            self.cosine[i, n, s:] = np.clip((nb2 + dot) / (nb * ni), -1.0, 1.0)
+            self.norm_ratio[i, n, s:] = ni / nb
+        self.projection[i, n, s:] = proj
+        self.delta_norm[i, n, s:] = np.sqrt(dd)
+
+
+def propagate(
+    model: Any,
+    input_ids: Any,
+    direction: Any,
+    scale: Any,
+    layer: int,
+    positions: Any = "all",
+    *,
+    linearized: bool = False,
+    mode: str = "full",
+    dtype: Any = None,
+    batch_size: int | None = None,
+    return_deltas: Any = False,
+    progress: Callable[[int, int], None] | None = None,
+) -> Propagation:
+    """Inject scale * v/|v| into hidden state ``layer`` and propagate it to the last block.
+
+    Parameters
+    ----------
+    model : Stack (or a pretrained model)
+    input_ids : array_like
+        One sequence: token ids (T,) (the stack needs an embedding), or a float
+        residual-stream input (T, d_model) (see :meth:`Stack.hidden_states`).
+    direction : array_like, (d_model,) or (K, d_model)
+        Directions v (normalized here; the zero vector is an error).
+    scale : float or array_like (S,)
+        The perturbation is delta = scale * v/|v| (absolute, in the stream's units).
+    layer : int in [0, n_layers - 1]
+        Hidden-state index of the injection (the input of block layer + 1).
+    positions : "all", "last", int, slice or sequence of ints
+        Token positions that receive delta (negative count from the end).
+    linearized : bool
+        Push delta through the block JVPs at the baseline (first order) instead of
+        the exact blocks.
+    mode : {"full", "frozen_scale"}
+        Norm linearization of the JVPs (linearized only).
+    dtype : float32 or float64, optional
+        Compute dtype (default the model's). Metrics are float64 either way.
+    batch_size : int, optional
+        Perturbations per batched pass (default: as many as fit in about 1 GiB of
+        activations).
+    return_deltas : bool or positions
+        Also keep delta_k = h_inj - h_base for every k: True keeps all T positions,
+        (L', N, T, d_model) in ``dtype``; a positions spec (as ``positions``) keeps
+        only those, (L', N, P, d_model).
+    progress : callable(done, total), optional
+        Called after every block of every batch.
+
+    Returns
+    -------
+    Propagation
+    """
+    from ..models.stack import Stack, _float_dtype
+
+    if not isinstance(model, Stack):
+        raise TypeError(f"model must be a pyengine Stack or pretrained model; got {type(model).__name__}")
+    cfg = model.config
+    layer = _layer(layer, cfg.n_layers)
+    V = _directions(direction, cfg.d_model)
+    S = _scales(scale)
+    _v.frozen(mode)
+    dt = model.dtype if dtype is None else _float_dtype(dtype)
+    batch_size = _v.count("batch_size", batch_size, allow_none=True)
+    h_base, caches = baseline(model, input_ids, layer, dt)
+    T, d = h_base.shape[1:]
+    pos = resolve_positions(positions, T)
+    s = int(pos[0]) if cfg.causal else 0
+    L = cfg.n_layers + 1 - layer
+    K, nS = V.shape[0], S.size
+    N = K * nS
+    n_rows = K if linearized else N  # linearized: one tangent per direction, scaled afterwards
+    if batch_size is None:
+        per = (T - s) * (4 * d + cfg.n_heads * T + 3 * cfg.d_mlp) * dt.itemsize * 2
+        batch_size = max(1, CHUNK_BYTES // max(per, 1))
+    blocks = model._params(dt)[0]
+    ctx = _blocks.make_context(cfg, T, dt, s)
+    jvp_caches = [_blocks.suffix(_blocks.make_context(cfg, T, dt), c, s) for c in caches] if linearized else None
+
+    hf = h_base.astype(np.float64)  # (n_layers + 1, T, d)
+    sq = np.einsum("ktd,ktd->kt", hf, hf)  # |h_k|^2 per position
+    hb, hb2 = hf[layer:, s:], sq[layer:, s:]  # (L, T', d), (L, T')
+    hb_dt, V_dt = h_base[layer:, s:], V.astype(dt)
+    metrics = _Metrics(L, N, T)
+    keep = None
+    if not isinstance(return_deltas, (bool, np.bool_)):
+        keep = resolve_positions(return_deltas, T)
+    elif return_deltas:
+        keep = np.arange(T)
+    deltas = None if keep is None else np.zeros((L, N, keep.size, d), dt)
+    kin = None if keep is None else np.flatnonzero(keep >= s)  # kept positions that can move
+    rel = None if keep is None else keep[kin] - s
+    inj = np.zeros((T - s, 1), bool)
+    inj[pos - s] = True
+    total, done = -(-n_rows // batch_size) * (L - 1), 0
+
+    for b0 in range(0, n_rows, batch_size):
+        rows = np.arange(b0, min(b0 + batch_size, n_rows))
+        if linearized:
+            dirs, amp = rows, np.ones(rows.size)
+        else:
+            dirs, amp = rows // nS, S[rows % nS]
+        delta0 = (amp[:, None, None] * V[dirs][:, None, :]) * inj  # (n, T', d), float64
+        x = delta0.astype(dt) if linearized else (h_base[layer, s:] + delta0).astype(dt)
+        for i in range(L):
+            if i:
+                k = layer + i - 1
+                if linearized:
+                    c_ctx, c_cache = jvp_caches[i - 1]
+                    x = _blocks.block_jvp(blocks[k], c_ctx, x, c_cache, mode)
+                else:
+                    x = _blocks.block_forward(blocks[k], ctx, x, {"attn.past": caches[i - 1]})
+                done += 1
+                if progress is not None:
+                    progress(done, total)
+            if i == 0:  # exact, not rounded through dt
+                delta, hbi, vd = delta0, hb[0], V[dirs]
+            else:  # dot products in the compute dtype (BLAS-speed); metrics are float64
+                delta = x if linearized else x - hb_dt[i]
+                hbi, vd = hb_dt[i], V_dt[dirs]
+            dot = np.einsum("ntd,td->nt", delta, hbi).astype(np.float64)
+            dd = np.einsum("ntd,ntd->nt", delta, delta).astype(np.float64)
+            proj = np.einsum("ntd,nd->nt", delta, vd).astype(np.float64)
+            if linearized:  # delta(alpha) = alpha * tangent, for every scale
+                for j, a in enumerate(S):
+                    sel = rows * nS + j
+                    metrics.put(i, sel, s, hb2[i], a * dot, a * a * dd, a * proj)
+                    if deltas is not None:
+                        deltas[i][np.ix_(sel, kin)] = (a * delta[:, rel]).astype(dt)
+            else:
+                metrics.put(i, slice(rows[0], rows[-1] + 1), s, hb2[i], dot, dd, proj)
+                if deltas is not None:
+                    deltas[i][np.ix_(rows, kin)] = delta[:, rel].astype(dt)
+
+    a, b = hf[:-1], hf[1:]
+    with np.errstate(divide="ignore", invalid="ignore"):
+        adj = np.einsum("ktd,ktd->kt", a, b) / np.sqrt(sq[:-1] * sq[1:])
+    return Propagation(
+        layer=layer, layers=np.arange(layer, cfg.n_layers + 1), directions=V, scales=S, positions=pos, T=T,
+        linearized=bool(linearized), mode=mode, causal=cfg.causal, cosine=metrics.cosine,
+        projection=metrics.projection, norm_ratio=metrics.norm_ratio, delta_norm=metrics.delta_norm,
+        base_norm=np.sqrt(sq[layer:]),
+        base_adjacent_cosine=adj, base_step=np.linalg.norm(b - a, axis=-1), deltas=deltas,
+        delta_positions=keep,
+    )
+
+
+def token_jacobians(
+    model: Any, h: Any, block: int, tokens: Any, *, mode: str = "full", chunk: int = 256
+) -> np.ndarray:
+    """Dense per-token diagonal blocks d out_t / d h_t of block ``block`` at its input ``h``.
+
+    With a causal mask the Jacobian of a block over all T tokens is block
+    lower-triangular, so its eigenvalues are those of these (d, d) blocks.
+
+    Parameters
+    ----------
+    model : Stack
+    h : array_like, (T, d_model), float32 or float64
+        The block's input (e.g. ``model.hidden_states(ids)[block]``); its dtype is
+        the compute dtype.
+    block : int
+        Block index (0-based: block k maps hidden state k to k + 1).
+    tokens : "all", "last", int, slice or sequence of ints
+        Positions t (negative count from the end); used sorted and without repeats.
+    mode : {"full", "frozen_scale"}
+    chunk : int
+        Basis vectors pushed through one batched JVP.
+
+    Returns
+    -------
+    ndarray, (R, d_model, d_model), h's dtype: ``A[r] @ u`` is the change of the
+    block output at the r-th selected token per change u of the input at that token.
+    """
+    k = model._block_index(block)
+    _v.frozen(mode)
+    chunk = _v.count("chunk", chunk)
+    x, batched = model._stream("h", h)
+    if batched:
+        raise ValueError(f"h must have shape (T, d_model); got {x.shape}")
+    T, d = x.shape[1:]
+    rows = resolve_positions(tokens, T)
+    w = model._params(x.dtype)[0][k]
+    ctx = _blocks.make_context(model.config, T, x.dtype)
+    cache: dict[str, Any] = {}
+    _blocks.block_forward(w, ctx, x, cache)
+    dctx, dcache = _blocks.diagonal(ctx, cache, rows)
+    out = np.empty((rows.size, d, d), x.dtype)
+    for i0 in range(0, d, chunk):
+        i1 = min(d, i0 + chunk)
+        basis = np.zeros((i1 - i0, rows.size, d), x.dtype)
+        basis[np.arange(i1 - i0), :, np.arange(i0, i1)] = 1.0
+        cols = _blocks.block_jvp(w, dctx, basis, dcache, mode)  # (n, R, d): columns i0..i1 of each A_r
+        out[:, :, i0:i1] = cols.transpose(1, 2, 0)
+    return out

@@ -1,0 +1,288 @@
+"""Row reductions shared by the Numba kernels: float64 sums in lanes, in a fixed order.
+
+Used by :mod:`pyengine.kernels._numba.layernorm` (row statistics and the JVP/VJP sums) and
+:mod:`pyengine.kernels._numba.spectral` and :mod:`pyengine.kernels._numba._secular` (row statistics,
+and ``LANES``, :func:`_zero` and :func:`_fold` for their own fused passes). Every reduction accumulates in float64,
+also for float32 input; ``x``, ``w``, ``g``, ``u`` are rows ``(d,)``, ``c`` a
+float64 centre (the mean, or 0 for RMSNorm), ``acc`` a float64 scratch of shape
+``(2, LANES)`` (or more rows) owned by the calling thread.
+
+Why the reductions look the way they do: without fast-math (see ``_jit.FASTMATH``)
+LLVM may not reorder a float sum, so ``s += x[i]`` stays scalar, and Numba leaves
+LLVM's SLP vectorizer off, so unrolled scalar accumulators stay scalar too. The
+helpers below therefore keep ``LANES`` partial sums in a small scratch array
+``acc``: the loop ``acc[k] += ...`` over k is element-wise, which the loop
+vectorizer handles without reassociation. Four blocks of ``LANES`` values are added
+(in a fixed pairwise order) before each update of ``acc`` so that the scratch is
+loaded and stored once per four blocks. The partial sums are then folded pairwise
+(:func:`_fold`) and the ``d % LANES`` leftover values added last. The order of
+every addition is fixed by the source, so results are the same on every machine,
+whatever its vector width.
+
+Helpers are passed no function arguments (a dispatcher argument makes the caller
+uncacheable), hence one small reduction helper per combination of sums.
+
+Caching: the kernels that call these helpers live in other modules, and Numba's
+on-disk cache (``cache=True``) checks only the source file of the function it
+caches. After an edit to *this* file, delete ``pyengine/_numba/__pycache__`` (or
+touch the calling modules) so the callers are recompiled.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ._jit import jit
+
+__all__ = [
+    "LANES",
+    "_fold",
+    "_mean_sq",
+    "_scale",
+    "_sum",
+    "_sum_pair",
+    "_sum_pair_gu",
+    "_sum_sq",
+    "_sum_sq_dot",
+    "_sum_sq_dot_gu",
+    "_zero",
+]
+
+#: Partial sums per reduction (a power of two). Large enough that LLVM keeps the
+#: loop over lanes a loop and vectorizes it (it fully unrolls short constant loops,
+#: and unrolled scalar code is not vectorized without SLP); small enough that the
+#: scratch, 2 * LANES float64, stays in L1 next to a row.
+LANES = 64
+_QUAD = 4 * LANES
+
+_f64 = np.float64
+
+
+# --------------------------------------------------------------------------- #
+# Reductions over one row, float64, in a fixed order.
+# --------------------------------------------------------------------------- #
+
+
+@jit
+def _zero(acc, m):
+    """Set the first ``m`` rows of the scratch ``acc`` (m, LANES) or larger to 0."""
+    for j in range(m):
+        a = acc[j]
+        for k in range(LANES):
+            a[k] = 0.0
+
+
+@jit
+def _fold(a):
+    """Sum of the ``LANES`` partial sums in ``a``, pairwise, in a fixed order (overwrites ``a``)."""
+    h = LANES // 2
+    while h > 0:
+        for k in range(h):
+            a[k] += a[k + h]
+        h //= 2
+    return a[0]
+
+
+@jit
+def _sum(x, acc):
+    """sum(x) in float64. x : (d,)."""
+    d = x.size
+    _zero(acc, 1)
+    a = acc[0]
+    nq = d // _QUAD
+    for j in range(nq):
+        o = j * _QUAD
+        for k in range(LANES):
+            a[k] += (_f64(x[o + k]) + _f64(x[o + LANES + k])) + (
+                _f64(x[o + 2 * LANES + k]) + _f64(x[o + 3 * LANES + k])
+            )
+    for j in range(4 * nq, d // LANES):
+        o = j * LANES
+        for k in range(LANES):
+            a[k] += _f64(x[o + k])
+    s = _fold(a)
+    for i in range(d - d % LANES, d):
+        s += _f64(x[i])
+    return s
+
+
+@jit
+def _sum_pair(x, w, acc):
+    """(sum(x), sum(w)) in float64. x, w : (d,)."""
+    d = x.size
+    _zero(acc, 2)
+    a = acc[0]
+    b = acc[1]
+    nq = d // _QUAD
+    for j in range(nq):
+        o = j * _QUAD
+        for k in range(LANES):
+            i0 = o + k
+            i1 = i0 + LANES
+            i2 = i1 + LANES
+            i3 = i2 + LANES
+            a[k] += (_f64(x[i0]) + _f64(x[i1])) + (_f64(x[i2]) + _f64(x[i3]))
+            b[k] += (_f64(w[i0]) + _f64(w[i1])) + (_f64(w[i2]) + _f64(w[i3]))
+    for j in range(4 * nq, d // LANES):
+        o = j * LANES
+        for k in range(LANES):
+            a[k] += _f64(x[o + k])
+            b[k] += _f64(w[o + k])
+    sx = _fold(a)
+    sw = _fold(b)
+    for i in range(d - d % LANES, d):
+        sx += _f64(x[i])
+        sw += _f64(w[i])
+    return sx, sw
+
+
+@jit
+def _sum_pair_gu(x, g, u, acc):
+    """(sum(x), sum(g * u)) in float64. x, u : (d,); g : (d,)."""
+    d = x.size
+    _zero(acc, 2)
+    a = acc[0]
+    b = acc[1]
+    nq = d // _QUAD
+    for j in range(nq):
+        o = j * _QUAD
+        for k in range(LANES):
+            i0 = o + k
+            i1 = i0 + LANES
+            i2 = i1 + LANES
+            i3 = i2 + LANES
+            a[k] += (_f64(x[i0]) + _f64(x[i1])) + (_f64(x[i2]) + _f64(x[i3]))
+            b[k] += (_f64(g[i0]) * _f64(u[i0]) + _f64(g[i1]) * _f64(u[i1])) + (
+                _f64(g[i2]) * _f64(u[i2]) + _f64(g[i3]) * _f64(u[i3])
+            )
+    for j in range(4 * nq, d // LANES):
+        o = j * LANES
+        for k in range(LANES):
+            a[k] += _f64(x[o + k])
+            b[k] += _f64(g[o + k]) * _f64(u[o + k])
+    sx = _fold(a)
+    sw = _fold(b)
+    for i in range(d - d % LANES, d):
+        sx += _f64(x[i])
+        sw += _f64(g[i]) * _f64(u[i])
+    return sx, sw
+
+
+@jit
+def _sum_sq(x, c, acc):
+    """sum((x - c)^2) in float64. x : (d,); c : float (mu, or 0 for RMSNorm)."""
+    d = x.size
+    _zero(acc, 1)
+    a = acc[0]
+    nq = d // _QUAD
+    for j in range(nq):
+        o = j * _QUAD
+        for k in range(LANES):
+            t0 = _f64(x[o + k]) - c
+            t1 = _f64(x[o + LANES + k]) - c
+            t2 = _f64(x[o + 2 * LANES + k]) - c
+            t3 = _f64(x[o + 3 * LANES + k]) - c
+            a[k] += (t0 * t0 + t1 * t1) + (t2 * t2 + t3 * t3)
+    for j in range(4 * nq, d // LANES):
+        o = j * LANES
+        for k in range(LANES):
+            t0 = _f64(x[o + k]) - c
+            a[k] += t0 * t0
+    s = _fold(a)
+    for i in range(d - d % LANES, d):
+        t0 = _f64(x[i]) - c
+        s += t0 * t0
+    return s
+
+
+@jit
+def _sum_sq_dot(x, c, w, acc):
+    """(sum((x - c)^2), sum((x - c) * w)) in float64. x, w : (d,); c : float."""
+    d = x.size
+    _zero(acc, 2)
+    a = acc[0]
+    b = acc[1]
+    nq = d // _QUAD
+    for j in range(nq):
+        o = j * _QUAD
+        for k in range(LANES):
+            i0 = o + k
+            i1 = i0 + LANES
+            i2 = i1 + LANES
+            i3 = i2 + LANES
+            t0 = _f64(x[i0]) - c
+            t1 = _f64(x[i1]) - c
+            t2 = _f64(x[i2]) - c
+            t3 = _f64(x[i3]) - c
+            a[k] += (t0 * t0 + t1 * t1) + (t2 * t2 + t3 * t3)
+            b[k] += (t0 * _f64(w[i0]) + t1 * _f64(w[i1])) + (
+                t2 * _f64(w[i2]) + t3 * _f64(w[i3])
+            )
+    for j in range(4 * nq, d // LANES):
+        o = j * LANES
+        for k in range(LANES):
+            t0 = _f64(x[o + k]) - c
+            a[k] += t0 * t0
+            b[k] += t0 * _f64(w[o + k])
+    sq = _fold(a)
+    dot = _fold(b)
+    for i in range(d - d % LANES, d):
+        t0 = _f64(x[i]) - c
+        sq += t0 * t0
+        dot += t0 * _f64(w[i])
+    return sq, dot
+
+
+@jit
+def _sum_sq_dot_gu(x, c, g, u, acc):
+    """(sum((x - c)^2), sum((x - c) * (g * u))) in float64. x, u : (d,); g : (d,); c : float."""
+    d = x.size
+    _zero(acc, 2)
+    a = acc[0]
+    b = acc[1]
+    nq = d // _QUAD
+    for j in range(nq):
+        o = j * _QUAD
+        for k in range(LANES):
+            i0 = o + k
+            i1 = i0 + LANES
+            i2 = i1 + LANES
+            i3 = i2 + LANES
+            t0 = _f64(x[i0]) - c
+            t1 = _f64(x[i1]) - c
+            t2 = _f64(x[i2]) - c
+            t3 = _f64(x[i3]) - c
+            a[k] += (t0 * t0 + t1 * t1) + (t2 * t2 + t3 * t3)
+            b[k] += (t0 * (_f64(g[i0]) * _f64(u[i0])) + t1 * (_f64(g[i1]) * _f64(u[i1]))) + (
+                t2 * (_f64(g[i2]) * _f64(u[i2])) + t3 * (_f64(g[i3]) * _f64(u[i3]))
+            )
+    for j in range(4 * nq, d // LANES):
+        o = j * LANES
+        for k in range(LANES):
+            t0 = _f64(x[o + k]) - c
+            a[k] += t0 * t0
+            b[k] += t0 * (_f64(g[o + k]) * _f64(u[o + k]))
+    sq = _fold(a)
+    dot = _fold(b)
+    for i in range(d - d % LANES, d):
+        t0 = _f64(x[i]) - c
+        sq += t0 * t0
+        dot += t0 * (_f64(g[i]) * _f64(u[i]))
+    return sq, dot
+
+
+@jit
+def _mean_sq(x, centre, acc):
+    """(mu, mean((x - mu)^2)) in float64 by two passes; mu = 0 (no centring) unless ``centre``."""
+    d = x.size
+    mu = _sum(x, acc) / d if centre else 0.0
+    return mu, _sum_sq(x, mu, acc) / d
+
+
+@jit
+def _scale(ms, eps):
+    """(sqrt(ms + eps), bad): bad when ms + eps is not finite or not > 0 (then the scale is 1)."""
+    sq = ms + eps
+    if np.isfinite(sq) and sq > 0.0:
+        return np.sqrt(sq), False
+    return 1.0, True

@@ -1,0 +1,430 @@
+"""Numba kernels of LayerNorm and RMSNorm: forward, JVP, VJP and dense Jacobian.
+
+Same kernel contract and parameter names as :mod:`pyengine.kernels._reference` (C-contiguous
+float32 or float64 arrays, preallocated ``out``, the number of bad rows returned);
+the formulas are in its docstring and in DESIGN.md.
+
+Layout of every kernel: a per-token core ``_<kernel id>_row`` works on one row, and
+the registered batch kernel runs it under ``prange`` over rows only, so each row is
+computed by one thread in an order fixed by the source, and results do not depend
+on the number of threads. Inside a row there are at most three passes over ``d``:
+
+1. sums of x (and of the tangent w = v, or g * u for a VJP);
+2. with the mean known, sums of (x - mu)^2 (and (x - mu) * w): two-pass variance,
+   never E[x^2] - E[x]^2; RMSNorm needs only this pass, with centre 0;
+3. the output, written once, cast to the dtype of ``out`` only on the store; in
+   the same loop the next row is prefetched (see ``_BLOCK``).
+
+Every reduction accumulates in float64, also for float32 input, in ``LANES`` partial
+sums in an order fixed by the source: the helpers live in :mod:`._reduce`, which
+explains why they look the way they do.
+
+``acc`` has shape ``(2, LANES)``. The batch kernels write ``acc = np.empty(...)`` at
+the top of the ``prange`` body, and Numba's parfor pass hoists that allocation out
+of the loop: it runs once per thread (per scheduled chunk of rows), not per row,
+and each thread gets its own scratch (``kernel.parallel_diagnostics(level=4)``
+reports it under "Allocation hoisting"). ``numba.get_num_threads()`` cannot be used
+to preallocate instead: it makes a function uncacheable.
+
+The cores are plain ``jit`` functions; LLVM decides whether to inline them. Numba's
+``inline="always"`` made compilation about 35 % slower and the kernels no faster
+(one call per row costs nanoseconds next to the microseconds of the row).
+The stores are ordinary ones: Numba has no streaming (non-temporal) stores, so a
+large ``out`` is also read into cache before it is written (the C++ kernels avoid
+that). Writing each row to a per-thread buffer and copying it out with
+non-temporal stores (an LLVM intrinsic) was tried and gained nothing measurable.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from ...backends import register
+from ._jit import jit, pjit, prefetch
+from ._reduce import (
+    LANES,
+    _f64,
+    _scale,
+    _sum,
+    _sum_pair,
+    _sum_pair_gu,
+    _sum_sq,
+    _sum_sq_dot,
+    _sum_sq_dot_gu,
+)
+
+__all__ = [
+    "LANES",
+    "layer_norm",
+    "layer_norm_jacobian",
+    "layer_norm_jvp",
+    "layer_norm_vjp",
+    "rms_norm",
+    "rms_norm_jacobian",
+    "rms_norm_jvp",
+    "rms_norm_vjp",
+]
+
+
+# --------------------------------------------------------------------------- #
+# Row statistics (the sums are in _reduce.py).
+# --------------------------------------------------------------------------- #
+
+#: A row whose variance is below this times mu^2 is checked for being exactly
+#: constant (see :func:`_constant`). Rounding of the mean leaves a constant row a
+#: variance of at most about (d * 2^-52 * mu)^2, far below this threshold.
+NEAR_CONSTANT = 1e-16
+
+
+@jit
+def _constant(x, mu, q):
+    """True if the row is exactly constant; scanned only when its variance q/d is tiny.
+
+    A constant row has variance exactly 0, but the rounded mean can leave it a
+    variance of ~1e-34 instead, and whether it does depends on summation order.
+    The kernel contract (see the reference) makes such a row's mean x[0] and its
+    variance 0 in every backend, so eps = 0 flags it bad everywhere.
+    """
+    if not q <= NEAR_CONSTANT * mu * mu * x.size:
+        return False
+    for i in range(1, x.size):
+        if x[i] != x[0]:
+            return False
+    return True
+
+
+@jit
+def _ln_stats(x, eps, acc):
+    """(mu, s, bad) of one row: mean, sqrt(var + eps) with the two-pass variance."""
+    d = x.size
+    mu = _sum(x, acc) / d
+    q = _sum_sq(x, mu, acc)
+    if _constant(x, mu, q):
+        mu, q = _f64(x[0]), 0.0
+    s, bad = _scale(q / d, eps)
+    return mu, s, bad or not np.isfinite(mu)
+
+
+# --------------------------------------------------------------------------- #
+# The writing pass prefetches the next row.
+# --------------------------------------------------------------------------- #
+
+#: Output elements per block of the writing pass. Before each block the same span
+#: of the next row is prefetched, so that row streams in from memory while this
+#: one is computed and written (the hardware prefetchers follow only the rows
+#: being read, so memory would otherwise idle between a row's first pass and the
+#: next row's). Measured on Zen 3: LayerNorm and its JVP about 1.2x faster.
+_BLOCK = 64
+#: Bytes per cache line (64 on x86-64 and on most AArch64).
+_LINE = 64
+
+
+@jit
+def _prefetch_block(a, o):
+    """Prefetch a[o : o + _BLOCK] (clipped to ``a``), one element per cache line."""
+    for k in range(o, min(o + _BLOCK, a.size), _LINE // a.itemsize):
+        prefetch(a, k)
+
+
+# --------------------------------------------------------------------------- #
+# Per-token cores. x, v, u, out : (d,); gamma, beta : (d,); acc : (2, LANES).
+# x_next (and v_next / u_next): the row(s) of the next token, prefetched while
+# this one is written; pass the row itself when there is none.
+# Each returns True for a bad row (its output is then unspecified).
+# --------------------------------------------------------------------------- #
+
+
+@jit
+def _layer_norm_row(x, gamma, beta, eps, out, acc, x_next):
+    """out = gamma * (x - mu) / s + beta."""
+    d = x.size
+    mu, s, bad = _ln_stats(x, eps, acc)
+    inv = 1.0 / s
+    nb = d // _BLOCK
+    for j in range(nb):
+        o = j * _BLOCK
+        _prefetch_block(x_next, o)
+        for k in range(_BLOCK):
+            i = o + k
+            out[i] = _f64(gamma[i]) * ((_f64(x[i]) - mu) * inv) + _f64(beta[i])
+    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
+        out[i] = _f64(gamma[i]) * ((_f64(x[i]) - mu) * inv) + _f64(beta[i])
+    return bad
+
+
+@jit
+def _layer_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next):
+    """out = gamma/s * (v - mean v - xh mean(xh v)); frozen drops the xh term."""
+    d = x.size
+    sx, sv = _sum_pair(x, v, acc)
+    mu = sx / d
+    mv = sv / d
+    if frozen:
+        q = _sum_sq(x, mu, acc)
+        dot = 0.0
+    else:
+        q, dot = _sum_sq_dot(x, mu, v, acc)
+    if _constant(x, mu, q):
+        mu, q, dot = _f64(x[0]), 0.0, 0.0
+    s, bad = _scale(q / d, eps)
+    inv = 1.0 / s
+    m2 = dot * inv / d  # mean(xh * v), xh = (x - mu) / s
+    nb = d // _BLOCK
+    for j in range(nb):
+        o = j * _BLOCK
+        _prefetch_block(x_next, o)
+        _prefetch_block(v_next, o)
+        for k in range(_BLOCK):
+            i = o + k
+            xh = (_f64(x[i]) - mu) * inv
+            out[i] = _f64(gamma[i]) * (((_f64(v[i]) - mv) - xh * m2) * inv)
+    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
+        xh = (_f64(x[i]) - mu) * inv
+        out[i] = _f64(gamma[i]) * (((_f64(v[i]) - mv) - xh * m2) * inv)
+    return bad or not (np.isfinite(mu) and np.isfinite(mv))
+
+
+@jit
+def _layer_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
+    """out = (g - mean g - xh mean(xh g)) / s with g = gamma * u; frozen drops the xh term."""
+    d = x.size
+    sx, sg = _sum_pair_gu(x, gamma, u, acc)
+    mu = sx / d
+    mg = sg / d
+    if frozen:
+        q = _sum_sq(x, mu, acc)
+        dot = 0.0
+    else:
+        q, dot = _sum_sq_dot_gu(x, mu, gamma, u, acc)
+    if _constant(x, mu, q):
+        mu, q, dot = _f64(x[0]), 0.0, 0.0
+    s, bad = _scale(q / d, eps)
+    inv = 1.0 / s
+    m2 = dot * inv / d  # mean(xh * g)
+    nb = d // _BLOCK
+    for j in range(nb):
+        o = j * _BLOCK
+        _prefetch_block(x_next, o)
+        _prefetch_block(u_next, o)
+        for k in range(_BLOCK):
+            i = o + k
+            xh = (_f64(x[i]) - mu) * inv
+            out[i] = ((_f64(gamma[i]) * _f64(u[i]) - mg) - xh * m2) * inv
+    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
+        xh = (_f64(x[i]) - mu) * inv
+        out[i] = ((_f64(gamma[i]) * _f64(u[i]) - mg) - xh * m2) * inv
+    return bad or not (np.isfinite(mu) and np.isfinite(mg))
+
+
+@jit
+def _layer_norm_jacobian_row(x, gamma, eps, frozen, out, acc):
+    """out : (d, d), J[i, j] = gamma_i/s (delta_ij - 1/d - xh_i xh_j/d); frozen drops xh.
+
+    No prefetching: the d x d output, not the row, is the memory traffic here.
+    """
+    d = x.size
+    mu, s, bad = _ln_stats(x, eps, acc)
+    inv = 1.0 / s
+    invd = 1.0 / d
+    for i in range(d):
+        a = _f64(gamma[i]) / s
+        xhi = (_f64(x[i]) - mu) * inv
+        c = 0.0 if frozen else xhi / d
+        row = out[i]
+        for j in range(d):
+            row[j] = a * ((0.0 - invd) - c * ((_f64(x[j]) - mu) * inv))
+        row[i] = a * ((1.0 - invd) - c * xhi)
+    return bad
+
+
+@jit
+def _rms_norm_row(x, gamma, eps, out, acc, x_next):
+    """out = gamma * x / r, r = sqrt(mean(x^2) + eps)."""
+    d = x.size
+    r, bad = _scale(_sum_sq(x, 0.0, acc) / d, eps)
+    inv = 1.0 / r
+    nb = d // _BLOCK
+    for j in range(nb):
+        o = j * _BLOCK
+        _prefetch_block(x_next, o)
+        for k in range(_BLOCK):
+            i = o + k
+            out[i] = _f64(gamma[i]) * (_f64(x[i]) * inv)
+    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
+        out[i] = _f64(gamma[i]) * (_f64(x[i]) * inv)
+    return bad
+
+
+@jit
+def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next):
+    """out = gamma/r * (v - x mean(x v)/r^2); frozen: gamma * v / r."""
+    d = x.size
+    # sum(x v) is needed for frozen=True too: it is non-finite iff v has NaN/Inf.
+    q, dot = _sum_sq_dot(x, 0.0, v, acc)
+    r, bad = _scale(q / d, eps)
+    inv = 1.0 / r
+    c = 0.0 if frozen else (dot / d) / (r * r)  # mean(x w) / r^2
+    nb = d // _BLOCK
+    for j in range(nb):
+        o = j * _BLOCK
+        _prefetch_block(x_next, o)
+        _prefetch_block(v_next, o)
+        for k in range(_BLOCK):
+            i = o + k
+            out[i] = _f64(gamma[i]) * ((_f64(v[i]) - _f64(x[i]) * c) * inv)
+    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
+        out[i] = _f64(gamma[i]) * ((_f64(v[i]) - _f64(x[i]) * c) * inv)
+    return bad or not np.isfinite(dot)
+
+
+@jit
+def _rms_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
+    """out = (g - x mean(x g)/r^2) / r with g = gamma * u; frozen: g / r."""
+    d = x.size
+    q, dot = _sum_sq_dot_gu(x, 0.0, gamma, u, acc)
+    r, bad = _scale(q / d, eps)
+    inv = 1.0 / r
+    c = 0.0 if frozen else (dot / d) / (r * r)  # mean(x w) / r^2
+    nb = d // _BLOCK
+    for j in range(nb):
+        o = j * _BLOCK
+        _prefetch_block(x_next, o)
+        _prefetch_block(u_next, o)
+        for k in range(_BLOCK):
+            i = o + k
+            out[i] = (_f64(gamma[i]) * _f64(u[i]) - _f64(x[i]) * c) * inv
+    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
+        out[i] = (_f64(gamma[i]) * _f64(u[i]) - _f64(x[i]) * c) * inv
+    return bad or not np.isfinite(dot)
+
+
+@jit
+def _rms_norm_jacobian_row(x, gamma, eps, frozen, out, acc):
+    """out : (d, d), J[i, j] = gamma_i/r (delta_ij - xn_i xn_j/d), xn = x/r; frozen drops xn."""
+    d = x.size
+    r, bad = _scale(_sum_sq(x, 0.0, acc) / d, eps)
+    inv = 1.0 / r
+    for i in range(d):
+        a = _f64(gamma[i]) / r
+        xni = _f64(x[i]) * inv
+        c = 0.0 if frozen else xni / d
+        row = out[i]
+        for j in range(d):
+            row[j] = a * (0.0 - c * (_f64(x[j]) * inv))
+        row[i] = a * (1.0 - c * xni)
+    return bad
+
+
+# --------------------------------------------------------------------------- #
+# Registered batch kernels: prange over rows (tokens) only. Row r prefetches row
+# nx = min(r + 1, n - 1); when r + 1 belongs to another thread that is harmless.
+# --------------------------------------------------------------------------- #
+
+
+@register("layer_norm", "numba")
+@pjit
+def layer_norm(x, gamma, beta, eps, out):
+    """x, out : (n, d); gamma, beta : (d,). Returns the number of bad rows."""
+    n = x.shape[0]
+    nbad = 0
+    for r in prange(n):
+        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+        nx = min(r + 1, n - 1)
+        if _layer_norm_row(x[r], gamma, beta, eps, out[r], acc, x[nx]):
+            nbad += 1
+    return nbad
+
+
+@register("layer_norm_jvp", "numba")
+@pjit
+def layer_norm_jvp(x, v, gamma, eps, frozen, out):
+    """x, v, out : (n, d); gamma : (d,). Returns the number of bad rows."""
+    n = x.shape[0]
+    nbad = 0
+    for r in prange(n):
+        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+        nx = min(r + 1, n - 1)
+        if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx]):
+            nbad += 1
+    return nbad
+
+
+@register("layer_norm_vjp", "numba")
+@pjit
+def layer_norm_vjp(x, u, gamma, eps, frozen, out):
+    """x, u, out : (n, d); gamma : (d,). Returns the number of bad rows."""
+    n = x.shape[0]
+    nbad = 0
+    for r in prange(n):
+        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+        nx = min(r + 1, n - 1)
+        if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx]):
+            nbad += 1
+    return nbad
+
+
+@register("layer_norm_jacobian", "numba")
+@pjit
+def layer_norm_jacobian(x, gamma, eps, frozen, out):
+    """x : (n, d); gamma : (d,); out : (n, d, d). Returns the number of bad rows."""
+    nbad = 0
+    for r in prange(x.shape[0]):
+        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+        if _layer_norm_jacobian_row(x[r], gamma, eps, frozen, out[r], acc):
+            nbad += 1
+    return nbad
+
+
+@register("rms_norm", "numba")
+@pjit
+def rms_norm(x, gamma, eps, out):
+    """x, out : (n, d); gamma : (d,). Returns the number of bad rows."""
+    n = x.shape[0]
+    nbad = 0
+    for r in prange(n):
+        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+        nx = min(r + 1, n - 1)
+        if _rms_norm_row(x[r], gamma, eps, out[r], acc, x[nx]):
+            nbad += 1
+    return nbad
+
+
+@register("rms_norm_jvp", "numba")
+@pjit
+def rms_norm_jvp(x, v, gamma, eps, frozen, out):
+    """x, v, out : (n, d); gamma : (d,). Returns the number of bad rows."""
+    n = x.shape[0]
+    nbad = 0
+    for r in prange(n):
+        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+        nx = min(r + 1, n - 1)
+        if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx]):
+            nbad += 1
+    return nbad
+
+
+@register("rms_norm_vjp", "numba")
+@pjit
+def rms_norm_vjp(x, u, gamma, eps, frozen, out):
+    """x, u, out : (n, d); gamma : (d,). Returns the number of bad rows."""
+    n = x.shape[0]
+    nbad = 0
+    for r in prange(n):
+        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+        nx = min(r + 1, n - 1)
+        if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx]):
+            nbad += 1
+    return nbad
+
+
+@register("rms_norm_jacobian", "numba")
+@pjit
+def rms_norm_jacobian(x, gamma, eps, frozen, out):
+    """x : (n, d); gamma : (d,); out : (n, d, d). Returns the number of bad rows."""
+    nbad = 0
+    for r in prange(x.shape[0]):
+        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+        if _rms_norm_jacobian_row(x[r], gamma, eps, frozen, out[r], acc):
+            nbad += 1
+    return nbad

@@ -1,0 +1,10 @@
+"""NumPy reference: the executable specification of every pyengine kernel.
+
+One module per kernel family; importing this package registers every reference
+kernel as the ``"numpy"`` backend. The kernel contract shared by all backends is
+stated in :mod:`pyengine.kernels._reference.layernorm`.
+"""
+
+from . import layernorm  # noqa: F401  (registers the normalization kernels)
+from . import spectral  # noqa: F401  (registers the spectral kernels)
+from . import activations  # noqa: F401  (registers the softmax and activation kernels)

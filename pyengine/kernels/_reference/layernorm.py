@@ -1,0 +1,185 @@
+"""NumPy reference: the executable specification of every pyengine kernel.
+
+Every kernel here has the *kernel contract* shared by all backends:
+
+* array arguments are C-contiguous and of one dtype, float32 or float64; the
+  public layer (``pyengine.kernels.layernorm``) has already validated and converted them;
+* ``x`` has shape ``(n, d)`` (one row per token); ``gamma``, ``beta`` shape ``(d,)``;
+  ``v`` / ``u`` the shape of ``x``; ``out`` is preallocated, ``(n, d)`` or, for
+  Jacobians, ``(n, d, d)``, and is written in full;
+* ``frozen`` selects the ``"frozen_scale"`` linearization (s, resp. r, constant);
+* the return value is the number of *bad rows*: rows whose statistics are not
+  finite (NaN/Inf in ``x``, or in the tangent ``v`` / ``u``) or whose scale is zero
+  (s = 0 or r = 0). An exactly constant row has LayerNorm mean x[0] and
+  variance 0 exactly, whatever the summation order. Bad rows' output is
+  unspecified; the public layer turns a non-zero count into a ``ValueError``
+  that names the argument and the first bad row.
+  Value checks live in the kernels because they need every value read once, and
+  a separate pass would cost as much memory traffic as the kernel itself.
+
+Everything is computed in float64 (two-pass variance) and cast to the dtype of
+``x`` on the way out; the compiled backends must match this to rounding.
+
+LayerNorm (DESIGN.md): mu = mean(x), s = sqrt(var(x) + eps), xh = (x - mu) / s,
+y = gamma * xh + beta, J = diag(gamma)/s (I - 11^T/d - xh xh^T/d).
+RMSNorm: r = sqrt(mean(x^2) + eps), y = gamma * x / r, J = diag(gamma)/r (I - x x^T/(d r^2)).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from ...backends import register
+
+__all__ = [
+    "layer_norm",
+    "layer_norm_jvp",
+    "layer_norm_vjp",
+    "layer_norm_jacobian",
+    "rms_norm",
+    "rms_norm_jvp",
+    "rms_norm_vjp",
+    "rms_norm_jacobian",
+]
+
+
+def _ln_stats(x):
+    """Per-row centred values x - mu and variance, in float64, two-pass.
+
+    An exactly constant row has mean x[0] and variance 0 exactly (part of the
+    kernel contract): a rounded mean would leave it a variance of ~1e-34 or 0
+    depending on summation order, and so on the backend.
+    """
+    xd = x.astype(np.float64)
+    const = (xd == xd[:, :1]).all(axis=-1, keepdims=True)
+    xc = np.where(const, 0.0, xd - xd.mean(axis=-1, keepdims=True))
+    return xc, np.mean(xc * xc, axis=-1, keepdims=True)
+
+
+def _scale(ms, eps):
+    """sqrt(ms + eps) with a mask of rows whose statistics are unusable."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        sq = ms + eps
+        bad = ~(np.isfinite(sq) & (sq > 0))
+        s = np.sqrt(np.where(bad, 1.0, sq))
+    return s, bad[..., 0]
+
+
+def _finite_rows(a):
+    return np.isfinite(a).all(axis=-1)
+
+
+@register("layer_norm", "numpy")
+def layer_norm(x, gamma, beta, eps, out):
+    """y = gamma * (x - mu) / sqrt(var + eps) + beta, per row."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        xc, var = _ln_stats(x)
+        s, bad = _scale(var, eps)
+        bad |= ~_finite_rows(xc)
+        out[...] = gamma.astype(np.float64) * (xc / s) + beta.astype(np.float64)
+    return int(bad.sum())
+
+
+def _ln_tangent(x, w, eps, frozen):
+    """The shared core of LayerNorm JVP and VJP: (w - mean w - xh mean(xh w)) / s."""
+    with np.errstate(invalid="ignore", over="ignore"):
+        xc, var = _ln_stats(x)
+        s, bad = _scale(var, eps)
+        bad |= ~(_finite_rows(xc) & _finite_rows(w))
+        r = w - w.mean(axis=-1, keepdims=True)
+        if not frozen:
+            xh = xc / s
+            r -= xh * np.mean(xh * w, axis=-1, keepdims=True)
+        return r / s, bad
+
+
+@register("layer_norm_jvp", "numpy")
+def layer_norm_jvp(x, v, gamma, eps, frozen, out):
+    """J v = gamma/s * (v - mean v - xh mean(xh v)); frozen: gamma/s * (v - mean v)."""
+    t, bad = _ln_tangent(x, v.astype(np.float64), eps, frozen)
+    out[...] = gamma.astype(np.float64) * t
+    return int(bad.sum())
+
+
+@register("layer_norm_vjp", "numpy")
+def layer_norm_vjp(x, u, gamma, eps, frozen, out):
+    """J^T u = (g - mean g - xh mean(xh g)) / s with g = gamma * u; frozen drops the xh term."""
+    t, bad = _ln_tangent(x, gamma.astype(np.float64) * u.astype(np.float64), eps, frozen)
+    out[...] = t
+    return int(bad.sum())
+
+
+@register("layer_norm_jacobian", "numpy")
+def layer_norm_jacobian(x, gamma, eps, frozen, out):
+    """Dense J per row, shape (n, d, d): J[i, j] = gamma_i/s (delta_ij - 1/d - xh_i xh_j/d)."""
+    d = x.shape[-1]
+    with np.errstate(invalid="ignore", over="ignore"):
+        xc, var = _ln_stats(x)
+        s, bad = _scale(var, eps)
+        bad |= ~_finite_rows(xc)
+        core = np.eye(d) - 1.0 / d
+        if frozen:
+            jac = core[None, :, :]
+        else:
+            xh = xc / s
+            jac = core[None, :, :] - xh[:, :, None] * xh[:, None, :] / d
+        out[...] = (gamma.astype(np.float64)[None, :] / s)[:, :, None] * jac
+    return int(bad.sum())
+
+
+def _rms_stats(x, eps):
+    xd = x.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        r, bad = _scale(np.mean(xd * xd, axis=-1, keepdims=True), eps)
+        bad |= ~_finite_rows(xd)
+    return xd, r, bad
+
+
+@register("rms_norm", "numpy")
+def rms_norm(x, gamma, eps, out):
+    """y = gamma * x / sqrt(mean(x^2) + eps), per row."""
+    xd, r, bad = _rms_stats(x, eps)
+    with np.errstate(invalid="ignore", over="ignore"):
+        out[...] = gamma.astype(np.float64) * (xd / r)
+    return int(bad.sum())
+
+
+def _rms_tangent(x, w, eps, frozen):
+    """The shared core of RMSNorm JVP and VJP: (w - x mean(x w)/r^2) / r."""
+    xd, r, bad = _rms_stats(x, eps)
+    with np.errstate(invalid="ignore", over="ignore"):
+        bad |= ~_finite_rows(w)
+        t = w.copy()
+        if not frozen:
+            t -= xd * (np.mean(xd * w, axis=-1, keepdims=True) / (r * r))
+        return t / r, bad
+
+
+@register("rms_norm_jvp", "numpy")
+def rms_norm_jvp(x, v, gamma, eps, frozen, out):
+    """J v = gamma/r * (v - x mean(x v)/r^2); frozen: gamma * v / r."""
+    t, bad = _rms_tangent(x, v.astype(np.float64), eps, frozen)
+    out[...] = gamma.astype(np.float64) * t
+    return int(bad.sum())
+
+
+@register("rms_norm_vjp", "numpy")
+def rms_norm_vjp(x, u, gamma, eps, frozen, out):
+    """J^T u = (g - x mean(x g)/r^2) / r with g = gamma * u; frozen: g / r."""
+    t, bad = _rms_tangent(x, gamma.astype(np.float64) * u.astype(np.float64), eps, frozen)
+    out[...] = t
+    return int(bad.sum())
+
+
+@register("rms_norm_jacobian", "numpy")
+def rms_norm_jacobian(x, gamma, eps, frozen, out):
+    """Dense J per row, shape (n, d, d): J[i, j] = gamma_i/r (delta_ij - x_i x_j/(d r^2))."""
+    d = x.shape[-1]
+    xd, r, bad = _rms_stats(x, eps)
+    with np.errstate(invalid="ignore", over="ignore"):
+        jac = np.broadcast_to(np.eye(d), (x.shape[0], d, d))
+        if not frozen:
+            xn = xd / r
+            jac = jac - xn[:, :, None] * xn[:, None, :] / d
+        out[...] = (gamma.astype(np.float64)[None, :] / r)[:, :, None] * jac
+    return int(bad.sum())

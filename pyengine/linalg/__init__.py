@@ -1,0 +1,23 @@
+"""Layer 2: batched matrix-free operators, iterative solvers, spectral norms and radii, weight scans."""
+
+from .convert import as_linear_operator, from_linear_operator
+from .operators import (
+    BatchedOperator,
+    DenseOperator,
+    Identity,
+    LayerNormJacobian,
+    Product,
+    RMSNormJacobian,
+    Scaled,
+    Sum,
+)
+from .spectral import (
+    SpectralRadiusResult,
+    SpectralResult,
+    WeightScan,
+    layer_norm_spectral_norm,
+    rms_norm_spectral_norm,
+    spectral_norm,
+    spectral_radius,
+    weight_scan,
+)

@@ -1,0 +1,711 @@
+"""Spectral norms and spectral radii of batches of operators, with stated accuracy.
+
+Two quantities, two separate algorithms (on non-normal operators they differ):
+
+* :func:`spectral_norm` -- sigma_max(A_b) for every operator of a batch, by power
+  iteration on A^T A (``method="power"``) or by Golub-Kahan-Lanczos
+  bidiagonalization with full reorthogonalization and thick restarts
+  (``method="lanczos"``). Both stop each operator on the *residual*
+  ``||A^T A v - sigma^2 v|| / sigma^2 <= tol`` of its unit iterate v (not on the
+  change of sigma), which is the same relative residual that ARPACK tests.
+  For LayerNorm / RMSNorm Jacobians, :func:`layer_norm_spectral_norm` and
+  :func:`rms_norm_spectral_norm` add ``method="exact"`` (the O(d) secular
+  equation) and run power iteration in a fused per-token kernel.
+* :func:`spectral_radius` -- max |lambda(A_b)| of square, possibly non-symmetric
+  operators: power iteration on A, with a fall-back to Arnoldi
+  (:func:`scipy.sparse.linalg.eigs`) for the operators whose dominant
+  eigenvalues are a complex or tied pair (the Rayleigh quotient never settles).
+
+Every result says, per operator, whether it converged: ``converged`` is False
+whenever the residual test was not met, and then ``sigma`` is only the lower
+bound reached. ``lower`` is ``||A v||`` for the final unit vector v (a bound
+that holds up to rounding in the operator's dtype), ``upper`` is the operator's
+cheap guaranteed bound (``BatchedOperator.upper_bound``; never below ``lower``).
+
+Start vectors are drawn from a counter-based generator (Philox) keyed by
+``seed`` and positioned by the *global* index of the operator (token), so the
+results do not depend on how a scan is split into chunks, and a seed reproduces
+them bit for bit.
+
+:func:`weight_scan` tabulates sigma_max of weight matrices with the RMS -> RMS
+operator norm of the "spectral condition" for feature learning.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
+
+import numpy as np
+
+from .. import _validate as _v
+from ._solvers import (  # the solvers' constants are re-exported: pyengine.linalg.spectral.X keeps working
+    ARNOLDI_TOL_FACTOR,  # noqa: F401
+    BREAKDOWN,  # noqa: F401
+    COMPACT_FRACTION,  # noqa: F401
+    DGKS_ETA,  # noqa: F401
+    LANCZOS_FIRST_TEST,  # noqa: F401
+    LANCZOS_KEEP,  # noqa: F401
+    LANCZOS_MAX_SUBSPACE,
+    LANCZOS_TEST_GAP,  # noqa: F401
+    STALL_RATIO,  # noqa: F401
+    STALL_WINDOW,  # noqa: F401
+    _lanczos,
+    _power,
+    _radius,
+)
+from ..backends import check_name, resolve
+from .convert import as_batched_operator
+from .operators import (
+    BatchedOperator,
+    LayerNormJacobian,
+    RMSNormJacobian,
+    _NormJacobian,
+)
+
+__all__ = [
+    "SpectralRadiusResult",
+    "SpectralResult",
+    "WeightScan",
+    "layer_norm_spectral_norm",
+    "rms_norm_spectral_norm",
+    "spectral_norm",
+    "spectral_radius",
+    "weight_scan",
+]
+
+# -- tolerances, caps and sizes: the public defaults; the solvers' own are in _solvers.py ---
+#: Default relative residual tolerance of spectral_norm / *_spectral_norm.
+TOL = 1e-6
+#: Default relative residual tolerance of spectral_radius.
+TOL_RADIUS = 1e-8
+#: Default cap on iterations (products with A and A^T) per operator.
+MAX_ITER = 1000
+#: Working memory of one chunk of a scan (bytes); sets the default chunk_size.
+SCAN_CHUNK_BYTES = 64 * 2**20
+
+METHODS_NORM = ("power", "lanczos")
+METHODS_LN = ("exact", "power", "lanczos")
+
+
+# -- results ------------------------------------------------------------------------------
+def _frozen(a: np.ndarray) -> np.ndarray:
+    a = np.asarray(a)
+    a.flags.writeable = False
+    return a
+
+
+def _stats_line(name: str, a: np.ndarray) -> str:
+    a = np.asarray(a, np.float64).ravel()
+    if a.size == 0:
+        return f"{name}: (none)"
+    return f"{name}: min {a.min():.6g}  median {np.median(a):.6g}  max {a.max():.6g}"
+
+
+def _short(a: np.ndarray) -> str:
+    with np.printoptions(threshold=6, edgeitems=3, precision=6):
+        return np.array2string(np.asarray(a), separator=", ")
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class SpectralResult:
+    """sigma_max per operator (token), with its bounds and convergence record.
+
+    Every array has the batch shape: ``(B,)`` for :func:`spectral_norm`,
+    ``x.shape[:-1]`` for the LayerNorm / RMSNorm scans. Arrays are read-only.
+
+    Attributes
+    ----------
+    sigma : float64
+        The estimate of sigma_max (for power and Lanczos, equal to ``lower``).
+    lower : float64
+        ``||A v||`` for the final unit vector v: sigma_max >= lower.
+    upper : float64
+        A cheap guaranteed bound, sigma_max <= upper (``inf`` if none); >= lower.
+    residual : float64
+        ``||A^T A v - sigma^2 v|| / sigma^2`` of the final v (0 for "exact").
+    iterations : int64
+        Products with A and with A^T used (one of each per iteration).
+    converged : bool
+        ``residual <= tol``; never True otherwise.
+    method : str
+        "power", "lanczos" or "exact", per operator.
+    tol : float
+        The tolerance that was asked for.
+    """
+
+    sigma: np.ndarray
+    lower: np.ndarray
+    upper: np.ndarray
+    residual: np.ndarray
+    iterations: np.ndarray
+    converged: np.ndarray
+    method: np.ndarray
+    tol: float = TOL
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.name != "tol":
+                object.__setattr__(self, f.name, _frozen(getattr(self, f.name)))
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return self.sigma.shape
+
+    def __len__(self) -> int:
+        return int(self.sigma.size)
+
+    @property
+    def all_converged(self) -> bool:
+        return bool(self.converged.all())
+
+    def summary(self) -> str:
+        """A few lines: counts, sigma statistics, worst residual, iterations, bounds gap."""
+        n = len(self)
+        methods = ", ".join(sorted(set(self.method.ravel().tolist()))) or "-"
+        conv = int(self.converged.sum())
+        lines = [
+            f"SpectralResult: {n} operator(s), shape {self.shape}, method {methods}, tol {self.tol:g}",
+            f"converged: {conv}/{n}" + ("" if conv == n else f"  ({n - conv} NOT converged: sigma is a lower bound)"),
+            _stats_line("sigma", self.sigma),
+        ]
+        if n:
+            lines.append(f"residual: max {self.residual.max():.3g}   iterations: mean "
+                         f"{self.iterations.mean():.1f}  max {self.iterations.max()}")
+            with np.errstate(invalid="ignore", divide="ignore"):
+                gap = np.where(self.upper > 0, self.upper / np.where(self.lower > 0, self.lower, np.nan), 1.0)
+            finite = np.isfinite(gap)
+            if finite.any():
+                lines.append(f"upper/lower: median {np.median(gap[finite]):.4g}  max {gap[finite].max():.4g}")
+            lines.append(f"sigma < 1: {int((self.sigma < 1).sum())}/{n}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        n, conv = len(self), int(self.converged.sum())
+        methods = ",".join(sorted(set(self.method.ravel().tolist())))
+        return (f"SpectralResult(shape={self.shape}, method={methods!r}, converged={conv}/{n}, "
+                f"sigma={_short(self.sigma)}, max_residual={self.residual.max(initial=0.0):.3g})")
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain lists (JSON-ready), flattened in C order, plus the tolerance."""
+        return {f.name: (getattr(self, f.name).ravel().tolist() if f.name != "tol" else self.tol)
+                for f in dataclasses.fields(self)}
+
+
+@dataclasses.dataclass(frozen=True, eq=False, repr=False)
+class SpectralRadiusResult:
+    """rho = max |eigenvalue| per operator, and which method found it.
+
+    Attributes
+    ----------
+    rho : float64
+        The spectral radius estimate, ``|eigenvalue|``.
+    eigenvalue : complex128
+        The dominant eigenvalue found (one of a conjugate or tied pair).
+    residual : float64
+        ``||A x - lambda x|| / (|lambda| ||x||)`` for its eigenvector x, computed explicitly.
+    iterations : int64
+        Products with A used (power iterations plus Arnoldi's).
+    converged : bool
+        ``residual <= tol``.
+    method : str
+        "power", "arnoldi" (scipy.sparse.linalg.eigs) or "dense" (n < 3), per operator.
+    upper : float64
+        Guaranteed bound rho <= ||A|| <= upper (``inf`` if none).
+    tol : float
+    """
+
+    rho: np.ndarray
+    eigenvalue: np.ndarray
+    residual: np.ndarray
+    iterations: np.ndarray
+    converged: np.ndarray
+    method: np.ndarray
+    upper: np.ndarray
+    tol: float = TOL_RADIUS
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            if f.name != "tol":
+                object.__setattr__(self, f.name, _frozen(getattr(self, f.name)))
+
+    def __len__(self) -> int:
+        return int(self.rho.size)
+
+    @property
+    def all_converged(self) -> bool:
+        return bool(self.converged.all())
+
+    def summary(self) -> str:
+        n, conv = len(self), int(self.converged.sum())
+        counts = {m: int((self.method == m).sum()) for m in ("power", "arnoldi", "dense")}
+        by = ", ".join(f"{m} {c}" for m, c in counts.items() if c)
+        lines = [
+            f"SpectralRadiusResult: {n} operator(s), tol {self.tol:g}; answered by {by or '-'}",
+            f"converged: {conv}/{n}" + ("" if conv == n else f"  ({n - conv} NOT converged)"),
+            _stats_line("rho", self.rho),
+        ]
+        if n:
+            lines.append(f"residual: max {self.residual.max():.3g}   iterations: mean "
+                         f"{self.iterations.mean():.1f}  max {self.iterations.max()}")
+            lines.append(f"rho < 1: {int((self.rho < 1).sum())}/{n};  complex dominant eigenvalue: "
+                         f"{int((np.abs(self.eigenvalue.imag) > 0).sum())}/{n}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        n, conv = len(self), int(self.converged.sum())
+        return (f"SpectralRadiusResult(n={n}, converged={conv}/{n}, rho={_short(self.rho)}, "
+                f"method={_short(self.method)})")
+
+
+# -- argument checks ------------------------------------------------------------------
+def _check_tol(tol: Any) -> float:
+    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not (0 < float(tol) < 1):
+        raise ValueError(f"tol must be a real number in (0, 1) (a relative residual); got {tol!r}")
+    return float(tol)
+
+
+def _check_method(method: Any, allowed: tuple[str, ...]) -> str:
+    if method not in allowed:
+        raise ValueError(f"method must be one of {', '.join(map(repr, allowed))}; got {method!r}")
+    return method
+
+
+def _check_callback(callback: Any) -> Callable[[int, int], Any] | None:
+    if callback is not None and not callable(callback):
+        raise TypeError(f"callback must be callable as callback(done, total) or None; got {type(callback).__name__}")
+    return callback
+
+
+def _seed_key(seed: Any) -> np.ndarray:
+    """The Philox key of ``seed`` (None: fresh entropy; otherwise a non-negative int)."""
+    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
+        raise ValueError(f"seed must be a non-negative integer or None; got {seed!r}")
+    return np.random.SeedSequence(seed).generate_state(2, np.uint64)
+
+
+def _start_vectors(key: np.ndarray, first: int, count: int, n: int) -> np.ndarray:
+    """Unit Gaussian start vectors of operators ``first .. first+count-1``, (count, n) float64.
+
+    Each operator i owns a fixed stretch of the Philox stream (counter offset
+    ``i * per``), so its vector depends only on (seed, i), not on the chunk it is in.
+    """
+    raw_per = 4 * (-(-(n + (n & 1)) // 4))  # n rounded up to even, then to whole Philox blocks
+    bg = np.random.Philox(key=key, counter=first * (raw_per // 4))
+    raw = bg.random_raw(count * raw_per).reshape(count, raw_per)[:, : n + (n & 1)]
+    u = (raw >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
+    rad = np.sqrt(-2.0 * np.log1p(-u[:, 0::2]))  # Box-Muller on (0, 1]
+    ang = 2.0 * np.pi * u[:, 1::2]
+    z = np.empty((count, n + (n & 1)))
+    z[:, 0::2], z[:, 1::2] = rad * np.cos(ang), rad * np.sin(ang)
+    z = z[:, :n]
+    z /= np.linalg.norm(z, axis=1, keepdims=True)
+    return z
+
+
+def _check_v0(v0: Any, batch: int, n: int) -> np.ndarray:
+    arr = _v.float_array("v0", v0)
+    if arr.shape != (batch, n):
+        raise ValueError(f"v0 must have shape (B, n) = ({batch}, {n}); got {arr.shape}")
+    arr = arr.astype(np.float64)
+    if not np.isfinite(arr).all():
+        raise ValueError("v0 contains NaN or Inf")
+    norms = np.linalg.norm(arr, axis=1, keepdims=True)
+    if (norms == 0).any():
+        raise ValueError(f"v0 row {int(np.flatnonzero(norms[:, 0] == 0)[0])} is zero; start vectors must be non-zero")
+    return arr / norms
+
+
+def _empty_result(shape, tol, method) -> dict[str, np.ndarray]:
+    return {
+        "sigma": np.zeros(shape), "lower": np.zeros(shape), "upper": np.full(shape, np.inf),
+        "residual": np.full(shape, np.inf), "iterations": np.zeros(shape, np.int64),
+        "converged": np.zeros(shape, bool), "method": np.full(shape, method, dtype="<U7"),
+    }
+
+
+# -- public: spectral_norm -----------------------------------------------------------
+def _default_chunk(method: str, width: int, itemsize: int, p: int) -> int:
+    per = {"exact": width * 8, "power": 4 * width * 8, "lanczos": (2 * p + 8) * width * 8}[method]
+    return max(1, SCAN_CHUNK_BYTES // per)
+
+
+def _chunks(total: int, size: int):
+    for lo in range(0, total, size):
+        yield lo, min(total, lo + size)
+
+
+def _slice_op(op: BatchedOperator, lo: int, hi: int) -> BatchedOperator:
+    return op if (lo, hi) == (0, op.batch) else op.take(np.arange(lo, hi))
+
+
+def spectral_norm(
+    op: Any, method: str = "power", tol: float = TOL, max_iter: int = MAX_ITER, seed: int | None = 0,
+    v0: Any = None, backend: str = "auto", callback: Callable[[int, int], Any] | None = None,
+    *, chunk_size: int | None = None,
+) -> SpectralResult:
+    """sigma_max of every operator of a batch, matrix-free, with a stated accuracy.
+
+    Parameters
+    ----------
+    op : BatchedOperator, array (m, n) / (B, m, n), or scipy LinearOperator
+        The batch (see :mod:`pyengine.linalg.operators`); arrays become a DenseOperator.
+    method : {"power", "lanczos"}
+        ``"power"``: power iteration on A^T A. ``"lanczos"``: Golub-Kahan-Lanczos
+        bidiagonalization with full reorthogonalization and thick restarts (far
+        fewer products when the top singular values are close).
+    tol : float in (0, 1), default 1e-6
+        Stop an operator when ``||A^T A v - sigma^2 v|| / sigma^2 <= tol``.
+    max_iter : int, default 1000
+        Cap on iterations (one product with A and one with A^T each) per operator.
+    seed : int >= 0 or None, default 0
+        Start vectors are a function of (seed, operator index); None: fresh entropy.
+    v0 : array_like, shape (B, n), optional
+        Start vectors (normalized here); overrides ``seed``.
+    backend : {"auto", "cpp", "numba", "numpy"}
+        For LayerNormJacobian / RMSNormJacobian operators: the backend of the
+        fused kernels (``"auto"``: the operator's own backend).
+    callback : callable(done, total), optional
+        Called after each chunk with the number of operators finished so far.
+    chunk_size : int, optional
+        Operators per chunk (bounds the working memory; default from a 64 MiB budget).
+
+    Returns
+    -------
+    SpectralResult
+        Arrays of shape (B,).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Bad operator, method, tol, max_iter, seed, v0, backend or chunk_size.
+    """
+    op = as_batched_operator(op)
+    method = _check_method(method, METHODS_NORM)
+    tol, max_iter = _check_tol(tol), _v.count("max_iter", max_iter)
+    chunk_size = _v.count("chunk_size", chunk_size, allow_none=True)
+    callback = _check_callback(callback)
+    backend = check_name(backend)
+    key = _seed_key(seed)
+    start = None if v0 is None else _check_v0(v0, op.batch, op.shape[1])
+    if isinstance(op, _NormJacobian) and type(op) in (LayerNormJacobian, RMSNormJacobian):
+        res = _norm_scan(
+            op._norm, op.x, op.gamma, op.eps, op.frozen, method, tol, max_iter, key,
+            op.backend if backend == "auto" else backend, chunk_size, callback, (op.batch,), start,
+        )
+        return res
+    B, n = op.batch, op.shape[1]
+    out = _empty_result((B,), tol, method)
+    bound = op.upper_bound()
+    size = chunk_size or _default_chunk(method, max(op.shape), op.dtype.itemsize, LANCZOS_MAX_SUBSPACE)
+    solver = _power if method == "power" else _lanczos
+    for lo, hi in _chunks(B, size):
+        sub = _slice_op(op, lo, hi)
+        V0 = _start_vectors(key, lo, hi - lo, n) if start is None else start[lo:hi]
+        part = {k: v[lo:hi] for k, v in out.items()}
+        solver(sub, V0, tol, max_iter, part)
+        if callback is not None:
+            callback(hi, B)
+    out["lower"] = out["sigma"].copy()
+    out["upper"] = np.maximum(bound, out["lower"])
+    return SpectralResult(**out, tol=tol)
+
+
+# -- LayerNorm / RMSNorm scans ----------------------------------------------------------
+def _norm_scale(norm: str, x: np.ndarray, eps: float) -> np.ndarray:
+    xd = x.astype(np.float64)
+    if norm == "layer_norm":
+        xd -= xd.mean(axis=1, keepdims=True)
+    return np.sqrt(np.einsum("ij,ij->i", xd, xd) / x.shape[1] + eps)
+
+
+def _norm_scan(
+    norm: str, x2: np.ndarray, g: np.ndarray, eps: float, frozen: bool, method: str, tol: float,
+    max_iter: int, key: np.ndarray, backend: str, chunk_size: int | None,
+    callback: Callable[[int, int], Any] | None, shape: tuple[int, ...], start: np.ndarray | None = None,
+) -> SpectralResult:
+    """The chunked scan behind layer_norm_spectral_norm / rms_norm_spectral_norm."""
+    N, d = x2.shape
+    out = _empty_result((N,), tol, method)
+    if method == "exact":
+        kern = resolve(norm + "_sigma_max", backend)
+    elif method == "power":
+        kern = resolve(norm + "_power_iteration", backend)
+    size = chunk_size or _default_chunk(method, d, x2.dtype.itemsize, LANCZOS_MAX_SUBSPACE)
+    gmax = float(np.abs(g.astype(np.float64)).max())
+    full_shape = shape + (d,)
+    mode = "frozen_scale" if frozen else "full"
+    for lo, hi in _chunks(N, size):
+        xc = np.ascontiguousarray(x2[lo:hi])
+        if method == "exact":
+            sig = out["sigma"][lo:hi]
+            nbad = kern(xc, g, eps, frozen, sig)
+            if nbad:
+                _v.raise_bad_rows(nbad, x2, full_shape, eps, norm)
+            out["residual"][lo:hi] = 0.0
+            out["converged"][lo:hi] = True
+            out["upper"][lo:hi] = sig
+        elif method == "power":
+            v0 = (_start_vectors(key, lo, hi - lo, d) if start is None else start[lo:hi]).astype(x2.dtype)
+            it = out["iterations"][lo:hi]
+            sig, res = out["sigma"][lo:hi], out["residual"][lo:hi]
+            nbad = kern(xc, g, eps, frozen, v0, tol, max_iter, sig, res, it)
+            if nbad:
+                _v.raise_bad_rows(nbad, x2, full_shape, eps, norm)
+            out["converged"][lo:hi] = res <= tol
+            with np.errstate(divide="ignore"):
+                out["upper"][lo:hi] = np.maximum(gmax / _norm_scale(norm, xc, eps), sig)
+        else:
+            cls = LayerNormJacobian if norm == "layer_norm" else RMSNormJacobian
+            with np.errstate(invalid="ignore", over="ignore"):
+                scale = _norm_scale(norm, xc, eps)
+                bad = ~(np.isfinite(scale) & (scale > 0))
+            if bad.any():  # the message names the row in the whole input, not in the chunk
+                _v.raise_bad_rows(int(bad.sum()), x2, full_shape, eps, norm)
+            op = cls._trusted(xc, g, eps, mode, backend, scale)
+            V0 = _start_vectors(key, lo, hi - lo, d) if start is None else start[lo:hi]
+            part = {k: v[lo:hi] for k, v in out.items()}
+            _lanczos(op, V0, tol, max_iter, part)
+            out["upper"][lo:hi] = np.maximum(op.upper_bound(), part["sigma"])
+        if callback is not None:
+            callback(hi, N)
+    out["lower"] = out["sigma"].copy()
+    if method == "exact":
+        out["iterations"][:] = 0
+    lead = shape
+    return SpectralResult(**{k: v.reshape(lead) for k, v in out.items()}, tol=tol)
+
+
+def _norm_spectral_norm(
+    norm: str, x: Any, gamma: Any, eps: Any, mode: Any, method: Any, tol: Any, max_iter: Any, seed: Any,
+    backend: Any, chunk_size: Any, callback: Any,
+) -> SpectralResult:
+    x2, shape = _v.rows("x", x)
+    g = _v.param("gamma", gamma, x2, 1.0)
+    eps, frozen = _v.eps(eps), _v.frozen(mode)
+    method = _check_method(method, METHODS_LN)
+    tol, max_iter = _check_tol(tol), _v.count("max_iter", max_iter)
+    chunk_size = _v.count("chunk_size", chunk_size, allow_none=True)
+    callback = _check_callback(callback)
+    backend = check_name(backend)
+    key = _seed_key(seed)
+    return _norm_scan(norm, x2, g, eps, frozen, method, tol, max_iter, key, backend, chunk_size,
+                      callback, shape[:-1])
+
+
+def layer_norm_spectral_norm(
+    x: Any, gamma: Any = None, eps: float = 1e-5, mode: str = "full", method: str = "exact",
+    tol: float = TOL, max_iter: int = MAX_ITER, seed: int | None = 0, backend: str = "auto",
+    *, chunk_size: int | None = None, callback: Callable[[int, int], Any] | None = None,
+) -> SpectralResult:
+    """sigma_max of the LayerNorm Jacobian of every token, streamed in chunks.
+
+    Parameters
+    ----------
+    x : array_like, shape (..., d), float32 or float64
+        Tokens (any leading shape; a ``np.load(..., mmap_mode="r")`` array is read
+        chunk by chunk).
+    gamma : array_like, shape (d,), optional
+    eps : float, default 1e-5
+    mode : {"full", "frozen_scale"}
+    method : {"exact", "power", "lanczos"}, default "exact"
+        ``"exact"``: the secular equation of DESIGN.md, O(d) per token, exact to
+        rounding (lower = upper = sigma, residual 0, iterations 0). ``"power"``:
+        fused per-token power iteration on J^T J. ``"lanczos"``: batched
+        Golub-Kahan-Lanczos (see :func:`spectral_norm`).
+    tol, max_iter, seed
+        As :func:`spectral_norm` (unused by "exact"). A token's start vector
+        depends only on (seed, its flat index), so results do not depend on
+        ``chunk_size``.
+    backend : {"auto", "cpp", "numba", "numpy"}
+    chunk_size : int, optional
+        Tokens per chunk; the default keeps the working memory near 64 MiB.
+    callback : callable(done, total), optional
+        Progress: called after every chunk with the tokens done and the total.
+
+    Returns
+    -------
+    SpectralResult
+        Arrays of shape ``x.shape[:-1]``.
+
+    Raises
+    ------
+    TypeError, ValueError
+        As :func:`pyengine.layer_norm_jvp`, plus bad method, tol, max_iter, seed,
+        chunk_size or callback.
+    """
+    return _norm_spectral_norm("layer_norm", x, gamma, eps, mode, method, tol, max_iter, seed,
+                               backend, chunk_size, callback)
+
+
+def rms_norm_spectral_norm(
+    x: Any, gamma: Any = None, eps: float = 1e-5, mode: str = "full", method: str = "exact",
+    tol: float = TOL, max_iter: int = MAX_ITER, seed: int | None = 0, backend: str = "auto",
+    *, chunk_size: int | None = None, callback: Callable[[int, int], Any] | None = None,
+) -> SpectralResult:
+    """sigma_max of the RMSNorm Jacobian of every token; as :func:`layer_norm_spectral_norm`."""
+    return _norm_spectral_norm("rms_norm", x, gamma, eps, mode, method, tol, max_iter, seed,
+                               backend, chunk_size, callback)
+
+
+# -- spectral radius ----------------------------------------------------------------------
+def spectral_radius(
+    op: Any, tol: float = TOL_RADIUS, max_iter: int = MAX_ITER, seed: int | None = 0, v0: Any = None,
+) -> SpectralRadiusResult:
+    """max |eigenvalue| of every operator of a batch of square, possibly non-symmetric operators.
+
+    Power iteration on A (not A^T A: that is :func:`spectral_norm`) for the whole
+    batch; an operator stops when ``||A v - lambda v|| / |lambda| <= tol`` with the
+    Rayleigh quotient lambda = v^T A v. If its residual does not halve over
+    ``STALL_WINDOW`` iterations (a complex-conjugate or +-lambda dominant pair makes
+    the Rayleigh quotient oscillate; a tiny gap makes it crawl), or it runs out of
+    iterations, the operator goes to Arnoldi (``scipy.sparse.linalg.eigs``, k=1,
+    which="LM"), started from its current iterate; ``method`` says which answered.
+
+    Parameters
+    ----------
+    op : BatchedOperator, array (n, n) / (B, n, n), or scipy LinearOperator
+        Square operators (shape (n, n)).
+    tol : float in (0, 1), default 1e-8
+    max_iter : int, default 1000
+        Cap on power iterations, and on Arnoldi restarts, per operator.
+    seed : int >= 0 or None, default 0
+    v0 : array_like, shape (B, n), optional
+        Start vectors; overrides ``seed``.
+
+    Returns
+    -------
+    SpectralRadiusResult
+        Arrays of shape (B,).
+
+    Raises
+    ------
+    TypeError, ValueError
+        Non-square or bad operator, bad tol, max_iter, seed or v0.
+    """
+    op = as_batched_operator(op)
+    if op.shape[0] != op.shape[1]:
+        raise ValueError(f"op must be square for a spectral radius; got operators of shape {op.shape}")
+    tol, max_iter = _check_tol(tol), _v.count("max_iter", max_iter)
+    key = _seed_key(seed)
+    B, n = op.batch, op.shape[0]
+    V = _start_vectors(key, 0, B, n) if v0 is None else _check_v0(v0, B, n)
+    return SpectralRadiusResult(**_radius(op, V, tol, max_iter), tol=tol)
+
+
+# -- weight scans ------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, eq=False)
+class WeightScan:
+    """Spectral view of weight matrices; one entry per matrix.
+
+    ``sigma_max`` is the largest singular value; with ``W`` of shape
+    (d_out, d_in) acting as ``y = W x``, ``rms_to_rms = sigma_max * sqrt(d_in / d_out)``
+    is the operator norm from RMS-normalized inputs to RMS-normalized outputs, and
+    ``ratio = sigma_max / target`` compares sigma_max with the spectral-condition
+    rule ``target = sqrt(d_out / d_in)`` (numerically ratio == rms_to_rms: both
+    should be Theta(1) for stable feature learning).
+    """
+
+    name: tuple[str, ...]
+    d_out: np.ndarray
+    d_in: np.ndarray
+    sigma_max: np.ndarray
+    rms_to_rms: np.ndarray
+    target: np.ndarray
+    ratio: np.ndarray
+    converged: np.ndarray
+
+    def __len__(self) -> int:
+        return len(self.name)
+
+    def to_dict(self) -> dict[str, list[Any]]:
+        return {f.name: list(getattr(self, f.name)) if f.name == "name" else getattr(self, f.name).tolist()
+                for f in dataclasses.fields(self)}
+
+    def to_text(self) -> str:
+        """A fixed-width table, one row per matrix."""
+        w = max([4] + [len(s) for s in self.name])
+        head = f"{'name':<{w}}  {'shape':>13}  {'sigma_max':>11}  {'rms->rms':>10}  {'sqrt(dout/din)':>14}  {'ratio':>8}"
+        rows = [head, "-" * len(head)]
+        for i, nm in enumerate(self.name):
+            shape = f"{self.d_out[i]}x{self.d_in[i]}"
+            flag = "" if self.converged[i] else "  (not converged)"
+            rows.append(f"{nm:<{w}}  {shape:>13}  {self.sigma_max[i]:>11.5g}  {self.rms_to_rms[i]:>10.4g}  "
+                        f"{self.target[i]:>14.4g}  {self.ratio[i]:>8.4g}{flag}")
+        return "\n".join(rows)
+
+    def __str__(self) -> str:
+        return self.to_text()
+
+
+#: weight_scan: matrices up to this min(d_out, d_in) get a dense SVD, larger ones Lanczos.
+WEIGHT_SVD_MAX = 1024
+
+
+def weight_scan(
+    weights: Mapping[str, Any] | Sequence[Any], layout: str = "out_in", tol: float = 1e-10, seed: int = 0,
+) -> WeightScan:
+    """sigma_max, the RMS -> RMS norm and the spectral-condition ratio of weight matrices.
+
+    Parameters
+    ----------
+    weights : dict name -> 2-D array, or a list of 2-D arrays (named "0", "1", ...)
+        Real float matrices.
+    layout : {"out_in", "in_out"}, default "out_in"
+        "out_in": W has shape (d_out, d_in), ``y = W x`` (torch.nn.Linear.weight);
+        "in_out": shape (d_in, d_out), ``y = x W`` (GPT-2 Conv1D, JAX).
+    tol : float, default 1e-10
+        Residual tolerance for matrices too large for a dense SVD (min side
+        over 1024), which use ``spectral_norm(method="lanczos")``.
+    seed : int, default 0
+
+    Returns
+    -------
+    WeightScan
+        Arrays in the order of ``weights``; ``to_text()`` gives a table.
+
+    Raises
+    ------
+    TypeError, ValueError
+        Not a list/dict, a matrix that is not 2-D, not float, empty or not finite.
+    """
+    import scipy.linalg
+
+    if layout not in ("out_in", "in_out"):
+        raise ValueError(f"layout must be 'out_in' or 'in_out'; got {layout!r}")
+    if isinstance(weights, Mapping):
+        items = [(str(k), w) for k, w in weights.items()]
+        label = "weights[{!r}]"
+    elif isinstance(weights, Sequence) and not isinstance(weights, (str, bytes)) and not isinstance(weights, np.ndarray):
+        items = [(str(i), w) for i, w in enumerate(weights)]
+        label = "weights[{}]"
+    else:
+        raise TypeError(f"weights must be a dict of name -> matrix or a list of matrices; got {type(weights).__name__}")
+    tol = _check_tol(tol)
+    names, dout, din, sig, conv = [], [], [], [], []
+    for i, (name, w) in enumerate(items):
+        arg = label.format(name if isinstance(weights, Mapping) else i)
+        arr = _v.float_array(arg, w)
+        if arr.ndim != 2 or 0 in arr.shape:
+            raise ValueError(f"{arg} must be a non-empty 2-D matrix; got shape {arr.shape}")
+        if not np.isfinite(arr).all():
+            raise ValueError(f"{arg} contains NaN or Inf")
+        do, di = arr.shape if layout == "out_in" else arr.shape[::-1]
+        if min(arr.shape) <= WEIGHT_SVD_MAX:
+            s, ok = float(scipy.linalg.svdvals(arr.astype(np.float64, copy=False), check_finite=False)[0]), True
+        else:
+            r = spectral_norm(arr, method="lanczos", tol=tol, seed=seed)
+            s, ok = float(r.sigma[0]), bool(r.converged[0])
+        names.append(name)
+        dout.append(do)
+        din.append(di)
+        sig.append(s)
+        conv.append(ok)
+    dout_a, din_a, sig_a = np.array(dout, np.int64), np.array(din, np.int64), np.array(sig)
+    target = np.sqrt(dout_a / din_a) if len(names) else np.zeros(0)
+    rms = sig_a * np.sqrt(din_a / dout_a) if len(names) else np.zeros(0)
+    return WeightScan(name=tuple(names), d_out=dout_a, d_in=din_a, sigma_max=sig_a, rms_to_rms=rms,
+                      target=target, ratio=sig_a / target if len(names) else np.zeros(0),
+                      converged=np.array(conv, bool))

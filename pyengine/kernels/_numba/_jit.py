@@ -1,7 +1,9 @@
 """The one place where pyengine's Numba options live.
 
 Every Numba kernel is compiled with :data:`jit` (serial) or :data:`pjit` (``prange``
-over tokens). No eager signatures: each function is compiled on its first call for
+over tokens), or, in the activation and softmax kernels, with their fused-multiply-add
+variants :data:`fma_inline`, :data:`fma_jit` and :data:`fma_pjit` (:data:`CONTRACT`).
+No module sets Numba options of its own. No eager signatures: each function is compiled on its first call for
 the types it gets (float32 or float64 arrays, which the public layer guarantees)
 and then cached on disk (``cache=True``), so ``import pyengine`` never compiles.
 Also here: :func:`prefetch`, the one low-level primitive the kernels share.
@@ -18,9 +20,9 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-__all__ = ["FASTMATH", "jit", "pjit", "prefetch"]
+__all__ = ["CONTRACT", "FASTMATH", "fma_inline", "fma_jit", "fma_pjit", "jit", "pjit", "prefetch"]
 
-#: No fast-math, not even per flag. Bad-row detection tests the row statistics
+#: No fast-math, not even per flag (the one exception is :data:`CONTRACT`). Bad-row detection tests the row statistics
 #: with ``np.isfinite``; the ``nnan``/``ninf`` flags let LLVM assume that NaN and
 #: Inf never occur and fold those tests to ``True``. ``reassoc`` would let the
 #: compiler reorder the float64 sums, so results would depend on the vector width
@@ -55,6 +57,27 @@ if numba.config.DISABLE_JIT:  # pragma: no cover - only in the NUMBA_DISABLE_JIT
                 return fn(*args, **kwargs)
 
         return kernel
+
+
+#: The one fast-math flag pyengine uses, and only in the activation and softmax
+#: kernels (:mod:`._vecmath`, :mod:`.activations`, :mod:`.softmax`): ``contract`` lets
+#: LLVM fuse a * b + c into one FMA, rounded once instead of twice. It assumes nothing
+#: about NaN or Inf and reorders no sum, so the bad-row tests and the fixed summation
+#: order hold; the polynomials of :mod:`._vecmath` are chains of multiply-adds, and it
+#: makes them about 2x faster.
+CONTRACT = {"contract"}
+
+if numba.config.DISABLE_JIT:  # pragma: no cover - the NUMBA_DISABLE_JIT=1 CI job
+    fma_inline = fma_jit = jit
+    fma_pjit = pjit
+else:
+    #: Scalar cores: always inlined (at the Numba IR level), because LLVM's inliner
+    #: leaves the larger ones (GELU) as calls, and a loop with a call does not vectorize.
+    fma_inline = functools.partial(jit, inline="always", fastmath=CONTRACT)
+    #: Row helpers that call the cores (inlined cores take their caller's flags).
+    fma_jit = functools.partial(jit, fastmath=CONTRACT)
+    #: Batch kernels: ``prange`` over rows, as :data:`pjit`.
+    fma_pjit = functools.partial(jit, parallel=True, fastmath=CONTRACT)
 
 
 @intrinsic

@@ -1,4 +1,4 @@
-"""Numba kernels of LayerNorm and RMSNorm: forward, JVP, VJP and dense Jacobian.
+"""Numba kernels of LayerNorm: forward, JVP, VJP and dense Jacobian (RMSNorm: :mod:`.rmsnorm`).
 
 Same kernel contract and parameter names as :mod:`pyengine.kernels._reference` (C-contiguous
 float32 or float64 arrays, preallocated ``out``, the number of bad rows returned);
@@ -60,10 +60,6 @@ __all__ = [
     "layer_norm_jacobian",
     "layer_norm_jvp",
     "layer_norm_vjp",
-    "rms_norm",
-    "rms_norm_jacobian",
-    "rms_norm_jvp",
-    "rms_norm_vjp",
 ]
 
 
@@ -238,83 +234,6 @@ def _layer_norm_jacobian_row(x, gamma, eps, frozen, out, acc):
     return bad
 
 
-@jit
-def _rms_norm_row(x, gamma, eps, out, acc, x_next):
-    """out = gamma * x / r, r = sqrt(mean(x^2) + eps)."""
-    d = x.size
-    r, bad = _scale(_sum_sq(x, 0.0, acc) / d, eps)
-    inv = 1.0 / r
-    nb = d // _BLOCK
-    for j in range(nb):
-        o = j * _BLOCK
-        _prefetch_block(x_next, o)
-        for k in range(_BLOCK):
-            i = o + k
-            out[i] = _f64(gamma[i]) * (_f64(x[i]) * inv)
-    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
-        out[i] = _f64(gamma[i]) * (_f64(x[i]) * inv)
-    return bad
-
-
-@jit
-def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next):
-    """out = gamma/r * (v - x mean(x v)/r^2); frozen: gamma * v / r."""
-    d = x.size
-    # sum(x v) is needed for frozen=True too: it is non-finite iff v has NaN/Inf.
-    q, dot = _sum_sq_dot(x, 0.0, v, acc)
-    r, bad = _scale(q / d, eps)
-    inv = 1.0 / r
-    c = 0.0 if frozen else (dot / d) / (r * r)  # mean(x w) / r^2
-    nb = d // _BLOCK
-    for j in range(nb):
-        o = j * _BLOCK
-        _prefetch_block(x_next, o)
-        _prefetch_block(v_next, o)
-        for k in range(_BLOCK):
-            i = o + k
-            out[i] = _f64(gamma[i]) * ((_f64(v[i]) - _f64(x[i]) * c) * inv)
-    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
-        out[i] = _f64(gamma[i]) * ((_f64(v[i]) - _f64(x[i]) * c) * inv)
-    return bad or not np.isfinite(dot)
-
-
-@jit
-def _rms_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
-    """out = (g - x mean(x g)/r^2) / r with g = gamma * u; frozen: g / r."""
-    d = x.size
-    q, dot = _sum_sq_dot_gu(x, 0.0, gamma, u, acc)
-    r, bad = _scale(q / d, eps)
-    inv = 1.0 / r
-    c = 0.0 if frozen else (dot / d) / (r * r)  # mean(x w) / r^2
-    nb = d // _BLOCK
-    for j in range(nb):
-        o = j * _BLOCK
-        _prefetch_block(x_next, o)
-        _prefetch_block(u_next, o)
-        for k in range(_BLOCK):
-            i = o + k
-            out[i] = (_f64(gamma[i]) * _f64(u[i]) - _f64(x[i]) * c) * inv
-    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
-        out[i] = (_f64(gamma[i]) * _f64(u[i]) - _f64(x[i]) * c) * inv
-    return bad or not np.isfinite(dot)
-
-
-@jit
-def _rms_norm_jacobian_row(x, gamma, eps, frozen, out, acc):
-    """out : (d, d), J[i, j] = gamma_i/r (delta_ij - xn_i xn_j/d), xn = x/r; frozen drops xn."""
-    d = x.size
-    r, bad = _scale(_sum_sq(x, 0.0, acc) / d, eps)
-    inv = 1.0 / r
-    for i in range(d):
-        a = _f64(gamma[i]) / r
-        xni = _f64(x[i]) * inv
-        c = 0.0 if frozen else xni / d
-        row = out[i]
-        for j in range(d):
-            row[j] = a * (0.0 - c * (_f64(x[j]) * inv))
-        row[i] = a * (1.0 - c * xni)
-    return bad
-
 
 # --------------------------------------------------------------------------- #
 # Registered batch kernels: prange over rows (tokens) only. Row r prefetches row
@@ -372,59 +291,5 @@ def layer_norm_jacobian(x, gamma, eps, frozen, out):
     for r in prange(x.shape[0]):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
         if _layer_norm_jacobian_row(x[r], gamma, eps, frozen, out[r], acc):
-            nbad += 1
-    return nbad
-
-
-@register("rms_norm", "numba")
-@pjit
-def rms_norm(x, gamma, eps, out):
-    """x, out : (n, d); gamma : (d,). Returns the number of bad rows."""
-    n = x.shape[0]
-    nbad = 0
-    for r in prange(n):
-        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        nx = min(r + 1, n - 1)
-        if _rms_norm_row(x[r], gamma, eps, out[r], acc, x[nx]):
-            nbad += 1
-    return nbad
-
-
-@register("rms_norm_jvp", "numba")
-@pjit
-def rms_norm_jvp(x, v, gamma, eps, frozen, out):
-    """x, v, out : (n, d); gamma : (d,). Returns the number of bad rows."""
-    n = x.shape[0]
-    nbad = 0
-    for r in prange(n):
-        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        nx = min(r + 1, n - 1)
-        if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx]):
-            nbad += 1
-    return nbad
-
-
-@register("rms_norm_vjp", "numba")
-@pjit
-def rms_norm_vjp(x, u, gamma, eps, frozen, out):
-    """x, u, out : (n, d); gamma : (d,). Returns the number of bad rows."""
-    n = x.shape[0]
-    nbad = 0
-    for r in prange(n):
-        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        nx = min(r + 1, n - 1)
-        if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx]):
-            nbad += 1
-    return nbad
-
-
-@register("rms_norm_jacobian", "numba")
-@pjit
-def rms_norm_jacobian(x, gamma, eps, frozen, out):
-    """x : (n, d); gamma : (d,); out : (n, d, d). Returns the number of bad rows."""
-    nbad = 0
-    for r in prange(x.shape[0]):
-        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        if _rms_norm_jacobian_row(x[r], gamma, eps, frozen, out[r], acc):
             nbad += 1
     return nbad

@@ -1,0 +1,164 @@
+"""Numba kernels of RMSNorm: forward, JVP, VJP and dense Jacobian.
+
+Same kernel contract and parameter names as :mod:`pyengine.kernels._reference`, and
+the same layout as :mod:`.layernorm` (whose docstring explains it): a per-token core
+``_<kernel id>_row``, run by the registered batch kernel under ``prange`` over rows
+only; reductions in float64 in ``LANES`` partial sums (:mod:`._reduce`), a single
+pass over the row for the sums (RMSNorm has centre 0), and the writing pass
+prefetching the next row in blocks of ``layernorm._BLOCK``.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from ...backends import register
+from ._jit import jit, pjit
+from ._reduce import LANES, _f64, _scale, _sum_sq, _sum_sq_dot, _sum_sq_dot_gu
+from .layernorm import _BLOCK, _prefetch_block
+
+__all__ = ["rms_norm", "rms_norm_jacobian", "rms_norm_jvp", "rms_norm_vjp"]
+
+
+# --------------------------------------------------------------------------- #
+# Per-token cores, as in layernorm.py. Each returns True for a bad row.
+# --------------------------------------------------------------------------- #
+
+
+@jit
+def _rms_norm_row(x, gamma, eps, out, acc, x_next):
+    """out = gamma * x / r, r = sqrt(mean(x^2) + eps)."""
+    d = x.size
+    r, bad = _scale(_sum_sq(x, 0.0, acc) / d, eps)
+    inv = 1.0 / r
+    nb = d // _BLOCK
+    for j in range(nb):
+        o = j * _BLOCK
+        _prefetch_block(x_next, o)
+        for k in range(_BLOCK):
+            i = o + k
+            out[i] = _f64(gamma[i]) * (_f64(x[i]) * inv)
+    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
+        out[i] = _f64(gamma[i]) * (_f64(x[i]) * inv)
+    return bad
+
+
+@jit
+def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next):
+    """out = gamma/r * (v - x mean(x v)/r^2); frozen: gamma * v / r."""
+    d = x.size
+    # sum(x v) is needed for frozen=True too: it is non-finite iff v has NaN/Inf.
+    q, dot = _sum_sq_dot(x, 0.0, v, acc)
+    r, bad = _scale(q / d, eps)
+    inv = 1.0 / r
+    c = 0.0 if frozen else (dot / d) / (r * r)  # mean(x w) / r^2
+    nb = d // _BLOCK
+    for j in range(nb):
+        o = j * _BLOCK
+        _prefetch_block(x_next, o)
+        _prefetch_block(v_next, o)
+        for k in range(_BLOCK):
+            i = o + k
+            out[i] = _f64(gamma[i]) * ((_f64(v[i]) - _f64(x[i]) * c) * inv)
+    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
+        out[i] = _f64(gamma[i]) * ((_f64(v[i]) - _f64(x[i]) * c) * inv)
+    return bad or not np.isfinite(dot)
+
+
+@jit
+def _rms_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
+    """out = (g - x mean(x g)/r^2) / r with g = gamma * u; frozen: g / r."""
+    d = x.size
+    q, dot = _sum_sq_dot_gu(x, 0.0, gamma, u, acc)
+    r, bad = _scale(q / d, eps)
+    inv = 1.0 / r
+    c = 0.0 if frozen else (dot / d) / (r * r)  # mean(x w) / r^2
+    nb = d // _BLOCK
+    for j in range(nb):
+        o = j * _BLOCK
+        _prefetch_block(x_next, o)
+        _prefetch_block(u_next, o)
+        for k in range(_BLOCK):
+            i = o + k
+            out[i] = (_f64(gamma[i]) * _f64(u[i]) - _f64(x[i]) * c) * inv
+    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
+        out[i] = (_f64(gamma[i]) * _f64(u[i]) - _f64(x[i]) * c) * inv
+    return bad or not np.isfinite(dot)
+
+
+@jit
+def _rms_norm_jacobian_row(x, gamma, eps, frozen, out, acc):
+    """out : (d, d), J[i, j] = gamma_i/r (delta_ij - xn_i xn_j/d), xn = x/r; frozen drops xn."""
+    d = x.size
+    r, bad = _scale(_sum_sq(x, 0.0, acc) / d, eps)
+    inv = 1.0 / r
+    for i in range(d):
+        a = _f64(gamma[i]) / r
+        xni = _f64(x[i]) * inv
+        c = 0.0 if frozen else xni / d
+        row = out[i]
+        for j in range(d):
+            row[j] = a * (0.0 - c * (_f64(x[j]) * inv))
+        row[i] = a * (1.0 - c * xni)
+    return bad
+
+
+# --------------------------------------------------------------------------- #
+# Registered batch kernels: prange over rows (tokens) only; row r prefetches row
+# nx = min(r + 1, n - 1).
+# --------------------------------------------------------------------------- #
+
+
+@register("rms_norm", "numba")
+@pjit
+def rms_norm(x, gamma, eps, out):
+    """x, out : (n, d); gamma : (d,). Returns the number of bad rows."""
+    n = x.shape[0]
+    nbad = 0
+    for r in prange(n):
+        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+        nx = min(r + 1, n - 1)
+        if _rms_norm_row(x[r], gamma, eps, out[r], acc, x[nx]):
+            nbad += 1
+    return nbad
+
+
+@register("rms_norm_jvp", "numba")
+@pjit
+def rms_norm_jvp(x, v, gamma, eps, frozen, out):
+    """x, v, out : (n, d); gamma : (d,). Returns the number of bad rows."""
+    n = x.shape[0]
+    nbad = 0
+    for r in prange(n):
+        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+        nx = min(r + 1, n - 1)
+        if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx]):
+            nbad += 1
+    return nbad
+
+
+@register("rms_norm_vjp", "numba")
+@pjit
+def rms_norm_vjp(x, u, gamma, eps, frozen, out):
+    """x, u, out : (n, d); gamma : (d,). Returns the number of bad rows."""
+    n = x.shape[0]
+    nbad = 0
+    for r in prange(n):
+        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+        nx = min(r + 1, n - 1)
+        if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx]):
+            nbad += 1
+    return nbad
+
+
+@register("rms_norm_jacobian", "numba")
+@pjit
+def rms_norm_jacobian(x, gamma, eps, frozen, out):
+    """x : (n, d); gamma : (d,); out : (n, d, d). Returns the number of bad rows."""
+    nbad = 0
+    for r in prange(x.shape[0]):
+        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+        if _rms_norm_jacobian_row(x[r], gamma, eps, frozen, out[r], acc):
+            nbad += 1
+    return nbad

@@ -1,0 +1,159 @@
+"""Numba kernels of the attention softmax and its JVP.
+
+Same kernel contract and parameter names as :mod:`pyengine.kernels._reference.activations`
+(C-contiguous float32 or float64 arrays, preallocated outputs, ``out`` possibly the
+input itself, the number of bad rows returned); the formulas are in its docstring.
+
+Every batch kernel runs ``prange`` over rows only, so each row is computed by one
+thread in an order fixed by the source and results do not depend on the number of
+threads. Everything is computed in float64 and cast to the dtype of the output on
+the store. The exponential is :func:`._vecmath._exp_neg` (vectorizable). Without
+``reassoc`` LLVM keeps float sums in source order, so the reductions (the softmax's
+max and sum, the JVP's dot product) use ``LANES`` partial results in a scratch
+array, as :mod:`pyengine.kernels._numba.layernorm` does. Numba options: :mod:`._jit`
+(``fma_jit`` / ``fma_pjit``).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+from numba import prange
+
+from ...backends import register
+from ._jit import fma_jit, fma_pjit, jit
+from ._reduce import LANES, _fold
+from ._vecmath import _exp_neg
+
+__all__ = ["LANES", "softmax", "softmax_jvp"]
+
+_f64 = np.float64
+
+
+# --------------------------------------------------------------------------- #
+# Row reductions in a fixed order: LANES partial results in acc (LANES,).
+# --------------------------------------------------------------------------- #
+
+
+@jit
+def _max(x, n, acc):
+    """max(x[:n]) over the non-NaN values (-inf if none), in float64."""
+    for k in range(LANES):
+        acc[k] = -np.inf
+    nb = n // LANES
+    for b in range(nb):
+        o = b * LANES
+        for k in range(LANES):
+            v = _f64(x[o + k])
+            acc[k] = v if v > acc[k] else acc[k]
+    m = -np.inf
+    for k in range(LANES):
+        m = acc[k] if acc[k] > m else m
+    for i in range(nb * LANES, n):
+        v = _f64(x[i])
+        m = v if v > m else m
+    return m
+
+
+@jit
+def _sum(e, n, acc):
+    """sum(e[:n]) of a float64 row."""
+    for k in range(LANES):
+        acc[k] = 0.0
+    nb = n // LANES
+    for b in range(nb):
+        o = b * LANES
+        for k in range(LANES):
+            acc[k] += e[o + k]
+    s = _fold(acc)
+    for i in range(nb * LANES, n):
+        s += e[i]
+    return s
+
+
+@jit
+def _dot(p, dx, acc):
+    """sum(p * dx) in float64. p, dx : (d,)."""
+    d = p.size
+    for k in range(LANES):
+        acc[k] = 0.0
+    nb = d // LANES
+    for b in range(nb):
+        o = b * LANES
+        for k in range(LANES):
+            acc[k] += _f64(p[o + k]) * _f64(dx[o + k])
+    s = _fold(acc)
+    for i in range(nb * LANES, d):
+        s += _f64(p[i]) * _f64(dx[i])
+    return s
+
+
+# --------------------------------------------------------------------------- #
+# Softmax and its JVP
+# --------------------------------------------------------------------------- #
+
+
+@fma_jit
+def _softmax_row(x, vis, out, e, acc):
+    """out[:vis] = softmax of x[:vis], out[vis:] = 0; True for a bad row. e : (Tk,) float64."""
+    m = _max(x, vis, acc)
+    for j in range(vis):
+        e[j] = _exp_neg(_f64(x[j]) - m)
+    # NaN or +inf among x[:vis], or all of it -inf, make s NaN; a good row has s >= 1.
+    s = _sum(e, vis, acc)
+    if not s >= 1.0:
+        for j in range(out.size):
+            out[j] = np.nan
+        return True
+    inv = 1.0 / s
+    for j in range(vis):
+        out[j] = e[j] * inv
+    for j in range(vis, out.size):
+        out[j] = 0.0
+    return False
+
+
+@register("softmax", "numba")
+@fma_pjit
+def softmax(x, offset, out):
+    """x, out : (N, Tq, Tk); keys j <= i + offset visible. Returns the number of bad rows."""
+    n, tq, tk = x.shape
+    x2 = x.reshape((n * tq, tk))
+    out2 = out.reshape((n * tq, tk))
+    nbad = 0
+    for row in prange(n * tq):
+        e = np.empty(tk, dtype=np.float64)  # hoisted: once per thread
+        acc = np.empty(LANES, dtype=np.float64)
+        i = row % tq
+        vis = tk if offset >= tk - i else i + offset + 1
+        if _softmax_row(x2[row], vis, out2[row], e, acc):
+            nbad += 1
+    return nbad
+
+
+@fma_jit
+def _softmax_jvp_row(p, dx, out, acc):
+    dot = _dot(p, dx, acc)
+    if not np.isfinite(dot):
+        for j in range(out.size):
+            out[j] = np.nan
+        return True
+    for j in range(out.size):
+        out[j] = _f64(p[j]) * (_f64(dx[j]) - dot)
+    return False
+
+
+@register("softmax_jvp", "numba")
+@fma_pjit
+def softmax_jvp(p, dx, out):
+    """p : (M, Tq, Tk); dx, out : (R, M, Tq, Tk). Returns the number of bad rows."""
+    r, m, tq, tk = dx.shape
+    prow = m * tq
+    p2 = p.reshape((prow, tk))
+    dx2 = dx.reshape((r * prow, tk))
+    out2 = out.reshape((r * prow, tk))
+    nbad = 0
+    for row in prange(r * prow):
+        acc = np.empty(LANES, dtype=np.float64)  # hoisted: once per thread
+        if _softmax_jvp_row(p2[row % prow], dx2[row], out2[row], acc):
+            nbad += 1
+    return nbad

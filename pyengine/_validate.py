@@ -197,3 +197,123 @@ def raise_bad_rows(
         f"x row {where(i)}: the row statistics overflow float64 ({nbad} bad row(s)); "
         "rescale x (normalization is scale-invariant up to eps)"
     )
+
+
+# -- kernels/cli checks --
+
+
+def row_index(lead: tuple[int, ...], flat_row: int) -> str:
+    """The index of row ``flat_row`` of a (N, n) view, in the array's own leading shape ``lead``."""
+    return str(tuple(int(i) for i in np.unravel_index(flat_row, lead)))
+
+
+def contiguous(name: str, a: Any) -> np.ndarray:
+    """:func:`float_array`, made C-contiguous (copied only if it is not)."""
+    arr = float_array(name, a)
+    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
+
+
+def choice(name: str, value: Any, options: tuple[str, ...]) -> str:
+    """``value`` if it is one of ``options``; a ValueError naming ``name`` otherwise."""
+    if value not in options:
+        raise ValueError(f"{name} must be one of {', '.join(map(repr, options))}; got {value!r}")
+    return value
+
+
+def scores(name: str, a: Any) -> np.ndarray:
+    """Attention scores (or probabilities) of shape (..., Tq, Tk), Tk >= 1, C-contiguous."""
+    arr = contiguous(name, a)
+    if arr.ndim < 2 or arr.shape[-1] < 1:
+        raise ValueError(f"{name} must have shape (..., Tq, Tk) with Tk >= 1; got {arr.shape}")
+    return arr
+
+
+def causal_offset(offset: Any, tk: int) -> int:
+    """The softmax's causal ``offset``: None (no mask, Tk - 1) or an int >= 0, clipped to Tk - 1."""
+    if offset is None:
+        return tk - 1
+    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
+        raise TypeError(f"offset must be None or an int >= 0; got {offset!r}")
+    if offset < 0:
+        raise ValueError(
+            f"offset must be >= 0 (key j is visible to query i when j <= i + offset, so key 0 "
+            f"is always visible); got {offset}"
+        )
+    return int(min(offset, tk - 1))
+
+
+def softmax_tangents(p: np.ndarray, dx: Any) -> tuple[np.ndarray, tuple[int, ...]]:
+    """dx of ``softmax_jvp``: shape (R, ..., Tq, Tk) ending in p's shape, in p's dtype, C-contiguous.
+
+    Leading unit axes of p broadcast (they may be left out of dx). Returns dx and the
+    core shape of p (p's shape without those axes).
+    """
+    dxa = float_array("dx", dx)
+    core = p.shape
+    while len(core) > 2 and core[0] == 1:
+        core = core[1:]
+    k = len(core)
+    if dxa.ndim < k or dxa.shape[dxa.ndim - k:] != core:
+        raise ValueError(
+            f"dx must have shape (R, ..., Tq, Tk) ending in p's shape {p.shape} (leading unit "
+            f"axes of p may be left out); got {dxa.shape}"
+        )
+    return np.ascontiguousarray(dxa, dtype=p.dtype), core
+
+
+def activation_rows(name: str, x: Any) -> tuple[np.ndarray, np.ndarray, int]:
+    """x of activation ``name``: (x as a C-contiguous array, its (N, n_in) view, the output width n).
+
+    ``silu_gated`` needs an even, non-zero last axis [gate | up]; the others take any shape.
+    """
+    xa = contiguous("x", x)
+    if name == "silu_gated":
+        if xa.ndim < 1 or xa.shape[-1] % 2 or xa.shape[-1] == 0:
+            raise ValueError(
+                f"x must have shape (..., 2n) = [gate | up] for silu_gated (an even, non-zero "
+                f"last axis); got {xa.shape}"
+            )
+        n_in = xa.shape[-1]
+        return xa, xa.reshape(-1, n_in) if xa.size else xa, n_in // 2
+    n_in = xa.shape[-1] if xa.ndim else 1
+    return xa, xa.reshape(-1, n_in) if xa.size else xa, n_in
+
+
+def raise_nonfinite(nbad: int, named: list[tuple[str, np.ndarray, tuple[int, ...]]]) -> None:
+    """A kernel's bad-row count as a ValueError naming the argument, row and entry.
+
+    ``named``: (argument name, array, its shape without the last axis) in the order to
+    check. The message is that of :func:`raise_bad_rows`; with every input finite the
+    kernel overflowed, and the message says so.
+    """
+    for name, a, lead in named:
+        a2 = a.reshape(-1, a.shape[-1])
+        finite = np.isfinite(a2)
+        if not finite.all():
+            i, j = (int(k) for k in np.argwhere(~finite)[0])
+            raise ValueError(
+                f"{name} contains NaN or Inf ({nbad} bad row(s); first in row "
+                f"{row_index(lead, i)}, entry {j}: {a2[i, j]})"
+            )
+    raise ValueError(f"the computation overflowed in {nbad} row(s); rescale the inputs")
+
+
+def raise_bad_softmax_rows(nbad: int, x3: np.ndarray, offset: int, shape: tuple[int, ...]) -> None:
+    """The softmax kernel's bad-row count as a ValueError: a NaN/+Inf visible score, or a row
+    with no finite visible score. ``x3`` : (N, Tq, Tk), the scores; ``shape``: x's own shape."""
+    tq, tk = x3.shape[1:]
+    visible = np.arange(tk)[None, :] <= np.arange(tq)[:, None] + offset
+    lead = shape[:-1]
+    bad = visible & (np.isnan(x3) | (x3 == np.inf))
+    if bad.any():
+        n, i, j = (int(k) for k in np.argwhere(bad)[0])
+        raise ValueError(
+            f"x contains NaN or +Inf among the visible scores ({nbad} bad row(s); first in row "
+            f"{row_index(lead, n * tq + i)}, key {j}: {x3[n, i, j]})"
+        )
+    empty = ~(visible & (x3 > -np.inf)).any(axis=-1)
+    n, i = (int(k) for k in np.argwhere(empty)[0])
+    raise ValueError(
+        f"x row {row_index(lead, n * tq + i)} has no finite visible score (all -inf): nothing to "
+        f"normalize ({nbad} such row(s))"
+    )

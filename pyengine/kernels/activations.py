@@ -28,7 +28,6 @@ shape) the kernels can be called directly, without this layer: see
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import numpy as np
@@ -69,50 +68,6 @@ def kernel(name: str, backend: str = "auto"):
     return resolve(name, backend)
 
 
-# --------------------------------------------------------------------------- checks
-
-
-def _where(lead: tuple[int, ...], flat_row: int) -> str:
-    return str(tuple(int(i) for i in np.unravel_index(flat_row, lead)))
-
-
-def _raise_nonfinite(nbad: int, named: list[tuple[str, np.ndarray, tuple[int, ...]]]) -> None:
-    """A kernel's bad-row count as a ValueError naming the argument, row and entry.
-
-    ``named``: (argument name, array, its shape without the last axis) in the order
-    to check.
-    """
-    for name, a, lead in named:
-        a2 = a.reshape(-1, a.shape[-1])
-        finite = np.isfinite(a2)
-        if not finite.all():
-            i, j = (int(k) for k in np.argwhere(~finite)[0])
-            value = a2[i, j]
-            raise ValueError(
-                f"{name} contains NaN or Inf ({nbad} bad row(s); first in row "
-                f"{_where(lead, i)}, entry {j}: {value})"
-            )
-    raise ValueError(f"the computation overflowed in {nbad} row(s); rescale the inputs")
-
-
-def _array(name: str, a: Any) -> np.ndarray:
-    arr = _v.float_array(name, a)
-    return arr if arr.flags.c_contiguous else np.ascontiguousarray(arr)
-
-
-def _offset(offset: Any, tk: int) -> int:
-    if offset is None:
-        return tk - 1
-    if isinstance(offset, bool) or not isinstance(offset, numbers.Integral):
-        raise TypeError(f"offset must be None or an int >= 0; got {offset!r}")
-    if offset < 0:
-        raise ValueError(
-            f"offset must be >= 0 (key j is visible to query i when j <= i + offset, so key 0 "
-            f"is always visible); got {offset}"
-        )
-    return int(min(offset, tk - 1))
-
-
 # --------------------------------------------------------------------------- softmax
 
 
@@ -149,39 +104,18 @@ def softmax(x: Any, *, offset: int | None = None, out: np.ndarray | None = None,
     """
     fn = resolve("softmax", backend)
     x0 = x
-    x = _array("x", x)
-    if x.ndim < 2 or x.shape[-1] < 1:
-        raise ValueError(f"x must have shape (..., Tq, Tk) with Tk >= 1; got {x.shape}")
+    x = _v.scores("x", x)
     shape = x.shape
     tq, tk = shape[-2:]
-    off = _offset(offset, tk)
+    off = _v.causal_offset(offset, tk)
     res = _v.output(out, shape, x.dtype, (x0, x), None, inplace=x)[0]
     if x.size == 0:
         return res
     x3 = x.reshape(-1, tq, tk)
     nbad = fn(x3, off, res.reshape(x3.shape))
     if nbad:
-        _raise_softmax(nbad, x3, off, shape)
+        _v.raise_bad_softmax_rows(nbad, x3, off, shape)
     return res
-
-
-def _raise_softmax(nbad: int, x3: np.ndarray, off: int, shape: tuple[int, ...]) -> None:
-    tq, tk = x3.shape[1:]
-    visible = np.arange(tk)[None, :] <= np.arange(tq)[:, None] + off
-    lead = shape[:-1]
-    bad = visible & (np.isnan(x3) | (x3 == np.inf))
-    if bad.any():
-        n, i, j = (int(k) for k in np.argwhere(bad)[0])
-        raise ValueError(
-            f"x contains NaN or +Inf among the visible scores ({nbad} bad row(s); first in row "
-            f"{_where(lead, n * tq + i)}, key {j}: {x3[n, i, j]})"
-        )
-    empty = ~(visible & (x3 > -np.inf)).any(axis=-1)
-    n, i = (int(k) for k in np.argwhere(empty)[0])
-    raise ValueError(
-        f"x row {_where(lead, n * tq + i)} has no finite visible score (all -inf): nothing to "
-        f"normalize ({nbad} such row(s))"
-    )
 
 
 def softmax_jvp(p: Any, dx: Any, *, out: np.ndarray | None = None, backend: str = "auto") -> np.ndarray:
@@ -211,20 +145,8 @@ def softmax_jvp(p: Any, dx: Any, *, out: np.ndarray | None = None, backend: str 
     """
     fn = resolve("softmax_jvp", backend)
     p0, dx0 = p, dx
-    p = _array("p", p)
-    if p.ndim < 2 or p.shape[-1] < 1:
-        raise ValueError(f"p must have shape (..., Tq, Tk) with Tk >= 1; got {p.shape}")
-    dxa = _v.float_array("dx", dx)
-    core = p.shape
-    while len(core) > 2 and core[0] == 1:  # leading unit axes of p broadcast
-        core = core[1:]
-    k = len(core)
-    if dxa.ndim < k or dxa.shape[dxa.ndim - k:] != core:
-        raise ValueError(
-            f"dx must have shape (R, ..., Tq, Tk) ending in p's shape {p.shape} (leading unit "
-            f"axes of p may be left out); got {dxa.shape}"
-        )
-    dx = np.ascontiguousarray(dxa, dtype=p.dtype)
+    p = _v.scores("p", p)
+    dx, core = _v.softmax_tangents(p, dx)  # leading unit axes of p broadcast
     shape = dx.shape
     res = _v.output(out, shape, p.dtype, (p0, dx0, dx), None, inplace=dx, of="p")[0]
     if dx.size == 0:
@@ -234,32 +156,11 @@ def softmax_jvp(p: Any, dx: Any, *, out: np.ndarray | None = None, backend: str 
     dx4 = dx.reshape(-1, p3.shape[0], tq, tk)
     nbad = fn(p3, dx4, res.reshape(dx4.shape))
     if nbad:
-        _raise_nonfinite(nbad, [("p", p3, p.shape[:-1]), ("dx", dx4, shape[:-1])])
+        _v.raise_nonfinite(nbad, [("p", p3, p.shape[:-1]), ("dx", dx4, shape[:-1])])
     return res
 
 
 # --------------------------------------------------------------------------- activations
-
-
-def _activation_name(name: Any) -> str:
-    if name not in ACTIVATIONS:
-        raise ValueError(f"name must be one of {', '.join(map(repr, ACTIVATIONS))}; got {name!r}")
-    return name
-
-
-def _rows(name: str, x: Any) -> tuple[np.ndarray, np.ndarray, int]:
-    """(x as an array, its C-contiguous (N, n_in) view, n: the output width)."""
-    xa = _array("x", x)
-    if name == "silu_gated":
-        if xa.ndim < 1 or xa.shape[-1] % 2 or xa.shape[-1] == 0:
-            raise ValueError(
-                f"x must have shape (..., 2n) = [gate | up] for silu_gated (an even, non-zero "
-                f"last axis); got {xa.shape}"
-            )
-        n_in = xa.shape[-1]
-        return xa, xa.reshape(-1, n_in) if xa.size else xa, n_in // 2
-    n_in = xa.shape[-1] if xa.ndim else 1
-    return xa, xa.reshape(-1, n_in) if xa.size else xa, n_in
 
 
 def activation(name: str, x: Any, *, out: np.ndarray | None = None, backend: str = "auto") -> np.ndarray:
@@ -287,16 +188,16 @@ def activation(name: str, x: Any, *, out: np.ndarray | None = None, backend: str
     TypeError, ValueError
         See the module docstring.
     """
-    fn = resolve(_activation_name(name), backend)
+    fn = resolve(_v.choice("name", name, ACTIVATIONS), backend)
     x0 = x
-    xa, x2, n = _rows(name, x)
+    xa, x2, n = _v.activation_rows(name, x)
     shape = xa.shape[:-1] + (n,) if name == "silu_gated" else xa.shape
     res = _v.output(out, shape, xa.dtype, (x0, xa), None, inplace=None if name == "silu_gated" else xa)[0]
     if xa.size == 0:
         return res
     nbad = fn(x2, res.reshape(x2.shape[0], n))
     if nbad:
-        _raise_nonfinite(nbad, [("x", x2, xa.shape[:-1] if xa.ndim else (1,))])
+        _v.raise_nonfinite(nbad, [("x", x2, xa.shape[:-1] if xa.ndim else (1,))])
     return res
 
 
@@ -324,13 +225,13 @@ def activation_jvp_coef(name: str, x: Any, *, backend: str = "auto") -> tuple[np
     TypeError, ValueError
         See the module docstring.
     """
-    fn = resolve(_activation_name(name) + "_grad", backend)
-    xa, x2, n = _rows(name, x)
+    fn = resolve(_v.choice("name", name, ACTIVATIONS) + "_grad", backend)
+    xa, x2, n = _v.activation_rows(name, x)
     shape = xa.shape[:-1] + (n,) if name == "silu_gated" else xa.shape
     outs = tuple(np.empty(shape, xa.dtype) for _ in range(2 if name == "silu_gated" else 1))
     if xa.size == 0:
         return outs
     nbad = fn(x2, *(o.reshape(x2.shape[0], n) for o in outs))
     if nbad:
-        _raise_nonfinite(nbad, [("x", x2, xa.shape[:-1] if xa.ndim else (1,))])
+        _v.raise_nonfinite(nbad, [("x", x2, xa.shape[:-1] if xa.ndim else (1,))])
     return outs

@@ -22,7 +22,6 @@ from __future__ import annotations
 import dataclasses
 import inspect
 import json
-import sys
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,6 +29,7 @@ from typing import Any
 import numpy as np
 
 from . import backends
+from ._progress import Progress
 
 __all__ = ["Case", "compare", "copy_bandwidth", "machine_limits", "register_case", "run", "time_call"]
 
@@ -234,15 +234,6 @@ def machine_limits(quick: bool = False) -> dict[str, float]:
     return limits
 
 
-def _progress(done: int, total: int, label: str) -> None:
-    if sys.stderr.isatty():
-        width = 30
-        fill = int(width * done / max(total, 1))
-        print(f"\r\033[K[{'#' * fill}{'.' * (width - fill)}] {done}/{total} {label}", end="", file=sys.stderr, flush=True)
-        if done == total:
-            print(file=sys.stderr)
-
-
 def run(quick: bool = False, repeat: int | None = None, dtypes: tuple[str, ...] = ("float32",)) -> dict[str, Any]:
     """Measure the machine's limits, then every case x available backend x size x dtype.
 
@@ -264,8 +255,9 @@ def run(quick: bool = False, repeat: int | None = None, dtypes: tuple[str, ...] 
     ]
     rows: list[dict[str, Any]] = []
     ref_time: dict[tuple[str, str, tuple[int, int]], float] = {}
+    bar = Progress("auto")  # a bar on a terminal only
     for i, (case, b, dt, size) in enumerate(plan):
-        _progress(i, len(plan), f"{case.name} {b} {dt} {size[0]}x{size[1]}")
+        bar.step(i, len(plan), f"{case.name} {b} {dt} {size[0]}x{size[1]}")
         call, moved, flops = case.setup(b, dt, size)
         # The reference is slow: fewer runs, but at least two, so its spread is measured.
         t, spread = time_call(call, max(2, repeat // 2) if b == "numpy" else repeat)
@@ -283,7 +275,7 @@ def run(quick: bool = False, repeat: int | None = None, dtypes: tuple[str, ...] 
             "time_s": t, "spread": spread, "gb_per_s": moved / case.per_call / t / 1e9 if moved else None,
             "fraction": fraction, "speedup_vs_numpy": ref_time[key] / t if key in ref_time else None,
         })
-    _progress(len(plan), len(plan), "done")
+    bar.step(len(plan), len(plan), "done")
     return {"machine": limits, "repeat": repeat, "results": rows}
 
 

@@ -197,7 +197,7 @@ def test_cli_recovery_writes_json_csv_png(tmp_path, capsys):
 
 
 def test_cli_missing_model_library_is_one_line(monkeypatch, capsys):
-    import pyengine.cli as cli
+    import pyengine.cli.recovery as cli
 
     def missing(name, seed=0):
         raise ImportError("the model readers are not installed: pip install \".[models]\"")

@@ -1,0 +1,19 @@
+"""``pyengine backends``: which backends load, and why not."""
+
+from __future__ import annotations
+
+import argparse
+
+from .. import backends
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    return subparsers.add_parser("backends", help="which backends load, and why not")
+
+
+def run(args: argparse.Namespace) -> int:
+    for info in backends.available_backends().values():
+        print(f"{info.name:<6} {'available' if info.available else 'unavailable: ' + info.reason}")
+    return 0

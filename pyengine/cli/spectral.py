@@ -1,0 +1,186 @@
+"""``pyengine spectral``: per-token sigma_max of the LayerNorm/RMSNorm Jacobians of activations
+(a .npy/.npz file, or a synthetic default), with a summary, a histogram, JSON and CSV."""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import numpy as np
+
+from .. import backends
+from .._progress import Progress
+from ._args import positive, positive_float
+
+__all__ = ["SPECTRAL_D", "SPECTRAL_TOKENS", "add_parser", "run"]
+
+#: Synthetic default of ``pyengine spectral``: tokens x d, like one GPT-2-small layer's batch.
+SPECTRAL_TOKENS, SPECTRAL_D = 20000, 768
+
+
+def _load_array(path: str, key: str | None, what: str) -> np.ndarray:
+    """An array from .npy (memory-mapped) or .npz (``key``, or its only array); errors name the file."""
+    import zipfile
+
+    try:
+        obj = np.load(path, mmap_mode="r", allow_pickle=False)
+    except (OSError, ValueError, EOFError, zipfile.BadZipFile) as exc:
+        if isinstance(exc, FileNotFoundError):
+            raise OSError(f"{what} file not found: {path}") from None
+        raise ValueError(f"cannot read {what} file {path} as .npy/.npz: {exc}") from None
+    if isinstance(obj, np.lib.npyio.NpzFile):
+        with obj:
+            names = list(obj.files)
+            if key is None:
+                if len(names) != 1:
+                    raise ValueError(f"{path} holds {len(names)} arrays ({', '.join(names)}); choose one with --key")
+                key = names[0]
+            if key not in names:
+                raise ValueError(f"{path} has no array {key!r}; it holds: {', '.join(names) or 'nothing'}")
+            try:
+                arr = obj[key]
+            except (ValueError, OSError, zipfile.BadZipFile) as exc:
+                raise ValueError(f"cannot read array {key!r} of {path}: {exc}") from None
+    elif isinstance(obj, np.ndarray):
+        arr = obj
+    else:
+        raise ValueError(f"{path} is not a .npy or .npz file")
+    if arr.dtype.kind != "f" or arr.dtype.itemsize not in (4, 8):
+        raise TypeError(f"{what} in {path} must be float32 or float64; got {arr.dtype}")
+    return arr
+
+
+def _synthetic(tokens: int, d: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Seeded residual-stream-like activations (float32) and a LayerNorm gamma.
+
+    Per-channel lognormal scales and offsets, a few massive-activation channels,
+    and gamma lognormal around 1: close to what trained transformers show.
+    """
+    rng = np.random.default_rng(seed)
+    scale = rng.lognormal(0.0, 0.5, d)
+    offset = 0.3 * rng.standard_normal(d)
+    hot = rng.choice(d, size=min(3, d), replace=False)
+    scale[hot] *= 20.0
+    x = np.empty((tokens, d), np.float32)
+    for lo in range(0, tokens, 4096):  # bounded float64 temporaries
+        n = min(tokens, lo + 4096) - lo
+        x[lo : lo + n] = rng.standard_normal((n, d)) * scale + offset
+    gamma = rng.lognormal(0.0, 0.3, d).astype(np.float32)
+    return x, gamma
+
+
+def _histogram(values: np.ndarray, bins: int) -> tuple[np.ndarray, np.ndarray, list[str]]:
+    counts, edges = np.histogram(values, bins=bins)
+    top = max(int(counts.max(initial=0)), 1)
+    lines = [f"  [{edges[i]:9.5g}, {edges[i + 1]:9.5g})  {'#' * round(40 * c / top):<40} {c}"
+             for i, c in enumerate(counts)]
+    return counts, edges, lines
+
+
+def _finite_or_none(a: np.ndarray) -> list:
+    return [float(v) if np.isfinite(v) else None for v in np.asarray(a, np.float64).ravel()]
+
+
+def run(args: argparse.Namespace) -> int:
+    """Per-token sigma_max of LayerNorm/RMSNorm Jacobians: summary, histogram, JSON/CSV."""
+    import json
+
+    from ..linalg import spectral as sp
+
+    if args.input is not None:
+        x = _load_array(args.input, args.key, "activations")
+        if x.ndim < 2:
+            raise ValueError(f"activations in {args.input} must have shape (N, d); got {x.shape}")
+        x = x.reshape(-1, x.shape[-1])
+        gamma, source = None, args.input
+    else:
+        if args.key is not None:
+            raise ValueError("--key needs --input")
+        if args.d < 2:
+            raise ValueError(f"--d must be at least 2; got {args.d}")
+        x, gamma = _synthetic(args.tokens, args.d, args.seed)
+        source = f"synthetic, seed {args.seed}"
+    if args.gamma is not None:
+        gamma = _load_array(args.gamma, None, "gamma")
+        if gamma.ndim != 1:
+            raise ValueError(f"gamma in {args.gamma} must have shape (d,); got {gamma.shape}")
+        gamma = np.asarray(gamma)
+    if args.csv and args.csv == args.json:
+        raise ValueError("--csv and --json must be different files")
+    n, d = x.shape
+    norm = "layer_norm" if args.norm == "layernorm" else "rms_norm"
+    fn = sp.layer_norm_spectral_norm if norm == "layer_norm" else sp.rms_norm_spectral_norm
+    bar = Progress(args.progress, label=f"sigma_max ({args.method})", unit="tokens")
+    chunk = args.chunk_size or (max(256, -(-n // 100)) if bar.enabled else None)
+    print(f"pyengine spectral: {n} tokens x d={d} ({source}), {args.norm}, mode {args.mode}, "
+          f"method {args.method}, backend {args.backend}")
+    t0 = time.perf_counter()
+    res = fn(x, gamma, args.eps, args.mode, args.method, tol=args.tol, max_iter=args.max_iter,
+             seed=args.seed, backend=args.backend, chunk_size=chunk,
+             callback=bar.count)
+    elapsed = time.perf_counter() - t0
+    sigma = res.sigma.ravel()
+    below = int((sigma < 1).sum())
+    conv = int(res.converged.sum())
+    counts, edges, lines = _histogram(sigma, args.bins)
+    print(f"sigma_max of the {args.norm} Jacobian per token:")
+    if n:
+        print(f"  min {sigma.min():.6g}   median {np.median(sigma):.6g}   max {sigma.max():.6g}")
+    print(f"  sigma_max < 1: {below} of {n} tokens ({100 * below / max(n, 1):.2f}%)")
+    if args.method != "exact":
+        note = "" if conv == n else "  (the others report a lower bound only)"
+        print(f"  converged (residual <= {args.tol:g}): {conv} of {n}{note}")
+        print(f"  iterations: mean {res.iterations.mean():.1f}  max {res.iterations.max(initial=0)}")
+    print(f"histogram ({args.bins} bins):")
+    print("\n".join(lines))
+    print(f"time: {elapsed:.3f} s ({1e6 * elapsed / max(n, 1):.2f} us/token)")
+    if args.json:
+        doc = {
+            "tokens": n, "d": d, "source": source, "norm": args.norm, "mode": args.mode,
+            "method": args.method, "tol": args.tol, "eps": args.eps, "seconds": elapsed,
+            "summary": {
+                "min": float(sigma.min()) if n else None, "median": float(np.median(sigma)) if n else None,
+                "max": float(sigma.max()) if n else None, "below_one": below, "converged": conv,
+            },
+            "histogram": {"edges": edges.tolist(), "counts": counts.tolist()},
+            "sigma": _finite_or_none(res.sigma), "lower": _finite_or_none(res.lower),
+            "upper": _finite_or_none(res.upper), "residual": _finite_or_none(res.residual),
+            "iterations": res.iterations.ravel().tolist(), "converged": res.converged.ravel().tolist(),
+        }
+        with open(args.json, "w") as fh:
+            json.dump(doc, fh)
+        print(f"wrote {args.json}")
+    if args.csv:
+        table = np.column_stack([np.arange(n), sigma, res.lower.ravel(), res.upper.ravel(),
+                                 res.residual.ravel(), res.iterations.ravel(), res.converged.ravel()])
+        np.savetxt(args.csv, table, delimiter=",", comments="",
+                   header="token,sigma,lower,upper,residual,iterations,converged",
+                   fmt=["%d", "%.17g", "%.17g", "%.17g", "%.6g", "%d", "%d"])
+        print(f"wrote {args.csv}")
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    s = subparsers.add_parser("spectral", help="per-token sigma_max of LayerNorm/RMSNorm Jacobians")
+    s.add_argument("--input", metavar="FILE", help="activations (N, d), .npy or .npz (default: synthetic)")
+    s.add_argument("--key", help="array name inside an .npz with several arrays")
+    s.add_argument("--gamma", metavar="FILE", help="gamma (d,), .npy or one-array .npz (default: ones, "
+                   "or the synthetic gamma)")
+    s.add_argument("--norm", choices=["layernorm", "rmsnorm"], default="layernorm")
+    s.add_argument("--method", choices=["exact", "power", "lanczos"], default="exact")
+    s.add_argument("--mode", choices=["full", "frozen_scale"], default="full")
+    s.add_argument("--eps", type=float, default=1e-5, help="normalization eps (default 1e-5)")
+    s.add_argument("--tol", type=positive_float, default=1e-6, help="residual tolerance (default 1e-6)")
+    s.add_argument("--max-iter", type=positive, default=1000, help="iterations cap per token (default 1000)")
+    s.add_argument("--backend", choices=["auto", *backends.BACKENDS], default="auto")
+    s.add_argument("--tokens", type=positive, default=SPECTRAL_TOKENS,
+                   help=f"synthetic tokens (default {SPECTRAL_TOKENS})")
+    s.add_argument("--d", type=positive, default=SPECTRAL_D, help=f"synthetic width (default {SPECTRAL_D})")
+    s.add_argument("--seed", type=int, default=0, help="seed of the synthetic data and start vectors (default 0)")
+    s.add_argument("--chunk-size", type=positive, default=None, help="tokens per chunk (default: automatic)")
+    s.add_argument("--bins", type=positive, default=20, help="histogram bins (default 20)")
+    s.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
+                   help="progress bar on stderr (auto: when stderr is a terminal)")
+    s.add_argument("--json", metavar="FILE", help="write the summary and per-token results as JSON")
+    s.add_argument("--csv", metavar="FILE", help="write per-token results as CSV")
+    return s

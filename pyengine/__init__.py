@@ -35,16 +35,9 @@ from .kernels.layernorm import (
     rms_norm_jvp,
     rms_norm_vjp,
 )
-from .linalg.operators import (
-    BatchedOperator,
-    DenseOperator,
-    Identity,
-    LayerNormJacobian,
-    Product,
-    RMSNormJacobian,
-    Scaled,
-    Sum,
-)
+from .linalg.dense import DenseOperator
+from .linalg.norm_jacobians import LayerNormJacobian, RMSNormJacobian
+from .linalg.operators import BatchedOperator, Identity, Product, Scaled, Sum
 from .linalg.convert import as_linear_operator, from_linear_operator
 from .linalg.spectral import (
     SpectralRadiusResult,

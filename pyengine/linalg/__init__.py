@@ -1,16 +1,9 @@
 """Layer 2: batched matrix-free operators, iterative solvers, spectral norms and radii, weight scans."""
 
 from .convert import as_linear_operator, from_linear_operator
-from .operators import (
-    BatchedOperator,
-    DenseOperator,
-    Identity,
-    LayerNormJacobian,
-    Product,
-    RMSNormJacobian,
-    Scaled,
-    Sum,
-)
+from .dense import DenseOperator
+from .norm_jacobians import LayerNormJacobian, RMSNormJacobian
+from .operators import BatchedOperator, Identity, Product, Scaled, Sum
 from .spectral import (
     SpectralRadiusResult,
     SpectralResult,

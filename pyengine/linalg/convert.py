@@ -13,7 +13,8 @@ from typing import Any
 
 import numpy as np
 
-from .operators import BatchedOperator, DenseOperator, _check_op
+from .dense import DenseOperator
+from .operators import BatchedOperator, _check_op
 
 __all__ = ["as_batched_operator", "as_linear_operator", "from_linear_operator"]
 

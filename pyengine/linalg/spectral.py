@@ -58,12 +58,8 @@ from ._solvers import (  # the solvers' constants are re-exported: pyengine.lina
 )
 from ..backends import check_name, resolve
 from .convert import as_batched_operator
-from .operators import (
-    BatchedOperator,
-    LayerNormJacobian,
-    RMSNormJacobian,
-    _NormJacobian,
-)
+from .norm_jacobians import LayerNormJacobian, RMSNormJacobian, _NormJacobian
+from .operators import BatchedOperator
 
 __all__ = [
     "SpectralRadiusResult",

@@ -11,8 +11,8 @@ import scipy.sparse.linalg
 
 import pyengine as pe
 from pyengine import backends
-from pyengine.linalg import spectral as sp
 from pyengine.cli import main
+from pyengine.linalg import weights
 
 NORMS = ["layer_norm", "rms_norm"]
 MODES = ["full", "frozen_scale"]
@@ -347,7 +347,7 @@ def test_weight_scan():
 
 
 def test_weight_scan_large_matrix_uses_lanczos(monkeypatch):
-    monkeypatch.setattr(sp, "WEIGHT_SVD_MAX", 8)
+    monkeypatch.setattr(weights, "WEIGHT_SVD_MAX", 8)
     W = np.random.default_rng(23).standard_normal((40, 30))
     scan = pe.weight_scan([W])
     np.testing.assert_allclose(scan.sigma_max, [scipy.linalg.svdvals(W)[0]], rtol=1e-9)

@@ -4,13 +4,27 @@ from .convert import as_linear_operator, from_linear_operator
 from .dense import DenseOperator
 from .norm_jacobians import LayerNormJacobian, RMSNormJacobian
 from .operators import BatchedOperator, Identity, Product, Scaled, Sum
-from .spectral import (
-    SpectralRadiusResult,
-    SpectralResult,
-    WeightScan,
-    layer_norm_spectral_norm,
-    rms_norm_spectral_norm,
-    spectral_norm,
-    spectral_radius,
-    weight_scan,
-)
+from .results import SpectralRadiusResult, SpectralResult, WeightScan
+from .spectral import layer_norm_spectral_norm, rms_norm_spectral_norm, spectral_norm, spectral_radius
+from .weights import weight_scan
+
+__all__ = [
+    "BatchedOperator",
+    "DenseOperator",
+    "Identity",
+    "LayerNormJacobian",
+    "Product",
+    "RMSNormJacobian",
+    "Scaled",
+    "SpectralRadiusResult",
+    "SpectralResult",
+    "Sum",
+    "WeightScan",
+    "as_linear_operator",
+    "from_linear_operator",
+    "layer_norm_spectral_norm",
+    "rms_norm_spectral_norm",
+    "spectral_norm",
+    "spectral_radius",
+    "weight_scan",
+]

@@ -317,3 +317,80 @@ def raise_bad_softmax_rows(nbad: int, x3: np.ndarray, offset: int, shape: tuple[
         f"x row {row_index(lead, n * tq + i)} has no finite visible score (all -inf): nothing to "
         f"normalize ({nbad} such row(s))"
     )
+
+
+# -- linalg checks --
+def finite(name: str, a: Any) -> np.ndarray:
+    """``a`` as an array if every value is finite; else a ValueError naming ``name`` and the first bad entry.
+
+    The one message for NaN/Inf in an argument: ``"<name> contains NaN or Inf (first at
+    index <i or (i, j, ...)>: <value>)"``, the index into the array as given.
+    """
+    arr = np.asarray(a)
+    if np.isfinite(arr).all():
+        return arr
+    if arr.ndim == 0:
+        raise ValueError(f"{name} contains NaN or Inf (got {arr[()]})")
+    first = tuple(int(k) for k in np.argwhere(~np.isfinite(arr))[0])
+    where = first[0] if arr.ndim == 1 else first
+    raise ValueError(f"{name} contains NaN or Inf (first at index {where}: {arr[first]})")
+
+
+def float_dtype(name: str, dtype: Any) -> np.dtype:
+    """``dtype`` as float32 or float64; a TypeError naming ``name`` otherwise."""
+    dt = np.dtype(dtype)
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32 or float64; got {dt}")
+    return dt
+
+
+def tol(value: Any, name: str = "tol") -> float:
+    """A relative residual tolerance: a real number in (0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 < float(value) < 1):
+        raise ValueError(f"{name} must be a real number in (0, 1) (a relative residual); got {value!r}")
+    return float(value)
+
+
+def callback(value: Any, name: str = "callback") -> Any:
+    """None or a progress callable ``callback(done, total)``."""
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be callable as {name}(done, total) or None; got {type(value).__name__}")
+    return value
+
+
+def seed(value: Any, name: str = "seed") -> int | None:
+    """A random seed: a non-negative integer, or None (fresh entropy)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
+        raise ValueError(f"{name} must be a non-negative integer or None; got {value!r}")
+    return None if value is None else int(value)
+
+
+def start_vectors(name: str, a: Any, batch: int, n: int) -> np.ndarray:
+    """Start vectors of an iterative solver: shape (batch, n), finite, no zero row; unit rows in float64."""
+    arr = float_array(name, a)
+    if arr.shape != (batch, n):
+        raise ValueError(f"{name} must have shape (B, n) = ({batch}, {n}); got {arr.shape}")
+    arr = finite(name, arr).astype(np.float64)
+    norms = np.linalg.norm(arr, axis=1, keepdims=True)
+    if (norms == 0).any():
+        raise ValueError(
+            f"{name} row {int(np.flatnonzero(norms[:, 0] == 0)[0])} is zero; start vectors must be non-zero"
+        )
+    return arr / norms
+
+
+def index(name: str, value: Any, size: int) -> int:
+    """One integer index in [0, size)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < size:
+        raise ValueError(f"{name} must be an integer in [0, {size}); got {value!r}")
+    return int(value)
+
+
+def indices(name: str, value: Any, size: int) -> np.ndarray:
+    """A 1-D array of integer indices in [0, size), as intp (not copied if it already is)."""
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iu" or arr.ndim != 1:
+        raise TypeError(f"{name} must be a 1-D array of integer indices; got {arr.dtype} of shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() >= size):
+        raise IndexError(f"{name} must lie in [0, {size}); got values in [{arr.min()}, {arr.max()}]")
+    return arr.astype(np.intp, copy=False)

@@ -213,10 +213,16 @@ def test_bad_shapes_and_types(rng):
         pe.DenseOperator(np.ones((3, 3), dtype=int))
     bad = np.ones((2, 2))
     bad[1, 0] = np.nan
-    with pytest.raises(ValueError, match=r"A contains NaN or Inf \(first in matrix 0, entry \(1, 0\)\)"):
+    with pytest.raises(ValueError, match=r"A contains NaN or Inf \(first at index \(1, 0\): nan\)"):
         pe.DenseOperator(bad)
     with pytest.raises(ValueError, match=r"c must be a scalar or have shape \(B,\) = \(3,\)"):
         pe.Scaled(np.ones(2), J)
+    with pytest.raises(ValueError, match=r"c contains NaN or Inf \(first at index 1: nan\)"):
+        pe.Scaled(np.array([1.0, np.nan, 2.0]), J)
+    with pytest.raises(ValueError, match=r"out must have dtype float64 \(the dtype of the operator\)"):
+        J.matvec(np.ones((3, 6)), out=np.empty((3, 6), np.float32))
+    with pytest.raises(IndexError, match=r"idx must lie in \[0, 3\)"):
+        J.take(np.array([0, 3]))
     with pytest.raises(TypeError, match="must be a pyengine BatchedOperator"):
         pe.Product(np.eye(6), J)
     with pytest.raises(ValueError, match=r"i must be an integer in \[0, 3\)"):

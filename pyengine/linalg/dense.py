@@ -40,11 +40,9 @@ class DenseOperator(BatchedOperator):
             raise ValueError(f"A must have shape (m, n) or (B, m, n); got shape {arr.shape}")
         if 0 in arr.shape:
             raise ValueError(f"A must not have an empty axis; got shape {arr.shape}")
+        _v.finite("A", arr)
         m, n = arr.shape[-2:]
         a3 = np.ascontiguousarray(arr).reshape(-1, m, n)
-        if not np.isfinite(a3).all():
-            b, i, j = (int(k) for k in np.argwhere(~np.isfinite(a3))[0])
-            raise ValueError(f"A contains NaN or Inf (first in matrix {b}, entry ({i}, {j}))")
         super().__init__(a3.shape[0], (m, n), arr.dtype)
         self.A = a3
         self._bound: np.ndarray | None = None

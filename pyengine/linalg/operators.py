@@ -92,20 +92,16 @@ class BatchedOperator:
     __array_ufunc__ = None  # so that ``ndarray * op`` and ``c * op`` reach __rmul__
 
     def __init__(self, batch: int, shape: tuple[int, int], dtype: Any) -> None:
-        if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
-            raise ValueError(f"batch must be a positive integer; got {batch!r}")
+        batch = _v.count("batch", batch)
         if (
             not isinstance(shape, tuple)
             or len(shape) != 2
             or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= 1 for s in shape)
         ):
             raise ValueError(f"shape must be a tuple (m, n) of positive integers; got {shape!r}")
-        dt = np.dtype(dtype)
-        if dt not in _v.FLOAT_DTYPES:
-            raise TypeError(f"dtype must be float32 or float64; got {dt}")
-        self.batch = int(batch)
+        self.batch = batch
         self.shape = (int(shape[0]), int(shape[1]))
-        self.dtype = dt
+        self.dtype = _v.float_dtype("dtype", dtype)
 
     # -- the protocol ---------------------------------------------------------------
     def _rows(self, name: str, a: Any, width: int) -> np.ndarray:
@@ -118,18 +114,7 @@ class BatchedOperator:
     def _out(self, out: Any, rows: int, width: int, inputs: tuple[Any, ...]) -> np.ndarray | None:
         if out is None:
             return None
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"out must be a numpy.ndarray; got {type(out).__name__}")
-        if out.shape != (rows, width) or out.dtype != self.dtype:
-            raise ValueError(
-                f"out must have shape {(rows, width)} and dtype {self.dtype} (the operator's); "
-                f"got {out.shape} and {out.dtype}"
-            )
-        if not (out.flags.c_contiguous and out.flags.writeable):
-            raise ValueError("out must be C-contiguous and writeable")
-        if any(isinstance(a, np.ndarray) and np.may_share_memory(out, a) for a in inputs):
-            raise ValueError("out must not overlap the input")
-        return out
+        return _v.output(out, (rows, width), self.dtype, inputs, core=None, of="the operator")[0]
 
     def matvec(self, V: Any, out: np.ndarray | None = None) -> np.ndarray:
         """``A_b @ V[b]`` for every b: V (B, n) -> (B, m), in the operator's dtype."""
@@ -161,12 +146,7 @@ class BatchedOperator:
 
     # -- helpers ----------------------------------------------------------------------
     def _indices(self, idx: Any) -> np.ndarray:
-        arr = np.asarray(idx)
-        if arr.dtype.kind not in "iu" or arr.ndim != 1:
-            raise TypeError(f"idx must be a 1-D array of integer indices; got {arr.dtype} of shape {arr.shape}")
-        if arr.size and (arr.min() < 0 or arr.max() >= self.batch):
-            raise IndexError(f"idx must lie in [0, {self.batch}); got values in [{arr.min()}, {arr.max()}]")
-        return arr.astype(np.intp, copy=False)
+        return _v.indices("idx", idx, self.batch)
 
     def _name(self) -> str:
         return f"{type(self).__name__} of batch {self.batch} and shape {self.shape}"
@@ -305,9 +285,7 @@ class Scaled(BatchedOperator):
         carr = np.asarray(c)
         if carr.dtype.kind not in "biuf" or carr.dtype.kind == "b":
             raise TypeError(f"c must be a real number or a (B,) array of reals; got {carr.dtype}")
-        carr = carr.astype(np.float64)
-        if not np.isfinite(carr).all():
-            raise ValueError("c must be finite")
+        carr = _v.finite("c", carr.astype(np.float64))
         if carr.ndim == 0:
             batch = A.batch
         elif carr.ndim == 1 and (A.batch == 1 or carr.shape[0] == A.batch):

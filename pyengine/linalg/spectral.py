@@ -34,7 +34,6 @@ The result classes are in :mod:`pyengine.linalg.results`, the solvers in
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Callable
 from typing import Any
 
@@ -65,30 +64,10 @@ METHODS_NORM = ("power", "lanczos")
 METHODS_LN = ("exact", "power", "lanczos")
 
 
-# -- argument checks ------------------------------------------------------------------
-def _check_tol(tol: Any) -> float:
-    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not (0 < float(tol) < 1):
-        raise ValueError(f"tol must be a real number in (0, 1) (a relative residual); got {tol!r}")
-    return float(tol)
-
-
-def _check_method(method: Any, allowed: tuple[str, ...]) -> str:
-    if method not in allowed:
-        raise ValueError(f"method must be one of {', '.join(map(repr, allowed))}; got {method!r}")
-    return method
-
-
-def _check_callback(callback: Any) -> Callable[[int, int], Any] | None:
-    if callback is not None and not callable(callback):
-        raise TypeError(f"callback must be callable as callback(done, total) or None; got {type(callback).__name__}")
-    return callback
-
-
+# -- start vectors ----------------------------------------------------------------------
 def _seed_key(seed: Any) -> np.ndarray:
     """The Philox key of ``seed`` (None: fresh entropy; otherwise a non-negative int)."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
-        raise ValueError(f"seed must be a non-negative integer or None; got {seed!r}")
-    return np.random.SeedSequence(seed).generate_state(2, np.uint64)
+    return np.random.SeedSequence(_v.seed(seed)).generate_state(2, np.uint64)
 
 
 def _start_vectors(key: np.ndarray, first: int, count: int, n: int) -> np.ndarray:
@@ -108,19 +87,6 @@ def _start_vectors(key: np.ndarray, first: int, count: int, n: int) -> np.ndarra
     z = z[:, :n]
     z /= np.linalg.norm(z, axis=1, keepdims=True)
     return z
-
-
-def _check_v0(v0: Any, batch: int, n: int) -> np.ndarray:
-    arr = _v.float_array("v0", v0)
-    if arr.shape != (batch, n):
-        raise ValueError(f"v0 must have shape (B, n) = ({batch}, {n}); got {arr.shape}")
-    arr = arr.astype(np.float64)
-    if not np.isfinite(arr).all():
-        raise ValueError("v0 contains NaN or Inf")
-    norms = np.linalg.norm(arr, axis=1, keepdims=True)
-    if (norms == 0).any():
-        raise ValueError(f"v0 row {int(np.flatnonzero(norms[:, 0] == 0)[0])} is zero; start vectors must be non-zero")
-    return arr / norms
 
 
 def _empty_result(shape, tol, method) -> dict[str, np.ndarray]:
@@ -188,13 +154,13 @@ def spectral_norm(
         Bad operator, method, tol, max_iter, seed, v0, backend or chunk_size.
     """
     op = as_batched_operator(op)
-    method = _check_method(method, METHODS_NORM)
-    tol, max_iter = _check_tol(tol), _v.count("max_iter", max_iter)
+    method = _v.choice("method", method, METHODS_NORM)
+    tol, max_iter = _v.tol(tol), _v.count("max_iter", max_iter)
     chunk_size = _v.count("chunk_size", chunk_size, allow_none=True)
-    callback = _check_callback(callback)
+    callback = _v.callback(callback)
     backend = check_name(backend)
     key = _seed_key(seed)
-    start = None if v0 is None else _check_v0(v0, op.batch, op.shape[1])
+    start = None if v0 is None else _v.start_vectors("v0", v0, op.batch, op.shape[1])
     if isinstance(op, _NormJacobian) and type(op) in (LayerNormJacobian, RMSNormJacobian):
         res = _norm_scan(
             op._norm, op.x, op.gamma, op.eps, op.frozen, method, tol, max_iter, key,
@@ -290,10 +256,10 @@ def _norm_spectral_norm(
     x2, shape = _v.rows("x", x)
     g = _v.param("gamma", gamma, x2, 1.0)
     eps, frozen = _v.eps(eps), _v.frozen(mode)
-    method = _check_method(method, METHODS_LN)
-    tol, max_iter = _check_tol(tol), _v.count("max_iter", max_iter)
+    method = _v.choice("method", method, METHODS_LN)
+    tol, max_iter = _v.tol(tol), _v.count("max_iter", max_iter)
     chunk_size = _v.count("chunk_size", chunk_size, allow_none=True)
-    callback = _check_callback(callback)
+    callback = _v.callback(callback)
     backend = check_name(backend)
     key = _seed_key(seed)
     return _norm_scan(norm, x2, g, eps, frozen, method, tol, max_iter, key, backend, chunk_size,
@@ -393,8 +359,8 @@ def spectral_radius(
     op = as_batched_operator(op)
     if op.shape[0] != op.shape[1]:
         raise ValueError(f"op must be square for a spectral radius; got operators of shape {op.shape}")
-    tol, max_iter = _check_tol(tol), _v.count("max_iter", max_iter)
+    tol, max_iter = _v.tol(tol), _v.count("max_iter", max_iter)
     key = _seed_key(seed)
     B, n = op.batch, op.shape[0]
-    V = _start_vectors(key, 0, B, n) if v0 is None else _check_v0(v0, B, n)
+    V = _start_vectors(key, 0, B, n) if v0 is None else _v.start_vectors("v0", v0, B, n)
     return SpectralRadiusResult(**_radius(op, V, tol, max_iter), tol=tol)

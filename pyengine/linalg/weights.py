@@ -15,7 +15,7 @@ import numpy as np
 
 from .. import _validate as _v
 from .results import WeightScan
-from .spectral import _check_tol, spectral_norm
+from .spectral import spectral_norm
 
 __all__ = ["weight_scan"]
 
@@ -52,8 +52,7 @@ def weight_scan(
     """
     import scipy.linalg
 
-    if layout not in ("out_in", "in_out"):
-        raise ValueError(f"layout must be 'out_in' or 'in_out'; got {layout!r}")
+    layout = _v.choice("layout", layout, ("out_in", "in_out"))
     if isinstance(weights, Mapping):
         items = [(str(k), w) for k, w in weights.items()]
         label = "weights[{!r}]"
@@ -62,15 +61,14 @@ def weight_scan(
         label = "weights[{}]"
     else:
         raise TypeError(f"weights must be a dict of name -> matrix or a list of matrices; got {type(weights).__name__}")
-    tol = _check_tol(tol)
+    tol = _v.tol(tol)
     names, dout, din, sig, conv = [], [], [], [], []
     for i, (name, w) in enumerate(items):
         arg = label.format(name if isinstance(weights, Mapping) else i)
         arr = _v.float_array(arg, w)
         if arr.ndim != 2 or 0 in arr.shape:
             raise ValueError(f"{arg} must be a non-empty 2-D matrix; got shape {arr.shape}")
-        if not np.isfinite(arr).all():
-            raise ValueError(f"{arg} contains NaN or Inf")
+        _v.finite(arg, arr)
         do, di = arr.shape if layout == "out_in" else arr.shape[::-1]
         if min(arr.shape) <= WEIGHT_SVD_MAX:
             s, ok = float(scipy.linalg.svdvals(arr.astype(np.float64, copy=False), check_finite=False)[0]), True

@@ -1,8 +1,9 @@
 """Per-token LayerNorm and RMSNorm Jacobians as matrix-free batched operators.
 
 :class:`LayerNormJacobian` and :class:`RMSNormJacobian` hold the points of
-linearization x (validated once, at construction) and multiply through the JVP /
-VJP kernels of :mod:`pyengine.kernels.layernorm`; the d x d Jacobian is never formed.
+linearization x (validated once, at construction) and multiply through the raw JVP /
+VJP kernels (:func:`pyengine.kernels.layernorm.kernel`), with no validation per
+product; the d x d Jacobian is never formed.
 """
 
 from __future__ import annotations
@@ -39,6 +40,7 @@ class _NormJacobian(BatchedOperator):
             raise ValueError(f"x must hold at least one token; got shape {shape}")
         super().__init__(x2.shape[0], (x2.shape[1], x2.shape[1]), x2.dtype)
         self.x, self.gamma, self.batch_shape = x2, g, shape[:-1]
+        self._tiled: np.ndarray | None = None
         self._scale = self._token_scale(shape)
 
     def _token_scale(self, shape: tuple[int, ...]) -> np.ndarray:
@@ -56,20 +58,33 @@ class _NormJacobian(BatchedOperator):
         _v.raise_bad_rows(nbad, x2, shape, self.eps, self._norm)
         return scale
 
+    # -- the fast path: x, gamma, eps and mode were validated once, in __init__; V / U and
+    # out by BatchedOperator (C-contiguous, the operator's dtype and shape), so the
+    # products call the registry's kernels directly, with no second validation.
     def _x_for(self, rows: int) -> np.ndarray:
         if rows == self.batch:
             return self.x
-        return np.broadcast_to(self.x, (rows, self.shape[0]))  # one token shared by k rows
+        if self._tiled is None or self._tiled.shape[0] != rows:  # one token shared by k rows:
+            self._tiled = np.ascontiguousarray(np.broadcast_to(self.x, (rows, self.shape[0])))  # copied once
+        return self._tiled
+
+    def _apply(self, which: str, name: str, W: np.ndarray, out: np.ndarray | None) -> np.ndarray:
+        x = self._x_for(W.shape[0])
+        res = np.empty(W.shape, self.dtype) if out is None else out
+        # resolved per call (about a microsecond) so that backends.use_backend applies as before
+        nbad = _ln.kernel(self._norm + which, self.backend)(x, W, self.gamma, self.eps, self.frozen, res)
+        if nbad:  # x is known good: the tangent holds NaN/Inf
+            _v.raise_bad_rows(nbad, x, x.shape, self.eps, self._norm, name, W)
+        return res
+
+    def _out(self, out, rows, width, inputs):
+        return super()._out(out, rows, width, inputs + (self.x, self.gamma))
 
     def _matvec(self, V, out):
-        return getattr(_ln, self._norm + "_jvp")(
-            self._x_for(V.shape[0]), V, self.gamma, self.eps, self.mode, self.backend, out=out
-        )
+        return self._apply("_jvp", "V", V, out)
 
     def _rmatvec(self, U, out):
-        return getattr(_ln, self._norm + "_vjp")(
-            self._x_for(U.shape[0]), U, self.gamma, self.eps, self.mode, self.backend, out=out
-        )
+        return self._apply("_vjp", "U", U, out)
 
     def scale(self) -> np.ndarray:
         """(B,) float64: s = sqrt(var + eps) (LayerNorm) or r = sqrt(mean(x^2) + eps) (RMSNorm)."""
@@ -88,7 +103,7 @@ class _NormJacobian(BatchedOperator):
         BatchedOperator.__init__(new, x2.shape[0], (x2.shape[1], x2.shape[1]), x2.dtype)
         new.x, new.gamma, new.eps, new.frozen = x2, gamma, eps, mode == "frozen_scale"
         new.mode, new.backend, new.batch_shape = mode, backend, (x2.shape[0],)
-        new._scale = scale
+        new._scale, new._tiled = scale, None
         return new
 
     def take(self, idx):
@@ -120,7 +135,8 @@ class LayerNormJacobian(_NormJacobian):
     Notes
     -----
     ``matvec`` is :func:`pyengine.layer_norm_jvp`, ``rmatvec`` is
-    :func:`pyengine.layer_norm_vjp`; ``upper_bound()`` is ``max|gamma| / s``.
+    :func:`pyengine.layer_norm_vjp` (their kernels, called directly: x and gamma
+    are checked once, here); ``upper_bound()`` is ``max|gamma| / s``.
     ``batch_shape`` keeps ``x.shape[:-1]``.
 
     Raises

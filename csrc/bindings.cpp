@@ -16,7 +16,7 @@
 #include "activations.hpp"
 #include "layernorm.hpp"
 #include "parallel.hpp"
-#include "spectral.hpp"
+#include "secular.hpp"
 
 namespace py = pybind11;
 using pyengine::index_t;

@@ -1,42 +1,36 @@
-// Spectral kernels of the normalization Jacobians: the exact largest singular value
-// (secular equation, O(d) per evaluation) and a fused per-token power iteration.
+// A single algorithm, longer than ~400 lines by exception: its specification is the
+// docstring of pyengine/kernels/_numba/_secular.py, whose solver this file mirrors step
+// by step. lambda_max of one token's normalization Jacobian by the secular equation.
 //
-// Pure C++17 on raw pointers, templated on T (float or double); the kernel contract and
-// the mathematics are those of pyengine/_reference/spectral.py, the solver is the one of
-// pyengine/_numba/spectral.py (its docstring explains every step), mirrored here:
-//   x, v0: (n, d) C-contiguous T; gamma: (d,) T; every output is double (iterations
-//   int64) of shape (n,); a bad row (non-finite statistics, NaN/Inf in v0, zero scale)
-//   gets NaN outputs (0 iterations) and is counted in the return value.
+// Pure C++17 on raw pointers, templated on T (float or double); used by spectral.hpp
+// (the *_sigma_max kernels), whose header states the kernel contract.
 //
-// sigma_max: per token, lambda_max of A = D^1/2 (I - U U^T) D^1/2 (D = diag(gamma^2),
+// Per token, lambda_max of A = D^1/2 (I - U U^T) D^1/2 (D = diag(gamma^2),
 // U = [a, b], at most two orthogonal columns) from the 2 x 2 secular matrix
 // G(lam) = diag(kappa)/lam - sum_i u_i u_i^T/(delta_i - lam). The three largest distinct
-// delta (D1 > D2 > D3) and their index groups are found once per call; groups g1, g2 are
-// summed exactly per token, everything else ("bulk") in vectorized passes over d. A
-// rational model of the bulk, anchored at the last evaluated point, is solved exactly
-// (O(1) steps); each bulk pass re-anchors it. 2-3 passes per token in practice.
-//
-// Power iteration: a float64 scratch row v per thread; two passes over d per product J^T J
-// (u = J v on the fly with |u|^2 and the VJP sums; w = J^T u with |w - rho v|^2 summed
-// directly, not expanded, the sums of the next product, and w stored over v).
+// delta (D1 > D2 > D3) and their index groups are found once per call (make_poles);
+// groups g1, g2 are summed exactly per token, everything else ("bulk") in vectorized
+// passes over d. A rational model of the bulk, anchored at the last evaluated point, is
+// solved exactly (O(1) steps); each bulk pass re-anchors it. 2-3 passes per token in
+// practice.
 #pragma once
-
-#include <omp.h>
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
-#include <limits>
+#include <tuple>
 #include <utility>
 #include <vector>
 
-#include "parallel.hpp"
+#ifdef __AVX__
+#include <immintrin.h>
+#endif
+
+#include "rows.hpp"
 
 namespace pyengine {
 namespace spectral_detail {
 
-inline constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-inline constexpr double kInf = std::numeric_limits<double>::infinity();
 // Secular solver: stop when the root of the model anchored at the last evaluated point lies
 // within kStop of the offset from the nearer pole of that point (error ~ kStop^2).
 inline constexpr double kStop = 1e-7;
@@ -47,24 +41,6 @@ inline constexpr double kInnerStop = 1e-15;
 inline constexpr double kLamStop = 1e-15;
 // Cap on iterations, inner and outer (the bracket halves at worst).
 inline constexpr int kMaxIt = 100;
-
-// Runs bad = row(i, scratch) for every row in [0, n), in parallel over rows, each thread
-// with its own scratch from make_scratch(); returns the number of bad rows. Rows take
-// different amounts of work (iterations), hence dynamic chunks; every row is computed whole
-// by one thread, so results do not depend on the schedule or the number of threads.
-template <class MakeScratch, class RowFn>
-std::int64_t rows_with_scratch(index_t n, index_t work, MakeScratch&& make_scratch, RowFn&& row) {
-    std::int64_t nbad = 0;
-#pragma omp parallel num_threads(threads_for(n, work)) reduction(+ : nbad)
-    {
-        auto scratch = make_scratch();
-#pragma omp for schedule(dynamic, 8)
-        for (index_t i = 0; i < n; ++i) {
-            nbad += row(i, scratch) ? 1 : 0;
-        }
-    }
-    return nbad;
-}
 
 // ---------------------------------------------------------------------------------------
 // Per-call data on gamma
@@ -663,290 +639,5 @@ double lambda_max(const Row<T>& r, double ka, double kb, const Poles& p, index_t
     return iv.lam(y, tau);
 }
 
-// Two-pass row statistics in double: (centre, mean square about it).
-template <class T>
-std::pair<double, double> row_stats(const T* xr, index_t d, bool centre) {
-    const double inv_d = 1.0 / static_cast<double>(d);
-    const double mu =
-        centre ? row_sums(d, [=](auto lane, index_t j) { return decltype(lane)::load(xr + j); })
-                         .first *
-                     inv_d
-               : 0.0;
-    const double ms = row_sums(d, [=](auto lane, index_t j) {
-                          const auto c = decltype(lane)::load(xr + j) - mu;
-                          return c * c;
-                      }).first *
-                      inv_d;
-    return {mu, ms};
-}
-
-inline bool good_scale(double sq) { return std::isfinite(sq) && sq > 0.0; }
-
-// ---------------------------------------------------------------------------------------
-// Power iteration: two passes per product J^T J. v holds the last w, unnormalized, and
-// alpha = 1/|w| is carried along; pass C also sums w and xh w, the first sums of the next
-// product. xh = (x - mu) inv is formed on the fly from x (reading x and gamma in their own
-// dtype keeps the three streams of a row in L1/L2).
-
-// u = g inv (alpha v - mv - xh m2) on the fly: (|u|^2, sum g u, sum xh g u).
-struct PassB {
-    double uu, sg, sxg;
-};
-
-template <class T>
-PassB pass_b(const T* x, const T* g, const double* v, double mu, double inv, double alpha,
-             double mv, double m2, index_t d) {
-    double uu = 0.0, sg = 0.0, sxg = 0.0;
-    index_t j = 0;
-#ifdef __AVX__
-    {
-        __m256d a = _mm256_setzero_pd(), b = a, c = a;
-        for (; j + 4 <= d; j += 4) {
-            const __m256d gj = Lanes4::load(g + j);
-            const __m256d xj = (Lanes4::load(x + j) - mu) * inv;
-            const __m256d u = gj * (inv * ((alpha * _mm256_loadu_pd(v + j) - mv) - xj * m2));
-            const __m256d gu = gj * u;
-            a += u * u;
-            b += gu;
-            c += xj * gu;
-        }
-        uu = sum_lanes(a), sg = sum_lanes(b), sxg = sum_lanes(c);
-    }
-#endif
-    for (; j < d; ++j) {
-        const double gj = static_cast<double>(g[j]);
-        const double xj = (static_cast<double>(x[j]) - mu) * inv;
-        const double u = gj * (inv * ((alpha * v[j] - mv) - xj * m2));
-        const double gu = gj * u;
-        uu += u * u;
-        sg += gu;
-        sxg += xj * gu;
-    }
-    return {uu, sg, sxg};
-}
-
-// w = inv (g u - mg - xh m2g) (u recomputed); v <- w.
-struct PassC {
-    double rr, ww, sw, sxw;  // |w - rho alpha v|^2, |w|^2, sum w, sum xh w
-};
-
-template <class T>
-PassC pass_c(const T* x, const T* g, double* v, double mu, double inv, double alpha, double mv,
-             double m2, double mg, double m2g, double rho, index_t d) {
-    double rr = 0.0, ww = 0.0, sw = 0.0, sxw = 0.0;
-    index_t j = 0;
-#ifdef __AVX__
-    {
-        __m256d a = _mm256_setzero_pd(), b = a, c = a, e = a;
-        for (; j + 4 <= d; j += 4) {
-            const __m256d gj = Lanes4::load(g + j);
-            const __m256d xj = (Lanes4::load(x + j) - mu) * inv;
-            const __m256d vj = alpha * _mm256_loadu_pd(v + j);
-            const __m256d u = gj * (inv * ((vj - mv) - xj * m2));
-            const __m256d wj = inv * ((gj * u - mg) - xj * m2g);
-            const __m256d t = wj - rho * vj;
-            a += t * t;
-            b += wj * wj;
-            c += wj;
-            e += xj * wj;
-            _mm256_storeu_pd(v + j, wj);
-        }
-        rr = sum_lanes(a), ww = sum_lanes(b), sw = sum_lanes(c), sxw = sum_lanes(e);
-    }
-#endif
-    for (; j < d; ++j) {
-        const double gj = static_cast<double>(g[j]);
-        const double xj = (static_cast<double>(x[j]) - mu) * inv;
-        const double vj = alpha * v[j];
-        const double u = gj * (inv * ((vj - mv) - xj * m2));
-        const double wj = inv * ((gj * u - mg) - xj * m2g);
-        const double t = wj - rho * vj;
-        rr += t * t;
-        ww += wj * wj;
-        sw += wj;
-        sxw += xj * wj;
-        v[j] = wj;
-    }
-    return {rr, ww, sw, sxw};
-}
-
-struct PowerOut {
-    bool bad;
-    double sigma, residual;
-    std::int64_t iterations;
-};
-
-template <class T>
-PowerOut power_row(bool centre, const T* x, const T* g, double eps, bool frozen, const T* v0,
-                   double tol, std::int64_t max_iter, double* v, index_t d) {
-    const double inv_d = 1.0 / static_cast<double>(d);
-    const auto [mu, ms] = row_stats(x, d, centre);
-    const double sq = ms + eps;
-    if (!(std::isfinite(mu) && good_scale(sq))) {
-        return {true, kNaN, kNaN, 0};
-    }
-    const double inv = 1.0 / std::sqrt(sq);
-    double vv = 0.0, sv = 0.0, sxv = 0.0;
-    for (index_t i = 0; i < d; ++i) {
-        const double t = static_cast<double>(v0[i]);
-        v[i] = t;
-        vv += t * t;
-        sv += t;
-        sxv += (static_cast<double>(x[i]) - mu) * inv * t;
-    }
-    if (!std::isfinite(vv)) {
-        return {true, kNaN, kNaN, 0};
-    }
-    if (vv == 0.0) {
-        return {false, 0.0, kInf, 0};
-    }
-    double alpha = 1.0 / std::sqrt(vv);
-    double sigma = 0.0, res = kInf;
-    std::int64_t k = 0;
-    while (k < max_iter) {
-        ++k;
-        const double mv = centre ? alpha * sv * inv_d : 0.0;
-        const double m2 = frozen ? 0.0 : alpha * sxv * inv_d;
-        const PassB b = pass_b(x, g, v, mu, inv, alpha, mv, m2, d);
-        const double mg = centre ? b.sg * inv_d : 0.0;
-        const double m2g = frozen ? 0.0 : b.sxg * inv_d;
-        const double rho = b.uu;
-        const PassC c = pass_c(x, g, v, mu, inv, alpha, mv, m2, mg, m2g, rho, d);
-        sigma = std::sqrt(rho);
-        if (rho == 0.0) {
-            res = kInf;
-            break;
-        }
-        res = std::sqrt(c.rr) / rho;
-        if (res <= tol) {
-            break;
-        }
-        alpha = 1.0 / std::sqrt(c.ww);
-        sv = c.sw, sxv = c.sxw;
-    }
-    return {false, sigma, res, k};
-}
-
 }  // namespace spectral_detail
-
-// ---------------------------------------------------------------------------------------
-// Exact sigma_max
-
-/// Exact largest singular value of each token's LayerNorm Jacobian; out: (n,) double.
-template <class T>
-std::int64_t layer_norm_sigma_max(const T* x, const T* gamma, double eps, bool frozen, index_t n,
-                                  index_t d, double* out) {
-    using namespace spectral_detail;
-    const Poles p = make_poles(gamma, d);
-    const double ca = 1.0 / std::sqrt(static_cast<double>(d));
-    // Frozen LayerNorm (and a constant row, whose Jacobian is the same) depends on gamma
-    // alone: one solve per call.
-    double lam_frozen;
-    if (d == 2) {
-        lam_frozen = p.mean_delta;
-    } else {
-        const Row<T> c{Cols::kLN1, nullptr, 0.0, ca, 0.0};
-        lam_frozen = lambda_max(c, 0.0, 1.0, p, d);
-    }
-    return rows_with_scratch(
-        n, 8 * d, [] { return 0; },
-        [&](index_t row, int) {
-            const T* xr = x + row * d;
-            const auto [mu, var] = row_stats(xr, d, true);
-            const double s2 = var + eps;
-            if (!(std::isfinite(mu) && good_scale(s2))) {
-                out[row] = kNaN;
-                return true;
-            }
-            double lam;
-            if (frozen || var == 0.0) {
-                lam = lam_frozen;
-            } else if (d == 2) {
-                const double omc = eps / s2;  // 1 - c
-                lam = omc * omc * p.mean_delta;
-            } else {
-                const double c = var / s2;
-                const double cb = std::sqrt((2.0 - c) / (static_cast<double>(d) * s2));
-                const double kb = (eps / s2) * (eps / s2);
-                lam = lambda_max(Row<T>{Cols::kLN2, xr, mu, ca, cb}, 0.0, kb, p, d);
-            }
-            out[row] = std::sqrt(lam / s2);
-            return false;
-        });
-}
-
-/// Exact largest singular value of each token's RMSNorm Jacobian; out: (n,) double.
-template <class T>
-std::int64_t rms_norm_sigma_max(const T* x, const T* gamma, double eps, bool frozen, index_t n,
-                                index_t d, double* out) {
-    using namespace spectral_detail;
-    const Poles p = make_poles(gamma, d);
-    return rows_with_scratch(
-        n, 8 * d, [] { return 0; },
-        [&](index_t row, int) {
-            const T* xr = x + row * d;
-            const double ms = row_stats(xr, d, false).second;
-            const double s2 = ms + eps;
-            if (!good_scale(s2)) {
-                out[row] = kNaN;
-                return true;
-            }
-            double lam;
-            if (frozen || ms == 0.0) {
-                lam = p.top[0];
-            } else {
-                const double c = ms / s2;
-                const double ca = std::sqrt((2.0 - c) / (static_cast<double>(d) * s2));
-                const double ka = (eps / s2) * (eps / s2);
-                lam = lambda_max(Row<T>{Cols::kRMS1, xr, 0.0, ca, 0.0}, ka, 1.0, p, d);
-            }
-            out[row] = std::sqrt(lam / s2);
-            return false;
-        });
-}
-
-// ---------------------------------------------------------------------------------------
-// Power iteration
-
-namespace spectral_detail {
-
-template <class T>
-std::int64_t power_iteration(bool centre, const T* x, const T* gamma, double eps, bool frozen,
-                             const T* v0, double tol, std::int64_t max_iter, index_t n, index_t d,
-                             double* sigma, double* residual, std::int64_t* iterations) {
-    const index_t work = 2 * d + 4 * d * std::clamp<index_t>(max_iter, 1, 64);
-    return rows_with_scratch(
-        n, work, [d] { return std::vector<double>(static_cast<std::size_t>(d)); },
-        [&](index_t row, std::vector<double>& v) {
-            const PowerOut o = power_row(centre, x + row * d, gamma, eps, frozen, v0 + row * d,
-                                         tol, max_iter, v.data(), d);
-            sigma[row] = o.sigma;
-            residual[row] = o.residual;
-            iterations[row] = o.iterations;
-            return o.bad;
-        });
-}
-
-}  // namespace spectral_detail
-
-/// Power iteration on J^T J per token of LayerNorm (see pyengine/_reference/spectral.py).
-template <class T>
-std::int64_t layer_norm_power_iteration(const T* x, const T* gamma, double eps, bool frozen,
-                                        const T* v0, double tol, std::int64_t max_iter, index_t n,
-                                        index_t d, double* sigma, double* residual,
-                                        std::int64_t* iterations) {
-    return spectral_detail::power_iteration(true, x, gamma, eps, frozen, v0, tol, max_iter, n, d,
-                                            sigma, residual, iterations);
-}
-
-/// Power iteration on J^T J per token of RMSNorm.
-template <class T>
-std::int64_t rms_norm_power_iteration(const T* x, const T* gamma, double eps, bool frozen,
-                                      const T* v0, double tol, std::int64_t max_iter, index_t n,
-                                      index_t d, double* sigma, double* residual,
-                                      std::int64_t* iterations) {
-    return spectral_detail::power_iteration(false, x, gamma, eps, frozen, v0, tol, max_iter, n, d,
-                                            sigma, residual, iterations);
-}
-
 }  // namespace pyengine

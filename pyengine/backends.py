@@ -19,7 +19,7 @@ import contextvars
 import functools
 import importlib
 import inspect
-import pathlib
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
@@ -101,12 +101,12 @@ class BackendInfo(NamedTuple):
 #: the registry reads the parameter names of the extension's kernels: pybind11 functions
 #: have no signature that :mod:`inspect` can read.
 CORE_MODULE = "pyengine._core"
-CORE_STUB = pathlib.Path(__file__).with_name("_core.pyi")
+CORE_STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_core.pyi")
 
 
 @functools.lru_cache(maxsize=None)
 def stub_signatures(
-    path: str | pathlib.Path = CORE_STUB,
+    path: str | os.PathLike[str] = CORE_STUB,
 ) -> dict[str, tuple[tuple[str, ...], ...]]:
     """Parameter names of every function of the stub ``path`` (default :data:`CORE_STUB`).
 
@@ -117,7 +117,8 @@ def stub_signatures(
     import ast
 
     try:
-        source = pathlib.Path(path).read_text(encoding="utf-8")
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
     except OSError as exc:
         raise ImportError(
             f"the stub of {CORE_MODULE} cannot be read ({exc}); reinstall pyengine"
@@ -134,7 +135,9 @@ def stub_signatures(
     return {name: tuple(overloads) for name, overloads in found.items()}
 
 
-def _param_names(fn: Callable[..., Any], stub: str | pathlib.Path = CORE_STUB) -> tuple[str, ...]:
+def _param_names(
+    fn: Callable[..., Any], stub: str | os.PathLike[str] = CORE_STUB
+) -> tuple[str, ...]:
     """Parameter names of a Python function, or of a function of the extension (from ``stub``).
 
     Every overload of an extension function must have the same names.
@@ -143,10 +146,10 @@ def _param_names(fn: Callable[..., Any], stub: str | pathlib.Path = CORE_STUB) -
         name = getattr(fn, "__name__", repr(fn))
         overloads = stub_signatures(stub).get(name)
         if not overloads:
-            raise TypeError(f"{CORE_MODULE}.{name} is not in its stub {pathlib.Path(stub).name}")
+            raise TypeError(f"{CORE_MODULE}.{name} is not in its stub {os.path.basename(stub)}")
         if len(set(overloads)) != 1:
             raise TypeError(
-                f"the overloads of {name} in {pathlib.Path(stub).name} differ in their "
+                f"the overloads of {name} in {os.path.basename(stub)} differ in their "
                 f"parameter names: {', '.join(map(str, overloads))}"
             )
         return overloads[0]

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 
@@ -42,7 +43,7 @@ def test_cpp_parameter_names_come_from_the_stub(tmp_path):
     from pyengine import _core
 
     assert backends._param_names(_core.layer_norm_jvp) == ("x", "v", "gamma", "eps", "frozen", "out")
-    text = backends.CORE_STUB.read_text(encoding="utf-8")
+    text = pathlib.Path(backends.CORE_STUB).read_text(encoding="utf-8")
     both = tmp_path / "both.pyi"
     both.write_text(text.replace("(x: _F32, v: _F32", "(x: _F32, w: _F32").replace("(x: _F64, v: _F64", "(x: _F64, w: _F64"))
     assert backends._param_names(_core.layer_norm_jvp, both)[1] == "w"

@@ -23,7 +23,7 @@ import pytest
 from conftest import require
 from pyengine import backends
 
-STUB = backends.CORE_STUB
+STUB = pathlib.Path(backends.CORE_STUB)
 
 
 class Overload(NamedTuple):

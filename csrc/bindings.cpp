@@ -14,6 +14,7 @@
 #include <string>
 
 #include "activations.hpp"
+#include "bind_attention.hpp"
 #include "layernorm.hpp"
 #include "parallel.hpp"
 #include "spectral.hpp"
@@ -412,4 +413,5 @@ PYBIND11_MODULE(_core, m) {
     register_layernorm(m);
     register_spectral(m);
     register_activations(m);
+    register_attention(m);
 }

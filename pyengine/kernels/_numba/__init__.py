@@ -9,3 +9,4 @@ from __future__ import annotations
 from . import layernorm  # noqa: F401  (registers the LayerNorm / RMSNorm kernels)
 from . import spectral  # noqa: F401  (registers the spectral kernels)
 from . import activations  # noqa: F401  (registers the softmax and activation kernels)
+from . import attention  # noqa: F401  (registers the attention backward kernels)

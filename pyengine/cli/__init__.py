@@ -7,6 +7,7 @@
 ``pyengine spectral``  per-token sigma_max of LayerNorm/RMSNorm Jacobians of activations.
 ``pyengine bench``  every kernel x backend, as a fraction of the machine's limits
                    measured in the same run; ``--compare`` checks for regressions.
+``pyengine attention``  attention gradient dynamics on a sticky Markov chain (EM-style vs GD).
 ``pyengine backends``  which backends load, and why not.
 
 Bad arguments never end in a traceback: one line on stderr and exit status 2.
@@ -405,6 +406,9 @@ def _parser() -> argparse.ArgumentParser:
     sub.add_parser("backends", help="which backends load, and why not")
     _add_spectral_parser(sub)
     _add_recovery_parser(sub)
+    from . import attention as _attention_cmd  # one module per subcommand (rewired at merge)
+
+    _attention_cmd.add_parser(sub)
     b = sub.add_parser("bench", help="every kernel x backend as a fraction of the machine's limits")
     b.add_argument("--quick", action="store_true", help="small sizes, few repeats (under a minute)")
     b.add_argument("--json", metavar="PATH", help="write the full report as JSON")
@@ -429,6 +433,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
                 args.scales = list(DEFAULT_SCALES)
             return recovery(args)
+        if args.command == "attention":
+            return args.run(args)
         if args.command == "bench":
             from .. import bench
 

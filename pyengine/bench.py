@@ -194,13 +194,8 @@ def _kernel_case(kernel: str) -> Case:
     )
 
 
-# --- attention backward kernels and the fused head (issue 11) ----------------------------
-# A size (tokens, d) is read as for the softmax kernels (_attention_shape): B * H causal
-# heads of T = ATTENTION_T tokens and HEAD_DIM features (dk = dv = HEAD_DIM).
-
-
 def _attention_arrays(kernel: str, dtype: np.dtype, size: tuple[int, int]) -> list[Any]:
-    """Seeded, C-contiguous arguments of an attention kernel, in its parameter order."""
+    """Arguments of an attention kernel: B * H causal heads (see _attention_shape), dk = dv = HEAD_DIM."""
     b, h, t = _attention_shape(size)
     n, rng = b * h, np.random.default_rng(0)
     rand = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
@@ -209,8 +204,7 @@ def _attention_arrays(kernel: str, dtype: np.dtype, size: tuple[int, int]) -> li
         backends.resolve("softmax", "numpy")((3.0 * rng.standard_normal((n, t, t))).astype(dtype), 0, p)
         outs = [np.zeros_like(p) for _ in range(2 if kernel == "attention_advantage" else 1)]
         return [p, rand(n, t, HEAD_DIM), rand(n, t, HEAD_DIM), 0, *outs]
-    q, k, v = rand(n, t, HEAD_DIM), rand(n, t, HEAD_DIM), rand(n, t, HEAD_DIM)
-    scale = 1.0 / np.sqrt(HEAD_DIM)
+    q, k, v, scale = rand(n, t, HEAD_DIM), rand(n, t, HEAD_DIM), rand(n, t, HEAD_DIM), 1.0 / np.sqrt(HEAD_DIM)
     lse, ent = np.zeros((n, t)), np.zeros((n, t))
     if kernel == "attention_forward":
         return [q, k, v, 0, scale, np.zeros_like(q), lse, ent]
@@ -229,10 +223,9 @@ def _attention_case(kernel: str) -> Case:
         b, h, t = _attention_shape(size)
         return f"{b * h}x{t}x{t}x{HEAD_DIM}"
 
-    # The score gradient streams p in and the gradient out; the fused head is compute-bound.
-    limit = "bandwidth" if kernel in ("attention_score_grad", "attention_advantage") else "none"
-    return Case(kernel, setup, limit=limit,
-                backends=tuple(b for b in backends.BACKENDS if backends.provides(kernel, b)), label=label)
+    limit = "bandwidth" if kernel in ("attention_score_grad", "attention_advantage") else "none"  # fused: compute
+    return Case(kernel, setup, limit=limit, label=label,
+                backends=tuple(b for b in backends.BACKENDS if backends.provides(kernel, b)))
 
 
 def time_call(call: Callable[[], Any], repeat: int) -> tuple[float, float]:

@@ -29,7 +29,7 @@ def format_attention_table(rep: AttentionDynamics) -> str:
         f"Bayes floor H(Y_t | Y_t-1) = {rep.bayes_entropy:.4f} nats; log {c['n_symbols']} = "
         f"{math.log(c['n_symbols']):.4f}; {rep.seconds['per_step_ms']:.2f} ms per training step ({c['dtype']})",
         f"{'arm':<10}{'loss':>9}{'-floor':>9}{'pred H':>9}{'attn H':>9}{'acc':>8}{'adv spr':>9}"
-        f"{'steps*':>8}{'ratio':>7}{'d loss':>10}{'t':>8}{'wins':>6}{'PC1':>7}{'PC2':>7}",
+        f"{'steps*':>8}{'ratio':>8}{'d loss':>10}{'t':>8}{'wins':>6}{'PC1':>7}{'PC2':>7}",
     ]
     for arm in rep.arms:
         m = {k: rep.metrics[arm][k][:, -1].mean() for k in METRICS}
@@ -41,7 +41,7 @@ def format_attention_table(rep: AttentionDynamics) -> str:
             f"{arm:<10}{_f(m['loss']):>9}{_f(m['loss'] - rep.bayes_entropy):>9}{_f(m['pred_entropy']):>9}"
             f"{_f(m['attn_entropy']):>9}{_f(m['accuracy'], '.3f'):>8}{_f(m['adv_spread'], '.3g'):>9}"
             f"{_f(float(np.nanmean(steps)) if np.isfinite(steps).any() else float('nan'), '.0f'):>8}"
-            f"{_f(pair['step_ratio_mean'], '.2f'):>7}{_f(pair['mean_diff'], '+.4f'):>10}{_f(pair['t'], '.2f'):>8}"
+            f"{_f(pair['step_ratio_mean'], '.1f'):>8}{_f(pair['mean_diff'], '+.4f'):>10}{_f(pair['t'], '.2f'):>8}"
             f"{pair['wins']:>3}/{pair['n']:<2}{_f(pca[0], '.3f'):>7}{_f(pca[1], '.3f'):>7}"
         )
     lines.append("steps*: first step at which the arm's loss reaches the gd arm's final loss (mean over seeds); "

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pyengine as pe
-from pyengine.analysis.propagate import resolve_positions
+from pyengine.analysis import resolve_positions
 
 
 def _stack(dtype=np.float64, **kw):
@@ -189,7 +189,7 @@ def test_removing_the_residual_changes_the_measured_rate():
 def test_bad_arguments_get_clear_errors():
     st = _stack()
     v = np.ones(16)
-    with pytest.raises(ValueError, match="layer must be a hidden-state index in \\[0, 3\\]"):
+    with pytest.raises(ValueError, match=r"layer must be a hidden-state index in \[0, 4\) \(the input of a block\); got 4"):
         pe.propagate(st, IDS, v, 1.0, 4)
     with pytest.raises(ValueError, match="layer must"):
         pe.propagate(st, IDS, v, 1.0, -1)

@@ -11,7 +11,7 @@ import pyengine as pe
 from pyengine.cli import main
 from pyengine.experiments import recovery
 from pyengine.experiments.recovery import byte_ids
-from pyengine.analysis.propagate import token_jacobians
+from pyengine.analysis import token_jacobians
 
 
 def _stack(seed=0, dtype=np.float64, **kw):

@@ -32,14 +32,7 @@ import numpy as np
 
 from .. import _validate as _v
 from ..models import Stack, StackConfig, init_weights
-from ..analysis.propagate import (
-    DecayFit,
-    Propagation,
-    position_mask,
-    propagate,
-    resolve_positions,
-    token_jacobians,
-)
+from ..analysis import DecayFit, Propagation, position_mask, propagate, resolve_positions, token_jacobians
 
 __all__ = ["DEFAULT_TEXT", "Recovery", "byte_ids", "default_model", "recovery"]
 

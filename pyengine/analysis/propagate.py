@@ -102,8 +102,7 @@ class Propagation:
         ``projection`` and ``delta_norm`` average magnitudes (|projection|); the
         result is NaN where the selection is empty (e.g. nothing downstream).
         """
-        if metric not in ("cosine", "projection", "norm_ratio", "delta_norm"):
-            raise ValueError(f"metric must be cosine, projection, norm_ratio or delta_norm; got {metric!r}")
+        _v.choice("metric", metric, ("cosine", "projection", "norm_ratio", "delta_norm"))
         a = getattr(self, metric)
         m = self.position_mask(where)
         if not m.any():
@@ -161,8 +160,6 @@ def position_mask(where: str, positions: np.ndarray, T: int) -> np.ndarray:
     return m
 
 
-
-
 def resolve_positions(positions: Any, T: int) -> np.ndarray:
     """Sorted unique positions from "all", "last", an int, a slice or a list (negative from the end)."""
     if isinstance(positions, str):
@@ -189,7 +186,6 @@ def resolve_positions(positions: Any, T: int) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- engine
-
 
 
 class _Metrics:

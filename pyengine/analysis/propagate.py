@@ -265,11 +265,11 @@ def propagate(
     if not isinstance(model, Stack):
         raise TypeError(f"model must be a pyengine Stack or pretrained model; got {type(model).__name__}")
     cfg = model.config
-    layer = _v.index("layer", layer, cfg.n_layers, "a hidden-state index", note="the input of a block")
+    layer = _v.index_of("layer", layer, cfg.n_layers, "a hidden-state index: the input of a block")
     V = _v.unit_rows("direction", direction, cfg.d_model)
     S = _v.reals("scale", scale)
     _v.frozen(mode)
-    dt = model.dtype if dtype is None else _v.float_dtype(dtype)
+    dt = model.dtype if dtype is None else _v.float_dtype("dtype", dtype)
     batch_size = _v.count("batch_size", batch_size, allow_none=True)
     # Hidden states (n_layers + 1, T, d) of the one sequence, and the block caches from ``layer`` on.
     h_base, caches = model.forward(input_ids, dt, cache_from=layer)

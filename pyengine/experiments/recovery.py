@@ -245,7 +245,7 @@ def recovery(
     progress : callable(fraction, stage), optional
     """
     t_start = time.perf_counter()
-    seed = _v.seed(seed)
+    seed = _v.int_seed(seed)
     say = progress or (lambda f, s: None)
     if model is None:
         model = default_model(seed)

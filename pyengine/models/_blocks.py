@@ -28,8 +28,8 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from .. import _validate as _v
-from ..backends import resolve
 from ..kernels.activations import kernel
+from ..kernels.layernorm import kernel as norm_kernel
 from ._attention import attn, attn_jvp, check
 
 
@@ -149,14 +149,14 @@ def norm(kind: str, x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, e
     x2 = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
     out = np.empty(x.shape, x.dtype)
     args = (x2, gamma) if kind == "rmsnorm" else (x2, gamma, np.zeros_like(gamma) if beta is None else beta)
-    _v.raise_bad_rows(resolve(name)(*args, eps, out.reshape(x2.shape)), x2, x.shape, eps, name)
+    _v.raise_bad_rows(norm_kernel(name)(*args, eps, out.reshape(x2.shape)), x2, x.shape, eps, name)
     return out
 
 
 def norm_jvp(kind: str, x: np.ndarray, v: np.ndarray, gamma: np.ndarray, eps: float, mode: str) -> np.ndarray:
     """The norm's JVP at x, (1, T, d) or v's shape, for the tangents v (K, T, d), in v's dtype."""
     name = _KERNEL[kind]
-    fn, frozen, d = resolve(name + "_jvp"), mode == "frozen_scale", v.shape[-1]
+    fn, frozen, d = norm_kernel(name + "_jvp"), mode == "frozen_scale", v.shape[-1]
     v2 = np.ascontiguousarray(v).reshape(-1, d)
     out = np.empty(v.shape, v.dtype)
     tile = lambda: np.ascontiguousarray(np.broadcast_to(x, v.shape)).reshape(-1, d)  # noqa: E731

@@ -56,9 +56,9 @@ def init_weights(
     if not isinstance(config, StackConfig):
         raise TypeError(f"config must be a StackConfig; got {type(config).__name__}")
     _v.choice("scheme", scheme, ("gpt2", "xavier", "kaiming"))
-    seed = _v.seed(seed)
+    seed = _v.int_seed(seed)
     gamma_jitter, bias_std = _v.nonnegative("gamma_jitter", gamma_jitter), _v.nonnegative("bias_std", bias_std)
-    dt = _v.float_dtype(dtype)
+    dt = _v.float_dtype("dtype", dtype)
     c = config
     dh, H, Hkv = c.head_dim, c.n_heads, c.n_kv_heads
     std, std_res = 0.02, 0.02 / math.sqrt(2 * c.n_layers)

@@ -130,7 +130,7 @@ class Linearization:
         """
         def rows(T: int) -> int:
             nonlocal start
-            start = _v.index("start", start, T, "a row of h")
+            start = _v.index_of("start", start, T, "a row of h")
             if start and not self._config.causal:
                 raise ValueError("start > 0 needs a causal stack: without the mask every row of the "
                                  "output depends on every row of the input")
@@ -157,8 +157,9 @@ class Linearization:
         h : array_like, (T, d_model), float32 or float64
         dh : array_like, (R, d_model) or (K, R, d_model)
             Row r of a tangent perturbs token ``tokens[r]`` only; converted to h's dtype.
-        tokens : array_like of int, (R,)
-            Token positions in [0, T), in any order.
+        tokens : array_like of int, (R,), R >= 1
+            Token positions in [0, T), in any order (TypeError if not integers,
+            IndexError if out of range).
         mode, cache
             As :meth:`block_jvp`.
 
@@ -166,15 +167,16 @@ class Linearization:
         -------
         ndarray, dh's shape, h's dtype
         """
-        sel = np.asarray(tokens)
+        sel = []
 
         def rows(T: int) -> int:
-            if sel.ndim != 1 or sel.size == 0 or sel.dtype.kind not in "iu" or sel.min() < 0 or sel.max() >= T:
-                raise ValueError(f"tokens must be a 1-D array of at least one int in [0, {T}); got {tokens!r}")
-            return sel.size
+            sel.append(_v.indices("tokens", tokens, T))
+            if sel[0].size == 0:
+                raise ValueError("tokens selects no token")
+            return sel[0].size
 
         k, t, many, cache = self._linearize(k, h, dh, rows, mode, cache)
-        rows = sel.astype(np.intp)
+        rows = sel[0]
         ctx, data = cache._rows(tokens=rows)
         out = _blocks.block_jvp(self._params(t.dtype)[0][k], ctx, t, data, mode)
         return out if many else out[0]

@@ -87,7 +87,7 @@ class Stack(Linearization):
 
     def astype(self, dtype: Any) -> Stack:
         """A copy with the weights stored in ``dtype`` (float32 or float64)."""
-        dt = _v.float_dtype(dtype)
+        dt = _v.float_dtype("dtype", dtype)
         return self._with(self._config, _check_arrays(
             self._config, {n: a.astype(dt) for n, a in self._weights.items()}, "weights", copy=False))
 
@@ -121,7 +121,7 @@ class Stack(Linearization):
 
     def block_index(self, k: Any) -> int:
         """``k`` as a block index in [0, n_layers) (negative counts from the end); ValueError otherwise."""
-        return _v.index("k", k, self._config.n_layers, "a block index", negative=True)
+        return _v.index_of("k", k, self._config.n_layers, "a block index", negative=True)
 
     def block_weights(self, k: Any, dtype: Any = None) -> dict[str, np.ndarray]:
         """The arrays block k computes with, names without the ``blocks.<k>.`` prefix.
@@ -130,7 +130,7 @@ class Stack(Linearization):
         every ``*.gamma`` is already multiplied by ``config.gamma_scale``.
         """
         k = self.block_index(k)
-        return dict(self._params(self.dtype if dtype is None else _v.float_dtype(dtype))[0][k])
+        return dict(self._params(self.dtype if dtype is None else _v.float_dtype("dtype", dtype))[0][k])
 
     def as_stream(self, h: Any, name: str = "h", dtype: Any = None) -> tuple[np.ndarray, bool]:
         """Check a residual stream (T, d_model) or (B, T, d_model), T, B >= 1, finite.
@@ -143,7 +143,7 @@ class Stack(Linearization):
         d = self._config.d_model
         if arr.ndim not in (2, 3) or arr.shape[-1] != d or arr.shape[-2] < 1 or (arr.ndim == 3 and arr.shape[0] < 1):
             raise ValueError(f"{name} must have shape (T, {d}) or (B, T, {d}) with T, B >= 1; got {arr.shape}")
-        arr = np.ascontiguousarray(arr, dtype=arr.dtype if dtype is None else _v.float_dtype(dtype))
+        arr = np.ascontiguousarray(arr, dtype=arr.dtype if dtype is None else _v.float_dtype("dtype", dtype))
         _v.finite(name, arr)
         return (arr if arr.ndim == 3 else arr[None]), arr.ndim == 3
 
@@ -166,7 +166,7 @@ class Stack(Linearization):
         if ids.size and (ids.min() < 0 or ids.max() >= V):
             bad = ids[(ids < 0) | (ids >= V)].flat[0]
             raise ValueError(f"input_ids must lie in [0, vocab_size = {V}); got {bad}")
-        dt = self.dtype if dtype is None else _v.float_dtype(dtype)
+        dt = self.dtype if dtype is None else _v.float_dtype("dtype", dtype)
         return self._params(dt)[1]["embed.tokens"][ids]
 
     def hidden_states(self, input_ids: Any, dtype: Any = None) -> np.ndarray:
@@ -219,7 +219,7 @@ class Stack(Linearization):
             ``caches[i]`` is block ``cache_from + i`` at its input ``hidden[cache_from + i]``.
         """
         cfg = self._config
-        first = None if cache_from is None else _v.index(
+        first = None if cache_from is None else _v.index_of(
             "cache_from", cache_from, cfg.n_layers, "a block index", negative=True)
         x = input_ids
         if np.asarray(x).dtype.kind in "iu":
@@ -357,7 +357,7 @@ class Stack(Linearization):
             h = _v.float_array("input_ids", x)
             if h.ndim < 1 or h.shape[-1] != cfg.d_model:
                 raise ValueError(f"input_ids must have shape (..., {cfg.d_model}) (or be integer token ids); got {h.shape}")
-            h = np.ascontiguousarray(h, dtype=h.dtype if dtype is None else _v.float_dtype(dtype))
+            h = np.ascontiguousarray(h, dtype=h.dtype if dtype is None else _v.float_dtype("dtype", dtype))
             _v.finite("input_ids", h)
         glob = self._params(h.dtype)[1]
         if cfg.final_norm:

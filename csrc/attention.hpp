@@ -8,7 +8,8 @@
 //                          b - sum_j p b (n, tq, tk) from the same b;
 //   attention_forward:     q (n, tq, dk), k (n, tk, dk), v (n, tk, dv) -> out (n, tq, dv),
 //                          lse and entropy (n, tq) double;
-//   attention_backward:    q, k, v, d_o (n, tq, dv), lse -> dq, dk, dv, spread (n, tq).
+//   attention_backward:    q, k, v, o (n, tq, dv), d_o (n, tq, dv), lse -> dq, dk, dv,
+//                          spread (n, tq).
 // Key j is visible to query i when j <= i + offset; masked inputs are never read, masked
 // outputs are 0. Every kernel returns the number of bad rows (non-finite row sums).
 //
@@ -27,12 +28,17 @@
 //
 // Parallelism: one OpenMP region per call; per head, the threads first transpose (omp for
 // over tokens), then share the tiles round-robin (causal tiles have unequal work, so
-// contiguous blocks would leave one thread the long rows). Each tile (and, in the backward
-// pass, each tile of key columns of dk and dv) is computed whole by one thread in a fixed
-// order, so results do not depend on the number of threads. The backward pass is a row
-// pass (dq, the row sums D_i = sum_j p_ij dp_ij, the spread) and then a column pass (dk,
-// dv) that recomputes its p and dp: more arithmetic than scattering into per-thread dk,
-// dv, but no reduction across threads, so it stays deterministic.
+// contiguous blocks would leave one thread the long rows). Results do not depend on the
+// number of threads. In the forward pass each tile of queries is computed whole by one
+// thread in a fixed order. The backward pass is one pass over the visible (query, key)
+// pairs: the row sums D_i = sum_j p_ij dp_ij are d_o_i . o_i (o from the forward pass), so
+// each tile of keys computes its scores, p (from lse), dp and g = dL/ds once, and from them
+// its dk, dv whole and its share of dq and of the spread. Those shares go into a partial
+// per chunk of key tiles; the chunks (at most kChunks, of about equal work) are fixed by
+// the shape alone, and their partials are summed in chunk order, so no two threads write
+// one number and no sum depends on the thread count. (The previous version made a row
+// pass and a column pass, each recomputing p and dp: 85 multiply-adds and 2 exp per pair
+// against 60 and 1 now.)
 #pragma once
 
 #include <algorithm>
@@ -166,119 +172,120 @@ std::int64_t attention_forward(const T* q, const T* k, const T* v, index_t offse
     return nbad;
 }
 
-/// The fused backward pass: dq, dk, dv from d_o = dL/do, p recomputed from lse, and the row
-/// statistic spread = sqrt(sum_j p A^2). Returns the number of bad rows.
+/// The fused backward pass, one pass over the visible (query, key) pairs: dq, dk, dv from
+/// d_o = dL/do and the forward pass's o and lse (p recomputed from lse, the row sums
+/// D_i = sum_j p_ij dp_ij = d_o_i . o_i taken from o), and the row statistic
+/// spread = sqrt(sum_j p A^2). Returns the number of bad rows.
 template <class T>
-std::int64_t attention_backward(const T* q, const T* k, const T* v, const T* d_o, const double* lse,
-                                index_t offset, double scale, index_t n, index_t tq, index_t tk,
-                                index_t dk, index_t dv, T* dq, T* dkey, T* dval, double* spread) {
+std::int64_t attention_backward(const T* q, const T* k, const T* v, const T* o, const T* d_o,
+                                const double* lse, index_t offset, double scale, index_t n,
+                                index_t tq, index_t tk, index_t dk, index_t dv, T* dq, T* dkey,
+                                T* dval, double* spread) {
     using namespace attention_detail;
     using activations_detail::exp_neg;
     using activations_detail::select;
-    std::vector<double> kt(sz(dk * tk)), vt(sz(dv * tk)), qt(sz(dk * tq)), gt(sz(dv * tq));
-    std::vector<double> delta(sz(tq));
-    const index_t row_tiles = (tq + kTile - 1) / kTile, col_tiles = (tk + kTile - 1) / kTile;
+    const index_t tiles = (tk + kTile - 1) / kTile;
+    const index_t nchunks = std::min(tiles, kChunks);
+    const index_t prow = dk + 1;  // a chunk's partial: dk rows of dq^T, then the spread row
+    std::vector<double> qt(sz(dk * tq)), gt(sz(dv * tq)), delta(sz(tq));
+    std::vector<double> part(sz(nchunks * prow * tq));
+    std::vector<index_t> bounds(sz(nchunks + 1)), firstq(sz(nchunks + 1));
+    chunk_tiles(tq, tk, offset, nchunks, bounds.data(), firstq.data());
     const double scales[kTile] = {scale, scale, scale, scale}, ones[kTile] = {1.0, 1.0, 1.0, 1.0};
     std::int64_t nbad = 0, colbad = 0;
 #pragma omp parallel num_threads(threads_for(n * tq, tk * (2 * dk + 2 * dv))) \
     reduction(+ : nbad, colbad)
     {
-        const index_t tmax = std::max(tq, tk), dmax = std::max(dk, dv);
-        std::vector<double> st(sz(kTile * tmax)), pt(sz(kTile * tmax)), dpt(sz(kTile * tmax));
-        std::vector<double> at(sz(kTile * dmax)), bt(sz(kTile * dmax)), rt(sz(kTile * dmax));
+        std::vector<double> st(sz(kTile * tq)), pt(sz(kTile * tq)), at2(sz(kTile * tq));
+        std::vector<double> kb(sz(kTile * dk)), vb(sz(kTile * dv));
+        std::vector<double> rk(sz(kTile * dk)), rv(sz(kTile * dv));
         for (index_t h = 0; h < n; ++h) {
             const double* lh = lse + h * tq;
-            transpose_into(k + h * tk * dk, tk, dk, kt.data());
-            transpose_into(v + h * tk * dv, tk, dv, vt.data());
             transpose_into(q + h * tq * dk, tq, dk, qt.data());
             transpose_into(d_o + h * tq * dv, tq, dv, gt.data());
-            // Row pass: dq_i, D_i = sum_j p_ij dp_ij and the spread, a tile of queries at a time.
-#pragma omp for schedule(static, 1)
-            for (index_t t = 0; t < row_tiles; ++t) {
-                const index_t i0 = t * kTile;
-                const index_t real = load_tile(q + h * tq * dk, i0, tq, dk, at.data());
-                load_tile(d_o + h * tq * dv, i0, tq, dv, bt.data());
-                const index_t nmax = visible_keys(i0 + real - 1, offset, tk);
-                dot_rows(at.data(), kt.data(), dk, tk, nmax, st.data(), tk);
-                dot_rows(bt.data(), vt.data(), dv, tk, nmax, dpt.data(), tk);
-                double sp[kTile] = {};
-                for (index_t r = 0; r < kTile; ++r) {
-                    const index_t vis = r < real ? visible_keys(i0 + r, offset, tk) : 0;
-                    const double l = r < real ? lh[i0 + r] : 0.0;
-                    double *s = st.data() + r * tk, *pp = pt.data() + r * tk;
-                    const double* dp = dpt.data() + r * tk;
-                    double d = 0.0;
-#pragma omp simd reduction(+ : d)
-                    for (index_t j = 0; j < vis; ++j) {
-                        // <= 0 up to rounding when lse is the forward pass's; clamped so p <= 1.
-                        const double x = scale * s[j] - l;
-                        pp[j] = exp_neg(select(x > 0.0, 0.0, x));
-                        d += pp[j] * dp[j];
-                    }
-                    double acc = 0.0;
-#pragma omp simd reduction(+ : acc)
-                    for (index_t j = 0; j < vis; ++j) {
-                        const double a = dp[j] - d;
-                        s[j] = pp[j] * a;  // g_ij = dL/ds_ij
-                        acc += s[j] * a;
-                    }
-                    std::fill(s + vis, s + nmax, 0.0);
-                    sp[r] = acc;
-                    if (r < real) delta[sz(i0 + r)] = d;
+#pragma omp for schedule(static)
+            for (index_t i = 0; i < tq; ++i) {
+                const T *gr = d_o + (h * tq + i) * dv, *orow = o + (h * tq + i) * dv;
+                double d = 0.0;
+                for (index_t c = 0; c < dv; ++c) {
+                    d = madd(static_cast<double>(gr[c]), static_cast<double>(orow[c]), d);
                 }
-                weighted_sums(st.data(), tk, kt.data(), dk, tk, nmax, scales, rt.data());
-                for (index_t r = 0; r < real; ++r) {
-                    const index_t row = h * tq + i0 + r;
-                    spread[row] = std::sqrt(sp[r]);
-                    bool bad = !std::isfinite(sp[r]) || !std::isfinite(delta[sz(i0 + r)]);
-                    for (index_t c = 0; c < dk; ++c) {
-                        const double g = rt[sz(r * dk + c)];
-                        dq[row * dk + c] = static_cast<T>(g);
-                        bad = bad || !std::isfinite(g);
-                    }
-                    nbad += bad ? 1 : 0;
-                }
-            }  // barrier: the column pass needs every D_i
-            // Column pass: dk_j and dv_j, a tile of keys at a time, over the queries that see them.
+                delta[sz(i)] = d;
+            }  // barrier: every chunk needs every D_i
+            // The chunks of key tiles: each accumulates dk, dv of its keys whole, and its share
+            // of dq and the spread into its own partial, so no two threads write one number.
 #pragma omp for schedule(static, 1)
-            for (index_t t = 0; t < col_tiles; ++t) {
-                const index_t j0 = t * kTile;
-                const index_t real = load_tile(k + h * tk * dk, j0, tk, dk, at.data());
-                load_tile(v + h * tk * dv, j0, tk, dv, bt.data());
-                const index_t i0 = std::min(tq, std::max<index_t>(0, j0 - offset));
-                const index_t cnt = tq - i0;
-                dot_rows(at.data(), qt.data() + i0, dk, tq, cnt, st.data(), tq);
-                dot_rows(bt.data(), gt.data() + i0, dv, tq, cnt, dpt.data(), tq);
-                for (index_t r = 0; r < kTile; ++r) {
-                    // Query i sees key j0 + r when i >= j0 + r - offset: local index >= first.
-                    const index_t first = r < real ? std::min(cnt, std::max<index_t>(0, j0 + r - offset) - i0) : cnt;
-                    double *s = st.data() + r * tq, *pp = pt.data() + r * tq;
-                    const double* dp = dpt.data() + r * tq;
-                    std::fill(s, s + first, 0.0);
-                    std::fill(pp, pp + first, 0.0);
+            for (index_t ch = 0; ch < nchunks; ++ch) {
+                double* pq = part.data() + ch * prow * tq;
+                const index_t f0 = firstq[sz(ch)];
+                for (index_t c = 0; c < prow; ++c) std::fill(pq + c * tq + f0, pq + (c + 1) * tq, 0.0);
+                for (index_t t = bounds[sz(ch)]; t < bounds[sz(ch + 1)]; ++t) {
+                    const index_t j0 = t * kTile;
+                    const index_t real = load_tile(k + h * tk * dk, j0, tk, dk, kb.data());
+                    load_tile(v + h * tk * dv, j0, tk, dv, vb.data());
+                    const index_t i0 = first_query(j0, offset, tq);
+                    const index_t cnt = tq - i0;
+                    dot_rows(kb.data(), qt.data() + i0, dk, tq, cnt, st.data(), tq);  // s
+                    dot_rows(vb.data(), gt.data() + i0, dv, tq, cnt, at2.data(), tq);  // dp
+                    const double* dl = delta.data() + i0;
+                    const double* li = lh + i0;
+                    for (index_t r = 0; r < kTile; ++r) {
+                        // Query i sees key j0 + r when i >= j0 + r - offset: local index >= first.
+                        const index_t first =
+                            r < real ? std::min(cnt, first_query(j0 + r, offset, tq) - i0) : cnt;
+                        double *s = st.data() + r * tq, *pp = pt.data() + r * tq;
+                        double* a = at2.data() + r * tq;
+                        std::fill(s, s + first, 0.0);
+                        std::fill(pp, pp + first, 0.0);
+                        std::fill(a, a + first, 0.0);
 #pragma omp simd
-                    for (index_t x = first; x < cnt; ++x) {
-                        const double y = scale * s[x] - lh[i0 + x];
-                        const double pv = exp_neg(select(y > 0.0, 0.0, y));
-                        pp[x] = pv;
-                        s[x] = pv * (dp[x] - delta[sz(i0 + x)]);
+                        for (index_t x = first; x < cnt; ++x) {
+                            // <= 0 up to rounding when lse is the forward pass's; clamped so p <= 1.
+                            const double y = scale * s[x] - li[x];
+                            const double pv = exp_neg(select(y > 0.0, 0.0, y));
+                            const double ad = a[x] - dl[x];  // the advantage A_ij
+                            const double g = pv * ad;        // dL/ds_ij
+                            pp[x] = pv;
+                            s[x] = g;
+                            a[x] = g * ad;  // p A^2, the spread's term
+                        }
+                    }
+                    weighted_sums(st.data(), tq, qt.data() + i0, dk, tq, cnt, scales, rk.data());
+                    weighted_sums(pt.data(), tq, gt.data() + i0, dv, tq, cnt, ones, rv.data());
+                    scatter_rows(st.data(), at2.data(), tq, kb.data(), dk, cnt, pq + i0, tq);
+                    for (index_t r = 0; r < real; ++r) {
+                        const index_t col = h * tk + j0 + r;
+                        bool bad = false;
+                        for (index_t c = 0; c < dk; ++c) {
+                            dkey[col * dk + c] = static_cast<T>(rk[sz(r * dk + c)]);
+                            bad = bad || !std::isfinite(rk[sz(r * dk + c)]);
+                        }
+                        for (index_t c = 0; c < dv; ++c) {
+                            dval[col * dv + c] = static_cast<T>(rv[sz(r * dv + c)]);
+                            bad = bad || !std::isfinite(rv[sz(r * dv + c)]);
+                        }
+                        colbad += bad ? 1 : 0;
                     }
                 }
-                weighted_sums(st.data(), tq, qt.data() + i0, dk, tq, cnt, scales, rt.data());
-                weighted_sums(pt.data(), tq, gt.data() + i0, dv, tq, cnt, ones, bt.data());
-                for (index_t r = 0; r < real; ++r) {
-                    const index_t col = h * tk + j0 + r;
-                    bool bad = false;
-                    for (index_t c = 0; c < dk; ++c) {
-                        dkey[col * dk + c] = static_cast<T>(rt[sz(r * dk + c)]);
-                        bad = bad || !std::isfinite(rt[sz(r * dk + c)]);
+            }  // barrier: the rows need every chunk's partial
+            // dq_i and the spread: the chunks' partials summed in chunk order.
+#pragma omp for schedule(static)
+            for (index_t i = 0; i < tq; ++i) {
+                const index_t row = h * tq + i;
+                bool bad = !std::isfinite(delta[sz(i)]);
+                for (index_t c = 0; c < prow; ++c) {
+                    double acc = 0.0;
+                    for (index_t ch = 0; ch < nchunks && firstq[sz(ch)] <= i; ++ch) {
+                        acc += part[sz((ch * prow + c) * tq + i)];
                     }
-                    for (index_t c = 0; c < dv; ++c) {
-                        dval[col * dv + c] = static_cast<T>(bt[sz(r * dv + c)]);
-                        bad = bad || !std::isfinite(bt[sz(r * dv + c)]);
+                    bad = bad || !std::isfinite(acc);
+                    if (c < dk) {
+                        dq[row * dk + c] = static_cast<T>(scale * acc);
+                    } else {
+                        spread[row] = std::sqrt(acc);
                     }
-                    colbad += bad ? 1 : 0;
                 }
+                nbad += bad ? 1 : 0;
             }  // barrier: the scratch is reused by the next head
         }
     }

@@ -15,8 +15,15 @@ namespace pyengine {
 namespace attention_detail {
 
 
-// Rows (queries, or keys in the column pass) computed together: one tile.
+// Rows (queries, or keys in the backward pass) computed together: one tile.
 inline constexpr index_t kTile = 4;
+
+// The backward pass splits the key tiles of a head into at most this many chunks of about
+// equal work, fixed by the shape alone (not by the number of threads): each chunk keeps
+// its own partial of dq and the spread, summed in chunk order afterwards.
+inline constexpr index_t kChunks = 16;
+
+inline std::size_t sz(index_t a) { return static_cast<std::size_t>(a); }
 
 // a * b + c, rounded once where the machine has FMA (the vector and scalar paths agree).
 PYENGINE_ALWAYS_INLINE double madd(double a, double b, double c) {
@@ -156,6 +163,54 @@ PYENGINE_ALWAYS_INLINE index_t visible_keys(index_t i, index_t offset, index_t t
     return offset >= tk - i ? tk : i + offset + 1;
 }
 
+// The first query that sees key j (queries i >= j - offset), at most tq.
+PYENGINE_ALWAYS_INLINE index_t first_query(index_t j, index_t offset, index_t tq) {
+    return std::min(tq, std::max<index_t>(0, j - offset));
+}
+
+// Splits the key tiles [0, tiles) into nchunks contiguous chunks of about equal work (a
+// tile's work: the queries that see it, plus one): chunk c is the tiles
+// [bounds[c], bounds[c + 1]), and firstq[c] the first query its first tile's keys reach
+// (nondecreasing in c). Depends on the shape and the mask only.
+inline void chunk_tiles(index_t tq, index_t tk, index_t offset, index_t nchunks, index_t* bounds,
+                        index_t* firstq) {
+    const index_t tiles = (tk + kTile - 1) / kTile;
+    double total = 0.0;
+    for (index_t t = 0; t < tiles; ++t) total += double(tq - first_query(t * kTile, offset, tq) + 1);
+    double acc = 0.0;
+    index_t c = 1;
+    bounds[0] = 0;
+    for (index_t t = 0; t < tiles && c < nchunks; ++t) {
+        acc += double(tq - first_query(t * kTile, offset, tq) + 1);
+        while (c < nchunks && acc >= total * double(c) / double(nchunks)) bounds[c++] = t + 1;
+    }
+    while (c <= nchunks) bounds[c++] = tiles;
+    for (c = 0; c <= nchunks; ++c) firstq[c] = first_query(bounds[c] * kTile, offset, tq);
+}
+
+// part[c * ldp + x] += sum_r g[r * ldg + x] kb[r * m + c] (r = 0 .. kTile-1, in order) for
+// c in [0, m), and part[m * ldp + x] += sum_r w[r * ldg + x], x in [0, n): a key tile's share
+// of dq^T (the weighted keys) and of the spread, into a chunk's partial.
+PYENGINE_ALWAYS_INLINE void scatter_rows(const double* g, const double* w, index_t ldg,
+                                         const double* kb, index_t m, index_t n, double* part,
+                                         index_t ldp) {
+    const double *g0 = g, *g1 = g + ldg, *g2 = g + 2 * ldg, *g3 = g + 3 * ldg;
+    for (index_t c = 0; c < m; ++c) {
+        const double k0 = kb[c], k1 = kb[m + c], k2 = kb[2 * m + c], k3 = kb[3 * m + c];
+        double* out = part + c * ldp;
+#pragma omp simd
+        for (index_t x = 0; x < n; ++x) {
+            out[x] += madd(g3[x], k3, madd(g2[x], k2, madd(g1[x], k1, g0[x] * k0)));
+        }
+    }
+    const double *w0 = w, *w1 = w + ldg, *w2 = w + 2 * ldg, *w3 = w + 3 * ldg;
+    double* out = part + m * ldp;
+#pragma omp simd
+    for (index_t x = 0; x < n; ++x) {
+        out[x] += ((w0[x] + w1[x]) + w2[x]) + w3[x];
+    }
+}
+
 // sum_j a[j] b[j], j in [0, n).
 PYENGINE_ALWAYS_INLINE double dot(const double* a, const double* b, index_t n) {
     double s = 0.0;
@@ -214,7 +269,6 @@ index_t load_tile(const T* src, index_t t0, index_t rows, index_t cols, double* 
     return real;
 }
 
-inline std::size_t sz(index_t a) { return static_cast<std::size_t>(a); }
 
 }  // namespace attention_detail
 }  // namespace pyengine

@@ -208,8 +208,10 @@ def _attention_arrays(kernel: str, dtype: np.dtype, size: tuple[int, int]) -> li
     lse, ent = np.zeros((n, t)), np.zeros((n, t))
     if kernel == "attention_forward":
         return [q, k, v, 0, scale, np.zeros_like(q), lse, ent]
-    backends.resolve("attention_forward", "numpy")(q, k, v, 0, scale, np.zeros_like(q), lse, ent)
-    return [q, k, v, rand(n, t, HEAD_DIM), lse, 0, scale, np.zeros_like(q), np.zeros_like(k), np.zeros_like(v), ent]
+    o = np.zeros_like(q)
+    backends.resolve("attention_forward", "numpy")(q, k, v, 0, scale, o, lse, ent)
+    return [q, k, v, o, rand(n, t, HEAD_DIM), lse, 0, scale, np.zeros_like(q), np.zeros_like(k), np.zeros_like(v),
+            ent]
 
 
 def _attention_case(kernel: str) -> Case:

@@ -184,8 +184,8 @@ def test_fused_head_matches_the_materialized_reference(compiled, dtype, lead, tq
     assert_close(got.out, want.out, dtype, scale=float(np.abs(v).max()))
     assert_close(got.lse, want.lse, np.float64 if dtype == np.float64 else dtype)
     assert_close(got.entropy, want.entropy, dtype, scale=max(1.0, float(np.log(tk))))
-    wb = pa.attention_backward(q, k, v, d_o, want.lse, offset=offset, backend="numpy")
-    gb = pa.attention_backward(q, k, v, d_o, want.lse, offset=offset, backend=compiled)
+    wb = pa.attention_backward(q, k, v, d_o, want.lse, o=want.out, offset=offset, backend="numpy")
+    gb = pa.attention_backward(q, k, v, d_o, want.lse, o=want.out, offset=offset, backend=compiled)
     for name in ("dq", "dk", "dv", "spread"):
         w = getattr(wb, name)
         assert_close(getattr(gb, name), w, dtype, scale=float(np.abs(w).max()) + 1e-300)
@@ -202,15 +202,33 @@ def test_fused_head_large_logits_and_one_key(backend, dtype):
     assert f.entropy[0, 0] == 0.0 and b.spread[0, 0] == 0.0 and (b.dq[0, 0] == 0).all()
 
 
-def test_fused_head_threads_do_not_change_results(compiled):
+@pytest.mark.parametrize("offset", [0, None, 37], ids=["causal", "bidirectional", "off37"])
+def test_fused_head_threads_do_not_change_results(compiled, offset):
     q, k, v, d_o = head((2,), 300, 300, 10, 15, np.float64, seed=2)
     with pe.num_threads(1):
-        f1 = pa.attention_forward(q, k, v, offset=0, backend=compiled)
-        b1 = pa.attention_backward(q, k, v, d_o, f1.lse, offset=0, backend=compiled)
-    f2 = pa.attention_forward(q, k, v, offset=0, backend=compiled)
-    b2 = pa.attention_backward(q, k, v, d_o, f2.lse, offset=0, backend=compiled)
-    for x, y in zip((*f1, *b1), (*f2, *b2)):
+        f1 = pa.attention_forward(q, k, v, offset=offset, backend=compiled)
+        b1 = pa.attention_backward(q, k, v, d_o, f1.lse, o=f1.out, offset=offset, backend=compiled)
+    for nt in (2, 3):  # 3: the chunks of the backward pass do not divide evenly among threads
+        with pe.num_threads(nt):
+            f2 = pa.attention_forward(q, k, v, offset=offset, backend=compiled)
+            b2 = pa.attention_backward(q, k, v, d_o, f2.lse, o=f2.out, offset=offset, backend=compiled)
+        for x, y in zip((*f1, *b1), (*f2, *b2)):
+            np.testing.assert_array_equal(x, y)
+
+
+def test_backward_takes_the_forward_output(backend, dtype):
+    q, k, v, d_o = head((3,), 21, 21, 4, 5, dtype, seed=9)
+    f = pa.attention_forward(q, k, v, offset=0, backend=backend)
+    given = pa.attention_backward(q, k, v, d_o, f.lse, o=f.out, offset=0, backend=backend)
+    computed = pa.attention_backward(q, k, v, d_o, f.lse, offset=0, backend=backend)  # o from a forward pass
+    for x, y in zip(given, computed):
         np.testing.assert_array_equal(x, y)
+    with pytest.raises(ValueError, match=r"o must have shape \(3, 21, 5\)"):
+        pa.attention_backward(q, k, v, d_o, f.lse, o=f.out[..., :4], offset=0, backend=backend)
+    bad = f.out.copy()
+    bad[0, 3, 1] = np.inf
+    with pytest.raises(ValueError, match="o contains NaN or Inf"):
+        pa.attention_backward(q, k, v, d_o, f.lse, o=bad, offset=0, backend=backend)
 
 
 # --------------------------------------------------------------------------- bad input

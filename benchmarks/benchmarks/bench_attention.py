@@ -37,7 +37,8 @@ def _arrays(kernel: str, dtype: str, shape: str) -> list:
         return [q, k, v, 0, scale, out, lse, ent]
     backends.resolve("attention_forward", "cpp" if backends.provides("attention_forward", "cpp") else "numpy")(
         q, k, v, 0, scale, out, lse, ent)
-    return [q, k, v, rand(n, tq, dv), lse, 0, scale, np.zeros_like(q), np.zeros_like(k), np.zeros_like(v), ent]
+    return [q, k, v, out, rand(n, tq, dv), lse, 0, scale, np.zeros_like(q), np.zeros_like(k), np.zeros_like(v),
+            ent]
 
 
 class _Attention:

@@ -173,7 +173,7 @@ class Model:
         dlogits = ((p - self.Y) / T).astype(self.X.dtype)
         d_o = (dlogits @ W["W_O"].T)[None]
         dq, dk, dv = np.empty_like(Q), np.empty_like(K), np.empty_like(V)
-        if self.bwd(Q, K, V, d_o, self.lse, 0, self.scale, dq, dk, dv, self.spread):
+        if self.bwd(Q, K, V, O[None], d_o, self.lse, 0, self.scale, dq, dk, dv, self.spread):
             raise FloatingPointError("the attention backward pass overflowed")
         metrics["adv_spread"] = float(self.spread.mean() * T)  # per-token loss: u = T dL/do
         X = self.X

@@ -4,9 +4,9 @@
 attention probabilities p, the upstream gradient u = dL/do of the head's output and
 the values v; with ``advantage=True`` it also returns the advantage
 A_ij = u_i.v_j - sum_k p_ik u_i.v_k. ``attention_forward(q, k, v)`` and
-``attention_backward(q, k, v, d_o, lse)`` are one head's forward and backward pass,
-fused: the compiled backends stream the rows and never store a (Tq, Tk) matrix (the
-NumPy reference materializes them). The formulas are in
+``attention_backward(q, k, v, d_o, lse, o=out)`` are one head's forward and backward
+pass, fused: the compiled backends never store a (Tq, Tk) matrix (the NumPy reference
+materializes them); the backward pass is one pass over the visible (query, key) pairs. The formulas are in
 :mod:`pyengine.kernels._reference.attention`.
 
 The mask is the softmax's: key j is visible to query i when j <= i + offset;
@@ -70,7 +70,7 @@ def kernel(name: str, backend: str = "auto"):
         attention_score_grad(p, u, v, offset, out) -> int
         attention_advantage(p, u, v, offset, out, advantage) -> int
         attention_forward(q, k, v, offset, scale, out, lse, entropy) -> int
-        attention_backward(q, k, v, d_o, lse, offset, scale, dq, dk, dv, spread) -> int
+        attention_backward(q, k, v, o, d_o, lse, offset, scale, dq, dk, dv, spread) -> int
     """
     return resolve(name, backend)
 
@@ -197,7 +197,7 @@ def attention_forward(q: Any, k: Any, v: Any, *, offset: int | None = None, scal
     return AttentionForward(out, lse, ent)
 
 
-def attention_backward(q: Any, k: Any, v: Any, d_o: Any, lse: Any, *, offset: int | None = None,
+def attention_backward(q: Any, k: Any, v: Any, d_o: Any, lse: Any, *, o: Any = None, offset: int | None = None,
                        scale: float | None = None, backend: str = "auto") -> AttentionBackward:
     """One attention head backward: dq, dk, dv from dL/do, recomputing p from ``lse``.
 
@@ -209,6 +209,9 @@ def attention_backward(q: Any, k: Any, v: Any, d_o: Any, lse: Any, *, offset: in
         dL/do; converted to q's dtype.
     lse : array_like, shape (..., Tq)
         The ``lse`` of :func:`attention_forward` (float64).
+    o : array_like, shape (..., Tq, dv), optional
+        The ``out`` of :func:`attention_forward` (the row sums sum_j p_ij d_o_i.v_j are
+        d_o_i.o_i); converted to q's dtype. If None, a forward pass computes it.
     offset, scale, backend
         As for :func:`attention_forward`.
 
@@ -228,12 +231,19 @@ def attention_backward(q: Any, k: Any, v: Any, d_o: Any, lse: Any, *, offset: in
     if lse_a.shape != lead + (tq,):
         raise ValueError(f"lse must have shape {lead + (tq,)} (..., Tq); got {lse_a.shape}")
     _check_finite(d_o=d_o, lse=lse_a)
+    if o is None:
+        o = attention_forward(q, k, v, offset=off, scale=sc, backend=backend).out
+    else:
+        o = _array("o", o, q.dtype)
+        if o.shape != d_o.shape:
+            raise ValueError(f"o must have shape {d_o.shape} (..., Tq, dv), the forward pass's out; got {o.shape}")
+        _check_finite(o=o)
     dq, dk, dv = np.empty_like(q), np.empty_like(k), np.empty_like(v)
     spread = np.empty(lead + (tq,))
     if q.size or k.size:
-        nbad = fn(_flat(q), _flat(k), _flat(v), _flat(d_o), lse_a.reshape(-1, tq), off, sc,
+        nbad = fn(_flat(q), _flat(k), _flat(v), _flat(o), _flat(d_o), lse_a.reshape(-1, tq), off, sc,
                   _flat(dq), _flat(dk), _flat(dv), spread.reshape(-1, tq))
         if nbad:
-            raise ValueError(f"the attention backward pass overflowed in {nbad} row(s); is lse the "
-                             "forward pass's for the same q, k, offset and scale?")
+            raise ValueError(f"the attention backward pass overflowed in {nbad} row(s); are o and lse the "
+                             "forward pass's for the same q, k, v, offset and scale?")
     return AttentionBackward(dq, dk, dv, spread)

@@ -6,10 +6,11 @@ number of bad rows returned); the formulas are in its docstring. Everything is c
 in float64 and cast to the dtype of the output on the store.
 
 Parallelism: ``prange`` over the (head, query row) pairs for the score gradient and the
-forward pass; the backward pass is a row pass (dq, the row sums D_i = sum_j p_ij dp_ij,
-the spread) followed by a column pass over the (head, key) pairs (dk, dv) that
-recomputes p and dp, as in ``csrc/attention.hpp``: no reduction across threads, so the
-results do not depend on the number of threads. The fused head keeps one row (or column)
+forward pass; the backward pass takes the row sums D_i = d_o_i.o_i from the forward
+pass's o, then makes a row pass over the (head, query) pairs (dq, the spread) and a
+column pass over the (head, key) pairs (dk, dv), each recomputing p and dp: no
+reduction across threads, so the results do not depend on the number of threads (the
+C++ backend makes one pass, with fixed chunks of keys). The fused head keeps one row (or column)
 of scores in a per-iteration scratch of length Tk (Tq) and never stores a (Tq, Tk)
 matrix. The inner loops are plain: this backend is the portable fallback, the C++ one
 the fast path (tiles of four rows in registers).
@@ -133,6 +134,17 @@ def attention_forward(q, k, v, offset, scale, out, lse, entropy):
 
 
 @pjit
+def _backward_delta(o, d_o, delta):
+    n, tq, dv = o.shape
+    for row in prange(n * tq):
+        h, i = row // tq, row % tq
+        d = 0.0
+        for c in range(dv):
+            d += _f64(d_o[h, i, c]) * _f64(o[h, i, c])
+        delta[h, i] = d
+
+
+@pjit
 def _backward_rows(q, k, v, d_o, lse, offset, scale, dq, spread, delta):
     n, tq, dk = q.shape
     tk, dv = k.shape[1], v.shape[2]
@@ -140,26 +152,19 @@ def _backward_rows(q, k, v, d_o, lse, offset, scale, dq, spread, delta):
     for row in prange(n * tq):
         h, i = row // tq, row % tq
         vis = _visible(i, offset, tk)
-        pp = np.empty(tk, dtype=np.float64)
-        dp = np.empty(tk, dtype=np.float64)
-        d = 0.0
+        d = delta[h, i]
+        sp = 0.0
+        gq = np.zeros(dk, dtype=np.float64)
         for j in range(vis):
             acc = 0.0
             for c in range(dk):
                 acc += _f64(q[h, i, c]) * _f64(k[h, j, c])
-            x = scale * acc - lse[h, i]
-            pp[j] = math.exp(min(x, 0.0))  # <= 0 up to rounding; clamped so p <= 1
+            pp = math.exp(min(scale * acc - lse[h, i], 0.0))  # <= 0 up to rounding; clamped so p <= 1
             g = 0.0
             for c in range(dv):
                 g += _f64(d_o[h, i, c]) * _f64(v[h, j, c])
-            dp[j] = g
-            d += pp[j] * g
-        delta[h, i] = d
-        sp = 0.0
-        gq = np.zeros(dk, dtype=np.float64)
-        for j in range(vis):
-            a = dp[j] - d
-            gs = pp[j] * a
+            a = g - d
+            gs = pp * a
             sp += gs * a
             for c in range(dk):
                 gq[c] += gs * _f64(k[h, j, c])
@@ -209,9 +214,10 @@ def _backward_columns(q, k, v, d_o, lse, offset, scale, delta, dk_out, dv_out):
 
 
 @register("attention_backward", "numba")
-def attention_backward(q, k, v, d_o, lse, offset, scale, dq, dk, dv, spread):
-    """Fused backward: dq, dk, dv and the spread, p recomputed from lse. Returns the bad-row count."""
+def attention_backward(q, k, v, o, d_o, lse, offset, scale, dq, dk, dv, spread):
+    """Fused backward: dq, dk, dv and the spread, p recomputed from lse, D = d_o.o. Returns the bad-row count."""
     delta = np.empty(lse.shape, dtype=np.float64)
+    _backward_delta(o, d_o, delta)
     nbad = _backward_rows(q, k, v, d_o, lse, offset, scale, dq, spread, delta)
     colbad = _backward_columns(q, k, v, d_o, lse, offset, scale, delta, dk, dv)
     return nbad if nbad or not colbad else 1

@@ -34,15 +34,17 @@ needs to recompute p) and ``entropy`` (N, Tq) float64 = -sum_j p_ij log p_ij
 = lse_i - sum_j p_ij s_ij. The compiled backends never store a (Tq, Tk) matrix: they
 stream the rows. A row is bad if its lse or output is not finite.
 
-Fused head, backward, ``attention_backward(q, k, v, d_o, lse, offset, scale, dq, dk, dv,
-spread)``: ``d_o`` (N, Tq, dv) = dL/do and ``lse`` (N, Tq) float64 from the forward
-pass; outputs dq (N, Tq, dk) = sum_j g_ij scale k_j, dk (N, Tk, dk) = sum_i g_ij scale q_i,
-dv (N, Tk, dv) = sum_i p_ij d_o_i with g = dL/ds = p ⊙ A, and the row statistic
-``spread`` (N, Tq) float64 = sqrt(sum_j p_ij A_ij^2), the attention-weighted standard
-deviation of row i of b (sum_j p_ij A_ij = 0). p is recomputed from q, k and lse; the
-compiled backends never store a (Tq, Tk) matrix. A row is bad if its dq or spread is
-not finite; NaN/Inf that reaches only dk or dv (a key no query sees) is counted as one
-bad row too.
+Fused head, backward, ``attention_backward(q, k, v, o, d_o, lse, offset, scale, dq, dk,
+dv, spread)``: ``o`` (N, Tq, dv) and ``lse`` (N, Tq) float64 from the forward pass (o its
+``out``), ``d_o`` (N, Tq, dv) = dL/do; outputs dq (N, Tq, dk) = sum_j g_ij scale k_j,
+dk (N, Tk, dk) = sum_i g_ij scale q_i, dv (N, Tk, dv) = sum_i p_ij d_o_i with
+g = dL/ds = p ⊙ A, A_ij = d_o_i.v_j - D_i, and the row statistic ``spread`` (N, Tq)
+float64 = sqrt(sum_j p_ij A_ij^2), the attention-weighted standard deviation of row i of
+b (sum_j p_ij A_ij = 0). p is recomputed from q, k and lse; the row sum
+D_i = sum_j p_ij d_o_i.v_j is taken as d_o_i.o_i (the same number, o_i = sum_j p_ij v_j),
+so that the compiled backends need one pass over the (query, key) pairs, and never store
+a (Tq, Tk) matrix. A row is bad if its dq or spread is not finite; NaN/Inf that reaches
+only dk or dv (a key no query sees) is counted as one bad row too.
 """
 
 from __future__ import annotations
@@ -116,16 +118,19 @@ def attention_forward(q, k, v, offset, scale, out, lse, entropy):
 
 
 @register("attention_backward", "numpy")
-def attention_backward(q, k, v, d_o, lse, offset, scale, dq, dk, dv, spread):
-    """dq, dk, dv of the head from d_o = dL/do, p recomputed from lse; spread = sqrt(sum_j p A^2)."""
+def attention_backward(q, k, v, o, d_o, lse, offset, scale, dq, dk, dv, spread):
+    """dq, dk, dv of the head from d_o = dL/do, p recomputed from lse, D = d_o.o; spread = sqrt(sum_j p A^2)."""
     with np.errstate(invalid="ignore", over="ignore"):
-        s, _ = _scores(q, k, offset, scale)
+        s, vis = _scores(q, k, offset, scale)
         p = np.exp(s - lse[..., None])
-        vd = v.astype(np.float64)
-        g, adv, _ = _score_grad(p, d_o, vd, offset)  # p is 0 where masked
+        gd = d_o.astype(np.float64)
+        b = np.where(vis, gd @ v.astype(np.float64).transpose(0, 2, 1), 0.0)
+        delta = (gd * o.astype(np.float64)).sum(axis=-1, keepdims=True)  # = sum_j p b
+        adv = np.where(vis, b - delta, 0.0)
+        g = p * adv  # p is 0 where masked
         dq[...] = scale * (g @ k.astype(np.float64))
         dk[...] = scale * (g.transpose(0, 2, 1) @ q.astype(np.float64))
-        dv[...] = p.transpose(0, 2, 1) @ d_o.astype(np.float64)
+        dv[...] = p.transpose(0, 2, 1) @ gd
         spread[...] = np.sqrt((p * adv * adv).sum(axis=-1))
         bad = ~(np.isfinite(spread) & np.isfinite(dq).all(axis=-1))
         extra = not (np.isfinite(dk).all() and np.isfinite(dv).all())

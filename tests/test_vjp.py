@@ -13,8 +13,8 @@ from test_model import COMBOS, D, FD_RTOL, FD_STEP, T, combo_config, combo_id, m
 #: The adjoint identity's accepted error, relative to the Cauchy-Schwarz scale ||u|| ||J v||
 #: (a relative error in <u, J v> itself is ill-posed when u is nearly orthogonal to J v).
 ADJ_RTOL = 1e-12
-#: float32 against float64, relative to the float64 result's norm.
-F32_RTOL = 2e-5
+#: float32 against float64, relative to the float64 result's norm (measured: at most 6.5e-7 over COMBOS).
+F32_RTOL = 1e-5
 MODES = ("full", "frozen_scale")
 
 
@@ -65,7 +65,7 @@ def _fd_weight(stack, k, h, u, name, direction, step=FD_STEP):
     return (f(step) - f(-step)) / (2 * step)
 
 
-@pytest.mark.parametrize("i", range(0, len(COMBOS), 3), ids=lambda i: combo_id(i))
+@pytest.mark.parametrize("i", range(len(COMBOS)), ids=combo_id)
 def test_weight_gradients_match_finite_differences(i):
     """Every array of the block, along a random direction; R = 2 cotangents give the gradient of their sum."""
     stack = make_stack(**combo_config(i), gamma_scale=0.8)
@@ -112,7 +112,7 @@ def test_block_vjp_batched_equals_one_by_one_and_keeps_inputs(dtype):
     np.testing.assert_array_equal(u, u0)
 
 
-@pytest.mark.parametrize("i", range(0, len(COMBOS), 7), ids=lambda i: combo_id(i))
+@pytest.mark.parametrize("i", range(len(COMBOS)), ids=combo_id)
 def test_float32_vjp_close_to_float64(i):
     s64 = make_stack(**combo_config(i))
     s32 = s64.astype(np.float32)

@@ -146,11 +146,14 @@ def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarr
 
 
 def _qk_t(ctx: Context, dq: np.ndarray, dk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Transpose of :func:`_qk` (linear): rotate back by the negative angles, scale q by 1/sqrt(dh)."""
+    """Transpose of :func:`_qk` (linear): rotate back by the negative angles, scale q by 1/sqrt(dh).
+
+    Without rotary positions dq is scaled in place (the caller's fresh array).
+    """
     if ctx.rope_q is not None:
         (cq, sq), (ck, sk) = ctx.rope_q, ctx.rope_k
         return _rotate(dq, (cq, -sq)), _rotate(dk, (ck, -sk))
-    return dq * (1.0 / math.sqrt(dq.shape[-1])), dk
+    return np.multiply(dq, dq.dtype.type(1.0 / math.sqrt(dq.shape[-1])), out=dq), dk
 
 
 def heads(ctx: Context, cache: Cache) -> np.ndarray:

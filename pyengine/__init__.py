@@ -44,7 +44,7 @@ from .linalg.results import SpectralRadiusResult, SpectralResult, WeightScan
 from .linalg.spectral import layer_norm_spectral_norm, rms_norm_spectral_norm, spectral_norm, spectral_radius
 from .linalg.weights import weight_scan
 from .models import PretrainedModel, Stack, StackConfig, init_weights, load_pretrained
-from .analysis import DecayFit, Propagation, fit_decay, propagate
+from .analysis import BlockJacobian, DecayFit, Propagation, block_jacobian_norm, fit_decay, propagate
 
 __version__ = "0.1.0"
 
@@ -70,6 +70,7 @@ def get_include() -> str:
 
 __all__ = [
     "BatchedOperator",
+    "BlockJacobian",
     "DecayFit",
     "DenseOperator",
     "Identity",
@@ -92,6 +93,7 @@ __all__ = [
     "attention_forward",
     "attention_score_grad",
     "available_backends",
+    "block_jacobian_norm",
     "fit_decay",
     "from_linear_operator",
     "get_include",

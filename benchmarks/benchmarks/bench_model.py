@@ -3,7 +3,8 @@
 Issue 4's targets are ratios measured in one process: a batched forward costs at
 most 1.3x its own matrix products executed alone with NumPy/BLAS
 (``track_forward_over_gemms``), and a block JVP over K tangents at most 1.5x the
-block forward of K sequences (``track_jvp_over_forward``). The target's K = 64 and
+block forward of K sequences (``track_jvp_over_forward``); issue 11: a block VJP over K
+cotangents at most 1.5x that forward (``track_vjp_over_forward``). The targets' K = 64 and
 12 layers are cut to K = 8 and 2 layers here to keep a run short; the ratios are
 per layer and barely depend on either.
 """
@@ -104,3 +105,36 @@ class BlockJvp:
         return median_time(self.time_block_jvp, 5) / median_time(self.time_block_forward, 5)
 
     track_jvp_over_forward.unit = "ratio"
+
+
+class BlockVjp:
+    """block_vjp of SEQUENCES cotangents at one sequence vs block_forward of SEQUENCES sequences.
+
+    Issue 11's target: ``track_vjp_over_forward`` <= 1.5 (K = 64 there; cut to K = 8 here,
+    as for BlockJvp). ``time_block_vjp_weights`` adds the block's weight gradients.
+    """
+
+    timeout = 600
+
+    def setup(self):
+        self.stack = _stack(1)
+        rng = np.random.default_rng(3)
+        self.hb = rng.standard_normal((SEQUENCES, TOKENS, D_MODEL), dtype=np.float32)
+        self.h = self.hb[0].copy()
+        self.g = rng.standard_normal((SEQUENCES, TOKENS, D_MODEL), dtype=np.float32)
+        _, self.cache = self.stack.block_forward(0, self.h, return_cache=True)
+        self.stack.block_vjp(0, self.h, self.g, cache=self.cache, weights=True)  # warm-up; fills the cache
+
+    def time_block_forward(self):
+        self.stack.block_forward(0, self.hb)
+
+    def time_block_vjp(self):
+        self.stack.block_vjp(0, self.h, self.g, cache=self.cache)
+
+    def time_block_vjp_weights(self):
+        self.stack.block_vjp(0, self.h, self.g, cache=self.cache, weights=True)
+
+    def track_vjp_over_forward(self):
+        return median_time(self.time_block_vjp, 5) / median_time(self.time_block_forward, 5)
+
+    track_vjp_over_forward.unit = "ratio"

@@ -1,5 +1,6 @@
 """Layer 3: propagation of perturbations and its metrics, decay fits, token Jacobians."""
 
+from .block_spectra import BlockJacobian, block_jacobian_norm
 from .decay import DecayFit, fit_decay
 from .jacobians import token_jacobians
 from .propagate import Propagation, position_mask, propagate, resolve_positions

@@ -1,9 +1,10 @@
-"""Multi-head (grouped-query) causal self-attention of one block, forward and JVP.
+"""Multi-head (grouped-query) causal self-attention of one block, forward, JVP and VJP.
 
 Part of the block engine :mod:`pyengine.models._blocks` (its conventions hold here:
 validated C-contiguous input, a batch axis on every stream, a base cache with a
 leading axis of 1 for JVPs). Scores go through the raw softmax kernels of the "auto"
-backend; :func:`check` turns a kernel's bad-row count into a ValueError.
+backend, the score gradient of the VJP through the raw ``attention_score_grad`` kernel;
+:func:`check` turns a kernel's bad-row count into a ValueError.
 """
 
 from __future__ import annotations
@@ -14,11 +15,12 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from ..kernels.activations import kernel
+from ..kernels.attention import kernel as attention_kernel
 
 if TYPE_CHECKING:
     from ._blocks import Cache, Context, Weights
 
-__all__ = ["attn", "attn_jvp", "check"]
+__all__ = ["attn", "attn_jvp", "attn_vjp", "check"]
 
 
 def _split_heads(qkv: np.ndarray, B: int, T: int, cfg: Any) -> tuple[np.ndarray, ...]:
@@ -98,7 +100,7 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
     out = buf.reshape(B * T, H * cfg.head_dim) @ w["attn.w_o"]
     if cfg.bias:
         out += w["attn.b_o"]
-    cache.update({"attn.q": q5, "attn.k": k5, "attn.v": v5, "attn.p": p})
+    cache.update({"attn.q": q5, "attn.k": k5, "attn.v": v5, "attn.p": p, "attn.in": a})
     return out.reshape(B, T, d)
 
 
@@ -141,3 +143,71 @@ def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarr
     else:
         view += np.matmul(p[..., ctx.start :], dv5)
     return (buf.reshape(K * T, H * cfg.head_dim) @ w["attn.w_o"]).reshape(K, T, d)
+
+
+def _qk_t(ctx: Context, dq: np.ndarray, dk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Transpose of :func:`_qk` (linear): rotate back by the negative angles, scale q by 1/sqrt(dh).
+
+    Without rotary positions dq is scaled in place (the caller's fresh array).
+    """
+    if ctx.rope_q is not None:
+        (cq, sq), (ck, sk) = ctx.rope_q, ctx.rope_k
+        return _rotate(dq, (cq, -sq)), _rotate(dk, (ck, -sk))
+    return np.multiply(dq, dq.dtype.type(1.0 / math.sqrt(dq.shape[-1])), out=dq), dk
+
+
+def heads(ctx: Context, cache: Cache) -> np.ndarray:
+    """The base's concatenated head outputs P V, (B*T, H*dh): the input of ``w_o``; kept in the cache."""
+    if "attn.o" not in cache:
+        cfg, p = ctx.cfg, cache["attn.p"]
+        B, T = p.shape[0], p.shape[-2]
+        buf, view = _heads_out(B, T, cfg, p.dtype)
+        np.matmul(p, cache["attn.v"], out=view)
+        cache["attn.o"] = buf.reshape(B * T, cfg.n_heads * cfg.head_dim)
+    return cache["attn.o"]
+
+
+def attn_vjp(w: Weights, ctx: Context, gy: np.ndarray, cache: Cache, grads: dict[str, np.ndarray] | None = None
+             ) -> np.ndarray:
+    """Transpose of :func:`attn_jvp`: cotangents (K, T, d) of the output -> (K, T, d) of the input.
+
+    With ``grads`` (a dict) also the weight gradients of sum_r <gy[r], attn>, added
+    under ``attn.w_qkv``, ``attn.w_o`` (and the biases): the weights' VJP is linear in
+    the cotangent, so the K rows are summed first. Whole sequences only (no ``start``
+    or ``rows``). Every product is a BLAS GEMM; dL/dS comes from the score-gradient
+    kernel, one call per cotangent row against the base P (never copied K times).
+    """
+    cfg = ctx.cfg
+    K, T, d = gy.shape
+    H, Hkv, dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    g = H // Hkv
+    q5, k5, v5, p = cache["attn.q"], cache["attn.k"], cache["attn.v"], cache["attn.p"]
+    # u = dL/d(head outputs), (K, Hkv, g, T, dh) contiguous (the kernel's layout)
+    go = gy.reshape(K * T, d) @ w["attn.w_o"].T
+    u = np.ascontiguousarray(go.reshape(K, T, Hkv, g, dh).transpose(0, 2, 3, 1, 4))
+    if "attn.vh" not in cache:  # the values per query head (GQA shares them), contiguous; once per cache
+        cache["attn.vh"] = np.ascontiguousarray(np.broadcast_to(v5, (1, Hkv, g, T, dh))).reshape(H, T, dh)
+    vh, ph = cache["attn.vh"], p.reshape(H, T, T)
+    ds = np.empty((K, Hkv, g, T, T), gy.dtype)
+    fn, off = attention_kernel("attention_score_grad"), 0 if cfg.causal else T - 1
+    nbad = 0
+    for r in range(K):  # dS = P * (U V^T - rowsum(P * U V^T)), masked entries 0
+        nbad += fn(ph, u[r].reshape(H, T, dh), vh, off, ds[r].reshape(H, T, T))
+    check(nbad, "attention score cotangents")
+    ds4 = ds.reshape(K, Hkv, g * T, T)
+    dq = np.matmul(ds4, k5.reshape(1, Hkv, T, dh)).reshape(K, H, T, dh)
+    dk = np.matmul(ds4.swapaxes(-1, -2), q5.reshape(1, Hkv, g * T, dh))  # sum over the group's queries
+    dv = np.matmul(p.reshape(1, Hkv, g * T, T).swapaxes(-1, -2), u.reshape(K, Hkv, g * T, dh))
+    dq, dk = _qk_t(ctx, dq, dk)
+    dqkv = np.empty((K, T, H + 2 * Hkv, dh), gy.dtype)
+    dqkv[:, :, :H] = dq.transpose(0, 2, 1, 3)
+    dqkv[:, :, H : H + Hkv] = dk.transpose(0, 2, 1, 3)
+    dqkv[:, :, H + Hkv :] = dv.transpose(0, 2, 1, 3)
+    dqkv2 = dqkv.reshape(K * T, -1)
+    if grads is not None:
+        gsum, dsum = gy.sum(axis=0), dqkv2.reshape(K, T, -1).sum(axis=0)
+        grads["attn.w_o"] = heads(ctx, cache).T @ gsum
+        grads["attn.w_qkv"] = cache["attn.in"].reshape(T, d).T @ dsum
+        if cfg.bias:
+            grads["attn.b_o"], grads["attn.b_qkv"] = gsum.sum(axis=0), dsum.sum(axis=0)
+    return (dqkv2 @ w["attn.w_qkv"].T).reshape(K, T, d)

@@ -153,10 +153,14 @@ def norm(kind: str, x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, e
     return out
 
 
-def norm_jvp(kind: str, x: np.ndarray, v: np.ndarray, gamma: np.ndarray, eps: float, mode: str) -> np.ndarray:
-    """The norm's JVP at x, (1, T, d) or v's shape, for the tangents v (K, T, d), in v's dtype."""
+def norm_jvp(kind: str, x: np.ndarray, v: np.ndarray, gamma: np.ndarray, eps: float, mode: str,
+             product: str = "_jvp") -> np.ndarray:
+    """The norm's JVP at x, (1, T, d) or v's shape, for the tangents v (K, T, d), in v's dtype.
+
+    ``product="_vjp"``: the VJP (its transpose) for the cotangents v instead.
+    """
     name = _KERNEL[kind]
-    fn, frozen, d = norm_kernel(name + "_jvp"), mode == "frozen_scale", v.shape[-1]
+    fn, frozen, d = norm_kernel(name + product), mode == "frozen_scale", v.shape[-1]
     v2 = np.ascontiguousarray(v).reshape(-1, d)
     out = np.empty(v.shape, v.dtype)
     tile = lambda: np.ascontiguousarray(np.broadcast_to(x, v.shape)).reshape(-1, d)  # noqa: E731
@@ -211,18 +215,24 @@ def mlp(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
     y = _act(cfg.activation, u, cfg.d_mlp) @ w["mlp.w_out"]
     if cfg.bias:
         y += w["mlp.b_out"]
-    cache["mlp.u"] = u
+    cache["mlp.u"], cache["mlp.in"] = u, a
     return y.reshape(B, T, d)
+
+
+def mlp_coef(ctx: Context, cache: Cache, T: int) -> tuple[np.ndarray, ...]:
+    """The activation's JVP coefficients at the base, each (B, T, n); computed once per cache."""
+    if "mlp.coef" not in cache:
+        cfg = ctx.cfg
+        cache["mlp.coef"] = tuple(c.reshape(-1, T, c.shape[-1])
+                                  for c in _act_coef(cfg.activation, cache["mlp.u"], cfg.d_mlp))
+    return cache["mlp.coef"]
 
 
 def mlp_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarray:
     """Tangent of :func:`mlp`: (K, T, d) -> (K, T, d)."""
-    cfg = ctx.cfg
     K, T, d = da.shape
-    n = cfg.d_mlp
-    if "mlp.coef" not in cache:  # computed once per cache, reused by later JVPs
-        cache["mlp.coef"] = tuple(c.reshape(-1, T, c.shape[-1]) for c in _act_coef(cfg.activation, cache["mlp.u"], n))
-    coef = cache["mlp.coef"]
+    n = ctx.cfg.d_mlp
+    coef = mlp_coef(ctx, cache, T)
     du = (da.reshape(K * T, d) @ w["mlp.w_in"]).reshape(K, T, -1)
     if len(coef) == 1:
         du *= coef[0]

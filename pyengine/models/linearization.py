@@ -70,10 +70,11 @@ class Linearization:
             raise ValueError(f"{name} belongs to block {cache.block} of {owner}, not to block {k} of this stack")
 
     def _linearize(self, k: Any, h: Any, dh: Any, rows: Callable[[int], int], mode: str,
-                   cache: BlockCache | None) -> tuple[int, np.ndarray, bool, BlockCache]:
+                   cache: BlockCache | None, arg: str = "dh") -> tuple[int, np.ndarray, bool, BlockCache]:
         """Checked block index, tangents (K, R, d) in h's dtype, whether dh had K, and the cache.
 
-        ``rows(T)`` checks the row selection against h's T and returns the R dh must have.
+        ``rows(T)`` checks the row selection against h's T and returns the R dh must have;
+        ``arg`` is dh's name in the messages (``"g"`` for the cotangents of a VJP).
         """
         k = self.block_index(k)
         _v.frozen(mode)
@@ -85,11 +86,11 @@ class Linearization:
                 raise ValueError(f"h must have shape (T, d_model) = (T, {self._config.d_model}); got {x3.shape}")
             x = x3[0]
         shape = (rows(x.shape[0]), x.shape[1])
-        t = _v.float_array("dh", dh)
+        t = _v.float_array(arg, dh)
         if t.ndim not in (2, 3) or t.shape[-2:] != shape or t.shape[0] < 1:
-            raise ValueError(f"dh must have shape {shape} or (K,) + {shape}; got {t.shape}")
+            raise ValueError(f"{arg} must have shape {shape} or (K,) + {shape}; got {t.shape}")
         t = np.ascontiguousarray(t, dtype=x.dtype)
-        _v.finite("dh", t)
+        _v.finite(arg, t)
         if cache is None:
             cache = self.block_forward(k, x, return_cache=True)[1]
         else:

@@ -10,8 +10,10 @@ methods only: :meth:`Stack.forward` keeps the :class:`BlockCache` of every block
 run; :meth:`Stack.block_forward` with ``past=`` reruns a block on the rows after a span
 (causal stacks), :meth:`Stack.block_jvp` linearizes a block (``start=`` on those rows
 only), and :meth:`Stack.block_jvp_diagonal` applies the per-token diagonal blocks of a
-block's Jacobian. Inputs are checked once there; the block code (``_blocks.py``) then
-runs the kernels directly.
+block's Jacobian; :meth:`Stack.block_vjp` (its transpose, and the block's weight
+gradients) and :meth:`Stack.vjp` (a chain of them) run in reverse mode
+(:mod:`pyengine.models.reverse`). Inputs are checked once there; the block code
+(``_blocks.py``, ``_blocks_vjp.py``) then runs the kernels directly.
 """
 
 from __future__ import annotations
@@ -29,11 +31,12 @@ from .. import _validate as _v
 from ..kernels.layernorm import layer_norm, rms_norm
 from .config import StackConfig, _check_arrays, expected_arrays
 from .linearization import BlockCache, Linearization
+from .reverse import ReverseMode
 
 __all__ = ["BlockCache", "Stack"]
 
 
-class Stack(Linearization):
+class Stack(Linearization, ReverseMode):
     """A transformer stack: a :class:`StackConfig` and its named weight arrays.
 
     Parameters

@@ -21,9 +21,21 @@ DENSE_MAX_BYTES = 2 * 2**30
 MODES = ("full", "frozen_scale")
 
 
+def as_array(name: str, a: Any, dtype: Any = None) -> np.ndarray:
+    """``np.asarray(a, dtype)``, with NumPy's conversion errors (ragged nested lists, objects
+    that are not numbers) turned into a ValueError that names ``name``."""
+    if isinstance(a, np.ndarray) and dtype is None:
+        return a
+    try:
+        return np.asarray(a, dtype=dtype)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{name} must be an array of numbers (a regular, non-ragged nesting); "
+                         f"cannot convert it: {exc}") from None
+
+
 def float_array(name: str, a: Any) -> np.ndarray:
     """``a`` as an ndarray of float32/float64 (not copied), or a TypeError naming ``name``."""
-    arr = np.asarray(a)
+    arr = as_array(name, a)
     if arr.dtype in FLOAT_DTYPES:
         return arr
     kind = arr.dtype.kind
@@ -78,6 +90,55 @@ def count(name: str, value: Any, allow_none: bool = False) -> int | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
     return int(value)
+
+
+def real(
+    name: str, value: Any, *, low: float | None = None, high: float | None = None, low_open: bool = False,
+    high_open: bool = False, finite: bool = True, what: str | None = None,
+) -> float:
+    """``value`` as a float: a real number (bool excluded), never NaN, finite unless ``finite`` is
+    False (then +-inf pass the bounds test like any number), in the interval given by ``low`` /
+    ``high`` (open ends with ``low_open`` / ``high_open``). TypeError for a non-number, ValueError
+    otherwise; both name ``name`` and say what was expected (``what``, or the interval)."""
+    if what is None:
+        what = "a finite number" if finite else "a number"
+        if low is not None:
+            what += f" {'>' if low_open else '>='} {low:g}"
+        if high is not None:
+            what += f"{' and' if low is not None else ''} {'<' if high_open else '<='} {high:g}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {what}; got {value!r}")
+    v = float(value)
+    ok = not np.isnan(v) and (not finite or np.isfinite(v))
+    ok = ok and (low is None or (v > low if low_open else v >= low))
+    ok = ok and (high is None or (v < high if high_open else v <= high))
+    if not ok:
+        raise ValueError(f"{name} must be {what}; got {value!r}")
+    return v
+
+
+def seed(value: Any, name: str = "seed", allow_none: bool = True) -> int | None:
+    """A seed: an int >= 0 (bool excluded), or None (fresh entropy) if ``allow_none``."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        what = "a non-negative integer" + (" or None" if allow_none else "")
+        raise ValueError(f"{name} must be {what}; got {value!r}")
+    return int(value)
+
+
+def flag(name: str, value: Any) -> bool:
+    """A boolean argument: True or False (NumPy's bool too), nothing else (no "no", 0 or None)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False; got {value!r}")
+
+
+def callback(name: str, value: Any, allow_none: bool = True) -> Any:
+    """A callable argument (or None if ``allow_none``), checked before any work starts."""
+    if (value is None and allow_none) or callable(value):
+        return value
+    raise TypeError(f"{name} must be {'None or ' if allow_none else ''}a callable; got {value!r}")
 
 
 def eps(value: Any) -> float:
@@ -140,9 +201,8 @@ def output(
 
 def dense_budget(shape: tuple[int, ...], dtype: np.dtype, max_bytes: Any) -> None:
     """Refuse a dense output larger than ``max_bytes`` before allocating it."""
-    limit = DENSE_MAX_BYTES if max_bytes is None else max_bytes
-    if isinstance(limit, bool) or not isinstance(limit, numbers.Real) or limit <= 0:
-        raise ValueError(f"max_bytes must be a positive number of bytes; got {max_bytes!r}")
+    limit = DENSE_MAX_BYTES if max_bytes is None else real("max_bytes", max_bytes, low=0, low_open=True,
+                                                           finite=False, what="a positive number of bytes")
     need = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
     if need > limit:
         raise ValueError(
@@ -317,3 +377,36 @@ def raise_bad_softmax_rows(nbad: int, x3: np.ndarray, offset: int, shape: tuple[
         f"x row {row_index(lead, n * tq + i)} has no finite visible score (all -inf): nothing to "
         f"normalize ({nbad} such row(s))"
     )
+
+
+# -- bench checks --
+
+#: The fields of a ``pyengine bench --json`` row that :func:`pyengine.bench.compare` reads.
+BENCH_KEYS = ("kernel", "backend", "dtype", "size")
+BENCH_FIGURES = ("fraction", "speedup_vs_numpy")
+
+
+def bench_report(name: str, doc: Any) -> dict[str, Any]:
+    """A bench report (``{"results": [row, ...], ...}``) whose rows :func:`pyengine.bench.compare`
+    can read: each row a dict with string ``kernel``, ``backend``, ``dtype``, ``size``, a finite
+    ``spread`` >= 0, and ``fraction`` / ``speedup_vs_numpy`` absent, None or finite numbers.
+    ValueError naming ``name`` and the first bad row otherwise."""
+    hint = "not a `pyengine bench --json` file"
+    if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
+        raise ValueError(f"{name} has no 'results' list: {hint}")
+
+    def number(v: Any) -> bool:
+        return isinstance(v, numbers.Real) and not isinstance(v, bool) and bool(np.isfinite(v))
+
+    for i, row in enumerate(doc["results"]):
+        if not isinstance(row, dict):
+            raise ValueError(f"{name}: results[{i}] is {type(row).__name__} {row!r}, not a row object: {hint}")
+        for key in BENCH_KEYS:
+            if not isinstance(row.get(key), str):
+                raise ValueError(f"{name}: results[{i}] has no string {key!r} (got {row.get(key)!r}): {hint}")
+        if not (number(row.get("spread")) and row["spread"] >= 0):
+            raise ValueError(f"{name}: results[{i}] needs a 'spread' >= 0 (got {row.get('spread')!r}): {hint}")
+        for key in BENCH_FIGURES:
+            if row.get(key) is not None and not number(row[key]):
+                raise ValueError(f"{name}: results[{i}] {key!r} must be a number or null; got {row[key]!r}")
+    return doc

@@ -240,6 +240,11 @@ def raise_bad_rows(
                 )
     xd = x2.astype(np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
+        # Each row scaled by a power of two first (exact), as the kernels do: a row of
+        # 1e-170 is not constant, though its variance underflows to 0.
+        top = np.abs(xd).max(axis=1, keepdims=True)
+        ok = np.isfinite(top) & (top > 0)
+        xd = xd * np.ldexp(1.0, -np.clip(np.frexp(np.where(ok, top, 1.0))[1], -1022, 1024))
         if norm == "layer_norm":
             stat = np.var(xd, axis=1)
             what, cure = "constant (zero variance)", "LayerNorm divides by zero"
@@ -255,7 +260,8 @@ def raise_bad_rows(
     i = int(np.flatnonzero(~np.isfinite(stat))[0]) if not np.isfinite(stat).all() else 0
     raise ValueError(
         f"x row {where(i)}: the row statistics overflow float64 ({nbad} bad row(s)); "
-        "rescale x (normalization is scale-invariant up to eps)"
+        f"rescale x{'' if tangent_name is None else ' or ' + tangent_name} (normalization is "
+        "scale-invariant up to eps, its derivatives linear in the tangent)"
     )
 
 

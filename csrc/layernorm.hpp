@@ -1,7 +1,8 @@
 // LayerNorm and RMSNorm: forward, JVP, VJP and dense Jacobian, batched over rows.
 //
 // Pure C++17 on raw pointers, templated on T (float or double); the kernel contract is
-// the one of pyengine/_reference.py, which these kernels must match to rounding:
+// the one of pyengine/kernels/_reference/layernorm.py, which these kernels must match
+// to rounding:
 //   x, v, u, out: (n, d) C-contiguous; gamma, beta: (d,); Jacobians write (n, d, d);
 //   `frozen` holds the scale s (resp. r) constant; every kernel writes all of `out` and
 //   returns the number of bad rows, whose output is unspecified (here: NaN).
@@ -11,7 +12,7 @@
 // Numerics: everything is computed in double, also for float input, and cast on the
 // way out. The variance is two-pass (mean first, then the mean of squared deviations)
 // because E[x^2] - E[x]^2 cancels catastrophically when |mean| >> std. Reductions are
-// vectorized by explicit lanes (parallel.hpp), not by -ffast-math, which stays off
+// vectorized by explicit lanes (rows.hpp), not by -ffast-math, which stays off
 // because the bad-row test needs std::isfinite. Each row is reduced in an order fixed
 // by d, so results do not depend on the thread or the number of threads.
 //
@@ -32,17 +33,10 @@
 #include <vector>
 
 #include "parallel.hpp"
+#include "rows.hpp"
 
 namespace pyengine {
 namespace layernorm_detail {
-
-inline constexpr double kNaN = std::numeric_limits<double>::quiet_NaN();
-
-// Element j of a row, in double, in either lane width.
-template <class T>
-auto element(const T* row) {
-    return [=](auto lane, index_t j) { return decltype(lane)::load(row + j); };
-}
 
 // The tangent w_j in double: v_j for a JVP, gamma_j u_j for a VJP (exact for float).
 template <bool kVjp, class T>
@@ -94,16 +88,6 @@ std::pair<double, double> ln_mean_var(const T* xr, index_t d, double sum) {
     const double var = centred_var(xr, d, mu);
     if (constant_row(xr, d, mu, var)) return {static_cast<double>(xr[0]), 0.0};
     return {mu, var};
-}
-
-// A usable scale: var + eps (resp. mean(x^2) + eps) finite and positive. Written so
-// that NaN fails it.
-inline bool good_scale(double sq) { return std::isfinite(sq) && sq > 0.0; }
-
-// Bad rows are rare: plain stores are fine for them.
-template <class T>
-void write_nan_row(T* out, index_t d) {
-    std::fill_n(out, d, static_cast<T>(kNaN));
 }
 
 // Per-row statistics the dense Jacobians need: the centre (mu, or 0 for RMSNorm) and

@@ -35,27 +35,13 @@ from .kernels.layernorm import (
     rms_norm_jvp,
     rms_norm_vjp,
 )
-from .linalg.operators import (
-    BatchedOperator,
-    DenseOperator,
-    Identity,
-    LayerNormJacobian,
-    Product,
-    RMSNormJacobian,
-    Scaled,
-    Sum,
-)
+from .linalg.dense import DenseOperator
+from .linalg.norm_jacobians import LayerNormJacobian, RMSNormJacobian
+from .linalg.operators import BatchedOperator, Identity, Product, Scaled, Sum
 from .linalg.convert import as_linear_operator, from_linear_operator
-from .linalg.spectral import (
-    SpectralRadiusResult,
-    SpectralResult,
-    WeightScan,
-    layer_norm_spectral_norm,
-    rms_norm_spectral_norm,
-    spectral_norm,
-    spectral_radius,
-    weight_scan,
-)
+from .linalg.results import SpectralRadiusResult, SpectralResult, WeightScan
+from .linalg.spectral import layer_norm_spectral_norm, rms_norm_spectral_norm, spectral_norm, spectral_radius
+from .linalg.weights import weight_scan
 from .models.initialization import init_weights
 from .models.stack import Stack, StackConfig
 from .models.pretrained import PretrainedModel, load_pretrained

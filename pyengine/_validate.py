@@ -117,28 +117,11 @@ def real(
     return v
 
 
-def seed(value: Any, name: str = "seed", allow_none: bool = True) -> int | None:
-    """A seed: an int >= 0 (bool excluded), or None (fresh entropy) if ``allow_none``."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
-        what = "a non-negative integer" + (" or None" if allow_none else "")
-        raise ValueError(f"{name} must be {what}; got {value!r}")
-    return int(value)
-
-
 def flag(name: str, value: Any) -> bool:
     """A boolean argument: True or False (NumPy's bool too), nothing else (no "no", 0 or None)."""
     if isinstance(value, (bool, np.bool_)):
         return bool(value)
     raise TypeError(f"{name} must be True or False; got {value!r}")
-
-
-def callback(name: str, value: Any, allow_none: bool = True) -> Any:
-    """A callable argument (or None if ``allow_none``), checked before any work starts."""
-    if (value is None and allow_none) or callable(value):
-        return value
-    raise TypeError(f"{name} must be {'None or ' if allow_none else ''}a callable; got {value!r}")
 
 
 def eps(value: Any) -> float:
@@ -416,3 +399,83 @@ def bench_report(name: str, doc: Any) -> dict[str, Any]:
             if row.get(key) is not None and not number(row[key]):
                 raise ValueError(f"{name}: results[{i}] {key!r} must be a number or null; got {row[key]!r}")
     return doc
+
+
+# -- linalg checks --
+def finite(name: str, a: Any) -> np.ndarray:
+    """``a`` as an array if every value is finite; else a ValueError naming ``name`` and the first bad entry.
+
+    The one message for NaN/Inf in an argument: ``"<name> contains NaN or Inf (first at
+    index <i or (i, j, ...)>: <value>)"``, the index into the array as given.
+    """
+    arr = np.asarray(a)
+    if np.isfinite(arr).all():
+        return arr
+    if arr.ndim == 0:
+        raise ValueError(f"{name} contains NaN or Inf (got {arr[()]})")
+    first = tuple(int(k) for k in np.argwhere(~np.isfinite(arr))[0])
+    where = first[0] if arr.ndim == 1 else first
+    raise ValueError(f"{name} contains NaN or Inf (first at index {where}: {arr[first]})")
+
+
+def float_dtype(name: str, dtype: Any) -> np.dtype:
+    """``dtype`` as float32 or float64; a TypeError naming ``name`` otherwise."""
+    dt = np.dtype(dtype)
+    if dt not in FLOAT_DTYPES:
+        raise TypeError(f"{name} must be float32 or float64; got {dt}")
+    return dt
+
+
+def tol(value: Any, name: str = "tol") -> float:
+    """A relative residual tolerance: a real number in (0, 1)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (0 < float(value) < 1):
+        raise ValueError(f"{name} must be a real number in (0, 1) (a relative residual); got {value!r}")
+    return float(value)
+
+
+def callback(value: Any, name: str = "callback") -> Any:
+    """None or a progress callable ``callback(done, total)``."""
+    if value is not None and not callable(value):
+        raise TypeError(f"{name} must be callable as {name}(done, total) or None; got {type(value).__name__}")
+    return value
+
+
+def seed(value: Any, name: str = "seed") -> int | None:
+    """A random seed: a non-negative integer, or None (fresh entropy)."""
+    if value is not None and (isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0):
+        raise ValueError(f"{name} must be a non-negative integer or None; got {value!r}")
+    return None if value is None else int(value)
+
+
+def start_vectors(name: str, a: Any, batch: int, n: int) -> np.ndarray:
+    """Start vectors of an iterative solver: shape (batch, n), finite, no zero row; unit rows in float64."""
+    arr = float_array(name, a)
+    if arr.shape != (batch, n):
+        raise ValueError(f"{name} must have shape (B, n) = ({batch}, {n}); got {arr.shape}")
+    arr = finite(name, arr).astype(np.float64)
+    # Each row divided by its largest |entry| first, so that the norm of a row of 1e300
+    # (or 1e-300) neither overflows nor underflows: only the direction matters.
+    top = np.abs(arr).max(axis=1, keepdims=True) if n else np.zeros((batch, 1))
+    if (top == 0).any():
+        raise ValueError(
+            f"{name} row {int(np.flatnonzero(top[:, 0] == 0)[0])} is zero; start vectors must be non-zero"
+        )
+    arr = arr / top
+    return arr / np.linalg.norm(arr, axis=1, keepdims=True)
+
+
+def index(name: str, value: Any, size: int) -> int:
+    """One integer index in [0, size)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not 0 <= value < size:
+        raise ValueError(f"{name} must be an integer in [0, {size}); got {value!r}")
+    return int(value)
+
+
+def indices(name: str, value: Any, size: int) -> np.ndarray:
+    """A 1-D array of integer indices in [0, size), as intp (not copied if it already is)."""
+    arr = np.asarray(value)
+    if arr.dtype.kind not in "iu" or arr.ndim != 1:
+        raise TypeError(f"{name} must be a 1-D array of integer indices; got {arr.dtype} of shape {arr.shape}")
+    if arr.size and (arr.min() < 0 or arr.max() >= size):
+        raise IndexError(f"{name} must lie in [0, {size}); got values in [{arr.min()}, {arr.max()}]")
+    return arr.astype(np.intp, copy=False)

@@ -16,9 +16,10 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
+import functools
 import importlib
 import inspect
-import re
+import os
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
@@ -96,17 +97,66 @@ class BackendInfo(NamedTuple):
     reason: str
 
 
-def _param_names(fn: Callable[..., Any]) -> tuple[str, ...]:
-    """Parameter names of a Python function, or of a pybind11 function (from its docstring)."""
+#: The compiled extension, and its typed stub (installed next to this file), from which
+#: the registry reads the parameter names of the extension's kernels: pybind11 functions
+#: have no signature that :mod:`inspect` can read.
+CORE_MODULE = "pyengine._core"
+CORE_STUB = os.path.join(os.path.dirname(os.path.abspath(__file__)), "_core.pyi")
+
+
+@functools.lru_cache(maxsize=None)
+def stub_signatures(
+    path: str | os.PathLike[str] = CORE_STUB,
+) -> dict[str, tuple[tuple[str, ...], ...]]:
+    """Parameter names of every function of the stub ``path`` (default :data:`CORE_STUB`).
+
+    Returns ``{name: (names of overload 1, names of overload 2, ...)}``, read once per
+    path with :mod:`ast` (nothing is imported). Raises ImportError if the stub cannot be
+    read, so that the ``"cpp"`` backend is reported unavailable, with the reason.
+    """
+    import ast
+
+    try:
+        with open(path, encoding="utf-8") as f:
+            source = f.read()
+    except OSError as exc:
+        raise ImportError(
+            f"the stub of {CORE_MODULE} cannot be read ({exc}); reinstall pyengine"
+        ) from exc
+    found: dict[str, list[tuple[str, ...]]] = {}
+    for node in ast.parse(source, str(path)).body:
+        if isinstance(node, ast.FunctionDef):
+            a = node.args
+            names = [p.arg for p in (*a.posonlyargs, *a.args)]
+            names += [f"*{a.vararg.arg}"] if a.vararg else []
+            names += [p.arg for p in a.kwonlyargs]
+            names += [f"**{a.kwarg.arg}"] if a.kwarg else []
+            found.setdefault(node.name, []).append(tuple(names))
+    return {name: tuple(overloads) for name, overloads in found.items()}
+
+
+def _param_names(
+    fn: Callable[..., Any], stub: str | os.PathLike[str] = CORE_STUB
+) -> tuple[str, ...]:
+    """Parameter names of a Python function, or of a function of the extension (from ``stub``).
+
+    Every overload of an extension function must have the same names.
+    """
+    if getattr(fn, "__module__", None) == CORE_MODULE:
+        name = getattr(fn, "__name__", repr(fn))
+        overloads = stub_signatures(stub).get(name)
+        if not overloads:
+            raise TypeError(f"{CORE_MODULE}.{name} is not in its stub {os.path.basename(stub)}")
+        if len(set(overloads)) != 1:
+            raise TypeError(
+                f"the overloads of {name} in {os.path.basename(stub)} differ in their "
+                f"parameter names: {', '.join(map(str, overloads))}"
+            )
+        return overloads[0]
     try:
         return tuple(inspect.signature(fn).parameters)
     except (TypeError, ValueError):
-        doc = fn.__doc__ or ""
-        # pybind11 writes "name(a: type, b: type) -> ret"; for overloads, "1. name(...)".
-        m = re.search(rf"{re.escape(fn.__name__)}\((.*?)\) ->", doc)
-        if m is None:
-            raise TypeError(f"cannot read the signature of {fn!r}") from None
-        return tuple(re.findall(r"(?:^|, )(\w+): ", m.group(1)))
+        raise TypeError(f"cannot read the signature of {fn!r}") from None
 
 
 def register(kernel: str, backend: str) -> Callable[[F], F]:

@@ -69,6 +69,21 @@ def test_norm_jacobian_matches_dense_jacobian(backend, norm, mode):
     np.testing.assert_allclose(op.rmatvec(U), np.einsum("bij,bi->bj", jac, U), rtol=1e-11, atol=1e-12)
 
 
+@pytest.mark.parametrize("norm", list(NORMS))
+def test_one_token_norm_jacobian_is_shared_by_k_rows(backend, norm):
+    x, gamma = ln_case(B=1, d=7)
+    op = NORMS[norm](x, gamma, 1e-3, "full", backend)
+    jac = getattr(pe, norm + "_jacobian")(x, gamma, 1e-3, backend="numpy")[0]
+    rng = np.random.default_rng(3)
+    for k in (4, 4, 2, 1):  # the tiled copy of x is kept for a repeated row count, rebuilt otherwise
+        V = rng.standard_normal((k, 7))
+        np.testing.assert_allclose(op.matvec(V), V @ jac.T, rtol=1e-12, atol=1e-12)
+        np.testing.assert_allclose(op.rmatvec(V), V @ jac, rtol=1e-12, atol=1e-12)
+        out = np.empty((k, 7))
+        assert op.matvec(V, out=out) is out
+        np.testing.assert_allclose(out, V @ jac.T, rtol=1e-12, atol=1e-12)
+
+
 def test_norm_jacobian_keeps_leading_shape_and_bound():
     x, gamma = ln_case(B=6, d=5)
     op = pe.LayerNormJacobian(x.reshape(2, 3, 5), gamma)
@@ -213,10 +228,16 @@ def test_bad_shapes_and_types(rng):
         pe.DenseOperator(np.ones((3, 3), dtype=int))
     bad = np.ones((2, 2))
     bad[1, 0] = np.nan
-    with pytest.raises(ValueError, match=r"A contains NaN or Inf \(first in matrix 0, entry \(1, 0\)\)"):
+    with pytest.raises(ValueError, match=r"A contains NaN or Inf \(first at index \(1, 0\): nan\)"):
         pe.DenseOperator(bad)
     with pytest.raises(ValueError, match=r"c must be a scalar or have shape \(B,\) = \(3,\)"):
         pe.Scaled(np.ones(2), J)
+    with pytest.raises(ValueError, match=r"c contains NaN or Inf \(first at index 1: nan\)"):
+        pe.Scaled(np.array([1.0, np.nan, 2.0]), J)
+    with pytest.raises(ValueError, match=r"out must have dtype float64 \(the dtype of the operator\)"):
+        J.matvec(np.ones((3, 6)), out=np.empty((3, 6), np.float32))
+    with pytest.raises(IndexError, match=r"idx must lie in \[0, 3\)"):
+        J.take(np.array([0, 3]))
     with pytest.raises(TypeError, match="must be a pyengine BatchedOperator"):
         pe.Product(np.eye(6), J)
     with pytest.raises(ValueError, match=r"i must be an integer in \[0, 3\)"):
@@ -230,6 +251,14 @@ def test_bad_shapes_and_types(rng):
     xbad[2, 1] = np.inf
     with pytest.raises(ValueError, match=r"x contains NaN or Inf .*row \(2,\)"):
         pe.LayerNormJacobian(xbad, gamma)
+    Vbad = np.ones((3, 6))
+    Vbad[1, 4] = np.nan
+    with pytest.raises(ValueError, match=r"V contains NaN or Inf .*row \(1,\), entry 4"):
+        J.matvec(Vbad)
+    with pytest.raises(ValueError, match=r"U contains NaN or Inf .*row \(1,\), entry 4"):
+        pe.RMSNormJacobian(x, gamma, backend="numpy").rmatvec(Vbad)
+    with pytest.raises(ValueError, match="out must not overlap"):
+        J.matvec(np.ones((3, 6)), out=J.x)
     with pytest.raises(ValueError, match="mode must be"):
         pe.RMSNormJacobian(x, gamma, mode="frozen")
     with pytest.raises(ValueError, match="backend must be one of"):

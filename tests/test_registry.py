@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import pathlib
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REQUIRED
+from conftest import REQUIRED, require
 from pyengine import backends
 
 
@@ -34,6 +35,42 @@ def test_auto_prefers_the_fastest_available():
 def test_registration_rejects_a_wrong_signature():
     with pytest.raises(TypeError, match="has parameters"):
         backends.register("layer_norm", "numba")(lambda x, gamma, eps, out: 0)
+
+
+def test_cpp_parameter_names_come_from_the_stub(tmp_path):
+    """pybind11 functions have no inspectable signature: the registry reads _core.pyi."""
+    require("cpp")
+    from pyengine import _core
+
+    assert backends._param_names(_core.layer_norm_jvp) == ("x", "v", "gamma", "eps", "frozen", "out")
+    text = pathlib.Path(backends.CORE_STUB).read_text(encoding="utf-8")
+    both = tmp_path / "both.pyi"
+    both.write_text(text.replace("(x: _F32, v: _F32", "(x: _F32, w: _F32").replace("(x: _F64, v: _F64", "(x: _F64, w: _F64"))
+    assert backends._param_names(_core.layer_norm_jvp, both)[1] == "w"
+    one = tmp_path / "one.pyi"
+    one.write_text(text.replace("def layer_norm_jvp(x: _F32, v: _F32", "def layer_norm_jvp(x: _F32, w: _F32"))
+    with pytest.raises(TypeError, match="differ in their parameter names"):
+        backends._param_names(_core.layer_norm_jvp, one)
+    empty = tmp_path / "empty.pyi"
+    empty.write_text("")
+    with pytest.raises(TypeError, match="not in its stub"):
+        backends._param_names(_core.layer_norm_jvp, empty)
+
+
+def test_registration_rejects_a_cpp_kernel_with_other_names():
+    require("cpp")
+    from pyengine import _core
+
+    before = dict(backends._TABLE)
+    with pytest.raises(TypeError, match="has parameters"):
+        backends.register("layer_norm", "cpp")(_core.rms_norm)
+    assert backends._TABLE == before
+
+
+def test_an_unreadable_stub_is_an_import_error(tmp_path):
+    """So that a wheel without its stub reports the cpp backend unavailable, with the reason."""
+    with pytest.raises(ImportError, match="cannot be read"):
+        backends.stub_signatures(tmp_path / "absent.pyi")
 
 
 def test_registration_rejects_unknown_ids():

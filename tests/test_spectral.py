@@ -11,8 +11,8 @@ import scipy.sparse.linalg
 
 import pyengine as pe
 from pyengine import backends
-from pyengine.linalg import spectral as sp
 from pyengine.cli import main
+from pyengine.linalg import weights
 
 NORMS = ["layer_norm", "rms_norm"]
 MODES = ["full", "frozen_scale"]
@@ -347,7 +347,7 @@ def test_weight_scan():
 
 
 def test_weight_scan_large_matrix_uses_lanczos(monkeypatch):
-    monkeypatch.setattr(sp, "WEIGHT_SVD_MAX", 8)
+    monkeypatch.setattr(weights, "WEIGHT_SVD_MAX", 8)
     W = np.random.default_rng(23).standard_normal((40, 30))
     scan = pe.weight_scan([W])
     np.testing.assert_allclose(scan.sigma_max, [scipy.linalg.svdvals(W)[0]], rtol=1e-9)
@@ -365,6 +365,14 @@ def test_bad_arguments():
         (lambda: pe.spectral_norm(A, seed=-1), ValueError, "seed must be a non-negative integer"),
         (lambda: pe.spectral_norm(A, v0=np.ones((2, 4))), ValueError, r"v0 must have shape \(B, n\) = \(2, 3\)"),
         (lambda: pe.spectral_norm(A, v0=np.zeros((2, 3))), ValueError, "v0 row 0 is zero"),
+        (lambda: pe.spectral_norm(A, v0=np.array([[1.0, 2, 3], [1, np.nan, 3]])), ValueError,
+         r"v0 contains NaN or Inf \(first at index \(1, 1\): nan\)"),
+        (lambda: pe.spectral_radius(A, v0=np.full((2, 3), np.inf)), ValueError,
+         r"v0 contains NaN or Inf \(first at index \(0, 0\): inf\)"),
+        (lambda: pe.weight_scan({"wq": np.array([[1.0, np.inf]])}), ValueError,
+         r"weights\['wq'\] contains NaN or Inf \(first at index \(0, 1\): inf\)"),
+        (lambda: pe.weight_scan([np.eye(2)], layout="row"), ValueError, "layout must be one of 'out_in', 'in_out'"),
+        (lambda: pe.weight_scan([np.eye(2)], tol=1.5), ValueError, r"tol must be a real number in \(0, 1\)"),
         (lambda: pe.spectral_norm(A, callback=3), TypeError, "callback must be callable"),
         (lambda: pe.spectral_norm(A, chunk_size=0), ValueError, "chunk_size must be a positive integer"),
         (lambda: pe.spectral_norm("A"), TypeError, "op must be a pyengine BatchedOperator"),

@@ -23,8 +23,9 @@ except ImportError as exc:
 __all__ = ["get_num_threads", "set_num_threads", "stream_copy"]
 
 # Every kernel id is bound in _core under its own name, one overload per dtype;
-# register() checks its parameter names against the reference's. An id that _core does
-# not provide (yet) stays unregistered: "auto" then falls back to the next backend.
+# register() checks its parameter names, read from the stub pyengine/_core.pyi (which
+# tests/test_stub.py checks against _core), against the reference's. An id that _core
+# does not provide (yet) stays unregistered: "auto" then falls back to the next backend.
 for _kernel in backends.KERNELS:
     if hasattr(_core, _kernel):
         backends.register(_kernel, "cpp")(getattr(_core, _kernel))

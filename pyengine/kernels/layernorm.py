@@ -20,6 +20,10 @@ Inputs are never modified. Errors: ``TypeError`` for a non-float dtype;
 tangent, a constant (LayerNorm) or all-zero (RMSNorm) row with eps = 0, a bad
 ``out``, an unknown or unavailable backend, and a dense Jacobian over
 ``max_bytes``. On an error, the contents of ``out`` are unspecified.
+
+For hot loops on arrays that are already validated (the matrix-free Jacobian
+operators of :mod:`pyengine.linalg`, block JVPs) the kernels can be called
+directly, without this layer: see :func:`kernel`.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from .. import _validate as _v
 from ..backends import resolve
 
 __all__ = [
+    "kernel",
     "layer_norm",
     "layer_norm_jvp",
     "layer_norm_vjp",
@@ -41,6 +46,28 @@ __all__ = [
     "rms_norm_vjp",
     "rms_norm_jacobian",
 ]
+
+
+def kernel(name: str, backend: str = "auto"):
+    """The raw kernel ``name`` of ``backend``: the fast path, with no validation.
+
+    ``name`` is a kernel id of :data:`pyengine.backends.NORM_KERNELS`. The kernel
+    contract (stated in :mod:`pyengine.kernels._reference.layernorm`): C-contiguous
+    arrays of one dtype (float32 or float64) of the shapes below, ``eps`` a float >= 0,
+    ``frozen`` a bool (``mode == "frozen_scale"``), ``out`` preallocated and not
+    overlapping any input; the return value is the number of bad rows (NaN/Inf in x
+    or the tangent, a zero scale), which the caller should check (for example with
+    :func:`pyengine._validate.raise_bad_rows`). Signatures::
+
+        layer_norm(x (n, d), gamma (d,), beta (d,), eps, out (n, d)) -> int
+        rms_norm(x (n, d), gamma (d,), eps, out (n, d)) -> int
+        layer_norm_jvp | layer_norm_vjp | rms_norm_jvp | rms_norm_vjp(
+            x (n, d), v_or_u (n, d), gamma (d,), eps, frozen, out (n, d)) -> int
+        layer_norm_jacobian | rms_norm_jacobian(x (n, d), gamma (d,), eps, frozen, out (n, d, d)) -> int
+
+    Resolve it once, outside the loop: resolving costs about a microsecond.
+    """
+    return resolve(name, backend)
 
 
 def _forward(norm: str, x: Any, gamma: Any, beta: Any, eps: Any, backend: str, out: Any) -> np.ndarray:

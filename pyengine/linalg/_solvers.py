@@ -14,8 +14,8 @@ classes; its docstring states what the results mean. Here:
 Each works on a :class:`~pyengine.linalg.operators.BatchedOperator` through its products
 (``matvec``, ``rmatvec``) and ``take`` (to drop the operators that have finished),
 in NumPy. The solvers' own tolerances, caps and sizes are named below;
-:mod:`pyengine.linalg.spectral` re-exports them and holds the public defaults (``TOL``,
-``MAX_ITER``, ...).
+the public defaults are in :mod:`pyengine.linalg.spectral` (``MAX_ITER``, ...) and
+:mod:`pyengine.linalg.results` (``TOL``, ``TOL_RADIUS``).
 """
 
 from __future__ import annotations

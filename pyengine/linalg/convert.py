@@ -8,12 +8,13 @@ is imported on the first call only.
 
 from __future__ import annotations
 
-import numbers
 from typing import Any
 
 import numpy as np
 
-from .operators import BatchedOperator, DenseOperator, _check_op
+from .. import _validate as _v
+from .dense import DenseOperator
+from .operators import BatchedOperator, _check_op
 
 __all__ = ["as_batched_operator", "as_linear_operator", "from_linear_operator"]
 
@@ -91,8 +92,7 @@ def as_linear_operator(op: BatchedOperator, i: int = 0) -> Any:
     from scipy.sparse.linalg import LinearOperator
 
     op = _check_op("op", op)
-    if isinstance(i, bool) or not isinstance(i, numbers.Integral) or not 0 <= i < op.batch:
-        raise ValueError(f"i must be an integer in [0, {op.batch}); got {i!r}")
+    i = _v.index("i", i, op.batch)
     one = op.take(np.array([i]))
     m, n = op.shape
 

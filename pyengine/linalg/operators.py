@@ -19,14 +19,15 @@ products accept any number of rows, each multiplied by the same matrix, and in a
 composition it broadcasts against a batch of B (a weight matrix W shared by all
 tokens, composed with per-token LayerNorm Jacobians: ``I + W @ J``).
 
-Built in: :class:`DenseOperator` (a stack of matrices; products are GEMMs in
-BLAS), :class:`LayerNormJacobian` and :class:`RMSNormJacobian` (per token,
-through :func:`pyengine.layer_norm_jvp` / ``_vjp``: the d x d Jacobian is never
-formed), and the compositions :class:`Product` (``A @ B``), :class:`Sum`
+Here: the protocol and the compositions :class:`Product` (``A @ B``), :class:`Sum`
 (``A + B``, ``A - B``), :class:`Scaled` (``c * A``, ``-A``) and
 :class:`Identity` (``I + A``), whose bounds compose (product of the bounds, sum,
-``|c|`` times, 1). :func:`as_linear_operator` and :func:`from_linear_operator`
-convert one operator to and from :class:`scipy.sparse.linalg.LinearOperator`.
+``|c|`` times, 1). Elsewhere in :mod:`pyengine.linalg`: :class:`~.dense.DenseOperator`
+(a stack of matrices; products are GEMMs in BLAS), :class:`~.norm_jacobians.LayerNormJacobian`
+and :class:`~.norm_jacobians.RMSNormJacobian` (per token, through the LayerNorm JVP / VJP
+kernels: the d x d Jacobian is never formed); :func:`~.convert.as_linear_operator` and
+:func:`~.convert.from_linear_operator` convert one operator to and from
+:class:`scipy.sparse.linalg.LinearOperator`.
 
 Subclassing: implement ``_matvec(V, out)`` and ``_rmatvec(U, out)`` (``V`` is
 already validated, C-contiguous and of ``self.dtype``; ``out`` is ``None`` or a
@@ -42,23 +43,15 @@ from typing import Any
 import numpy as np
 
 from .. import _validate as _v
-from ..kernels import layernorm as _ln
-from ..backends import check_name
 
 __all__ = [
     "BatchedOperator",
-    "DenseOperator",
     "Identity",
-    "LayerNormJacobian",
     "Product",
-    "RMSNormJacobian",
     "Scaled",
     "Sum",
 ]
 
-#: Rows per pass when a per-token statistic is computed over a large batch (bounds
-#: the float64 temporaries of :class:`LayerNormJacobian` to ~ this many rows).
-_STAT_ROWS = 4096
 #: Relative slack added to bounds computed in floating point, so that rounding in
 #: the bound itself can never make it smaller than the quantity that it bounds.
 _BOUND_SLACK = 1e-12
@@ -99,20 +92,16 @@ class BatchedOperator:
     __array_ufunc__ = None  # so that ``ndarray * op`` and ``c * op`` reach __rmul__
 
     def __init__(self, batch: int, shape: tuple[int, int], dtype: Any) -> None:
-        if isinstance(batch, bool) or not isinstance(batch, numbers.Integral) or batch < 1:
-            raise ValueError(f"batch must be a positive integer; got {batch!r}")
+        batch = _v.count("batch", batch)
         if (
             not isinstance(shape, tuple)
             or len(shape) != 2
             or not all(isinstance(s, numbers.Integral) and not isinstance(s, bool) and s >= 1 for s in shape)
         ):
             raise ValueError(f"shape must be a tuple (m, n) of positive integers; got {shape!r}")
-        dt = np.dtype(dtype)
-        if dt not in _v.FLOAT_DTYPES:
-            raise TypeError(f"dtype must be float32 or float64; got {dt}")
-        self.batch = int(batch)
+        self.batch = batch
         self.shape = (int(shape[0]), int(shape[1]))
-        self.dtype = dt
+        self.dtype = _v.float_dtype("dtype", dtype)
 
     # -- the protocol ---------------------------------------------------------------
     def _rows(self, name: str, a: Any, width: int) -> np.ndarray:
@@ -125,18 +114,7 @@ class BatchedOperator:
     def _out(self, out: Any, rows: int, width: int, inputs: tuple[Any, ...]) -> np.ndarray | None:
         if out is None:
             return None
-        if not isinstance(out, np.ndarray):
-            raise TypeError(f"out must be a numpy.ndarray; got {type(out).__name__}")
-        if out.shape != (rows, width) or out.dtype != self.dtype:
-            raise ValueError(
-                f"out must have shape {(rows, width)} and dtype {self.dtype} (the operator's); "
-                f"got {out.shape} and {out.dtype}"
-            )
-        if not (out.flags.c_contiguous and out.flags.writeable):
-            raise ValueError("out must be C-contiguous and writeable")
-        if any(isinstance(a, np.ndarray) and np.may_share_memory(out, a) for a in inputs):
-            raise ValueError("out must not overlap the input")
-        return out
+        return _v.output(out, (rows, width), self.dtype, inputs, core=None, of="the operator")[0]
 
     def matvec(self, V: Any, out: np.ndarray | None = None) -> np.ndarray:
         """``A_b @ V[b]`` for every b: V (B, n) -> (B, m), in the operator's dtype."""
@@ -168,12 +146,7 @@ class BatchedOperator:
 
     # -- helpers ----------------------------------------------------------------------
     def _indices(self, idx: Any) -> np.ndarray:
-        arr = np.asarray(idx)
-        if arr.dtype.kind not in "iu" or arr.ndim != 1:
-            raise TypeError(f"idx must be a 1-D array of integer indices; got {arr.dtype} of shape {arr.shape}")
-        if arr.size and (arr.min() < 0 or arr.max() >= self.batch):
-            raise IndexError(f"idx must lie in [0, {self.batch}); got values in [{arr.min()}, {arr.max()}]")
-        return arr.astype(np.intp, copy=False)
+        return _v.indices("idx", idx, self.batch)
 
     def _name(self) -> str:
         return f"{type(self).__name__} of batch {self.batch} and shape {self.shape}"
@@ -272,198 +245,6 @@ class _Transposed(BatchedOperator):
         return self.op
 
 
-class DenseOperator(BatchedOperator):
-    """A stack of dense matrices; products go to BLAS (``np.matmul``).
-
-    Parameters
-    ----------
-    A : array_like, shape (m, n) or (..., m, n), float32 or float64
-        One matrix (batch 1: shared by every row of a product, one GEMM) or a
-        stack of B = prod(leading axes) matrices (a batched GEMV). Not copied if
-        already C-contiguous; never modified.
-
-    Notes
-    -----
-    ``upper_bound()`` is ``min(||A||_F, sqrt(||A||_1 ||A||_inf))`` per matrix.
-
-    Raises
-    ------
-    TypeError
-        A is not a float32/float64 array.
-    ValueError
-        A has fewer than 2 axes, an empty axis, or NaN/Inf entries.
-    """
-
-    def __init__(self, A: Any) -> None:
-        arr = _v.float_array("A", A)
-        if arr.ndim < 2:
-            raise ValueError(f"A must have shape (m, n) or (B, m, n); got shape {arr.shape}")
-        if 0 in arr.shape:
-            raise ValueError(f"A must not have an empty axis; got shape {arr.shape}")
-        m, n = arr.shape[-2:]
-        a3 = np.ascontiguousarray(arr).reshape(-1, m, n)
-        if not np.isfinite(a3).all():
-            b, i, j = (int(k) for k in np.argwhere(~np.isfinite(a3))[0])
-            raise ValueError(f"A contains NaN or Inf (first in matrix {b}, entry ({i}, {j}))")
-        super().__init__(a3.shape[0], (m, n), arr.dtype)
-        self.A = a3
-        self._bound: np.ndarray | None = None
-
-    def _matvec(self, V, out):
-        if self.batch == 1:  # one matrix for every row: a single GEMM
-            return np.matmul(V, self.A[0].T, out=out)
-        res = np.matmul(self.A, V[:, :, None], out=None if out is None else out[:, :, None])
-        return res[:, :, 0]
-
-    def _rmatvec(self, U, out):
-        if self.batch == 1:
-            return np.matmul(U, self.A[0], out=out)
-        res = np.matmul(U[:, None, :], self.A, out=None if out is None else out[:, None, :])
-        return res[:, 0, :]
-
-    def upper_bound(self):
-        if self._bound is None:
-            a = self.A
-            fro = np.sqrt(np.einsum("bij,bij->b", a, a, dtype=np.float64))
-            one = np.abs(a).sum(axis=1, dtype=np.float64).max(axis=1)  # max column sum
-            inf = np.abs(a).sum(axis=2, dtype=np.float64).max(axis=1)  # max row sum
-            self._bound = np.minimum(fro, np.sqrt(one * inf)) * (1.0 + _BOUND_SLACK)
-        return self._bound.copy()
-
-    def take(self, idx):
-        idx = self._indices(idx)
-        if self.batch == 1:
-            return self
-        sl = _as_slice(idx)
-        new = object.__new__(DenseOperator)
-        BatchedOperator.__init__(new, len(idx), self.shape, self.dtype)
-        new.A = self.A[sl] if sl is not None else self.A[idx]  # a view for a contiguous range
-        new._bound = None if self._bound is None else self._bound[idx]
-        return new
-
-    def to_dense(self) -> np.ndarray:
-        """The matrices, shape (B, m, n) (a view; do not modify)."""
-        return self.A
-
-
-class _NormJacobian(BatchedOperator):
-    """Shared machinery of the LayerNorm and RMSNorm Jacobian operators."""
-
-    _norm = ""  # "layer_norm" | "rms_norm"
-
-    def __init__(self, x: Any, gamma: Any = None, eps: float = 1e-5, mode: str = "full", backend: str = "auto") -> None:
-        x2, shape = _v.rows("x", x)
-        g = _v.param("gamma", gamma, x2, 1.0)
-        self.eps = _v.eps(eps)
-        self.frozen = _v.frozen(mode)
-        self.mode = mode
-        self.backend = check_name(backend)
-        if x2.shape[0] == 0:
-            raise ValueError(f"x must hold at least one token; got shape {shape}")
-        super().__init__(x2.shape[0], (x2.shape[1], x2.shape[1]), x2.dtype)
-        self.x, self.gamma, self.batch_shape = x2, g, shape[:-1]
-        self._scale = self._token_scale(shape)
-
-    def _token_scale(self, shape: tuple[int, ...]) -> np.ndarray:
-        """s (LayerNorm) or r (RMSNorm) per token, float64; validates the values of x."""
-        x2, scale, nbad = self.x, np.empty(self.batch), 0
-        for lo in range(0, self.batch, _STAT_ROWS):
-            xd = x2[lo : lo + _STAT_ROWS].astype(np.float64)
-            with np.errstate(invalid="ignore", over="ignore"):
-                if self._norm == "layer_norm":
-                    xd -= xd.mean(axis=1, keepdims=True)
-                ms = np.einsum("ij,ij->i", xd, xd) / xd.shape[1] + self.eps
-                ok = np.isfinite(ms) & (ms > 0)
-            nbad += int((~ok).sum())
-            scale[lo : lo + _STAT_ROWS] = np.sqrt(np.where(ok, ms, 1.0))
-        _v.raise_bad_rows(nbad, x2, shape, self.eps, self._norm)
-        return scale
-
-    def _x_for(self, rows: int) -> np.ndarray:
-        if rows == self.batch:
-            return self.x
-        return np.broadcast_to(self.x, (rows, self.shape[0]))  # one token shared by k rows
-
-    def _matvec(self, V, out):
-        return getattr(_ln, self._norm + "_jvp")(
-            self._x_for(V.shape[0]), V, self.gamma, self.eps, self.mode, self.backend, out=out
-        )
-
-    def _rmatvec(self, U, out):
-        return getattr(_ln, self._norm + "_vjp")(
-            self._x_for(U.shape[0]), U, self.gamma, self.eps, self.mode, self.backend, out=out
-        )
-
-    def scale(self) -> np.ndarray:
-        """(B,) float64: s = sqrt(var + eps) (LayerNorm) or r = sqrt(mean(x^2) + eps) (RMSNorm)."""
-        return self._scale.copy()
-
-    def upper_bound(self):
-        # J = diag(gamma)/s * P with P an orthogonal projector scaled into [0, 1]:
-        # ||J|| <= max|gamma| / s (the scale r for RMSNorm).
-        gmax = float(np.abs(self.gamma.astype(np.float64)).max())
-        return gmax / self._scale * (1.0 + _BOUND_SLACK)
-
-    @classmethod
-    def _trusted(cls, x2, gamma, eps, mode, backend, scale):
-        """Build from arguments that are already validated (x2 (n, d) C-contiguous, scale (n,))."""
-        new = object.__new__(cls)
-        BatchedOperator.__init__(new, x2.shape[0], (x2.shape[1], x2.shape[1]), x2.dtype)
-        new.x, new.gamma, new.eps, new.frozen = x2, gamma, eps, mode == "frozen_scale"
-        new.mode, new.backend, new.batch_shape = mode, backend, (x2.shape[0],)
-        new._scale = scale
-        return new
-
-    def take(self, idx):
-        idx = self._indices(idx)
-        if self.batch == 1:
-            return self
-        sl = _as_slice(idx)
-        x = self.x[sl] if sl is not None else self.x[idx]
-        return self._trusted(x, self.gamma, self.eps, self.mode, self.backend, self._scale[idx])
-
-    def _name(self) -> str:
-        return f"{type(self).__name__} of {self.batch} token(s), d = {self.shape[0]}, mode {self.mode!r}"
-
-
-class LayerNormJacobian(_NormJacobian):
-    """Per-token LayerNorm Jacobians ``J_b = diag(gamma)/s_b (I - 11^T/d - xh xh^T/d)``, matrix-free.
-
-    Parameters
-    ----------
-    x : array_like, shape (..., d), float32 or float64
-        Points of linearization; B = prod(x.shape[:-1]) operators of shape (d, d).
-    gamma : array_like, shape (d,), optional
-        LayerNorm scale (default ones).
-    eps : float, default 1e-5
-    mode : {"full", "frozen_scale"}
-    backend : {"auto", "cpp", "numba", "numpy"}
-        Backend of the JVP / VJP kernels (and of the fused spectral kernels).
-
-    Notes
-    -----
-    ``matvec`` is :func:`pyengine.layer_norm_jvp`, ``rmatvec`` is
-    :func:`pyengine.layer_norm_vjp`; ``upper_bound()`` is ``max|gamma| / s``.
-    ``batch_shape`` keeps ``x.shape[:-1]``.
-
-    Raises
-    ------
-    TypeError, ValueError
-        As :func:`pyengine.layer_norm_jvp` (checked here, once).
-    """
-
-    _norm = "layer_norm"
-
-
-class RMSNormJacobian(_NormJacobian):
-    """Per-token RMSNorm Jacobians ``J_b = diag(gamma)/r_b (I - x x^T/(d r_b^2))``, matrix-free.
-
-    Parameters and notes as :class:`LayerNormJacobian`; ``upper_bound()`` is ``max|gamma| / r``.
-    """
-
-    _norm = "rms_norm"
-
-
 class Identity(BatchedOperator):
     """The n x n identity, for ``I + A``; ``batch`` 1 broadcasts against any batch.
 
@@ -504,9 +285,7 @@ class Scaled(BatchedOperator):
         carr = np.asarray(c)
         if carr.dtype.kind not in "biuf" or carr.dtype.kind == "b":
             raise TypeError(f"c must be a real number or a (B,) array of reals; got {carr.dtype}")
-        carr = carr.astype(np.float64)
-        if not np.isfinite(carr).all():
-            raise ValueError("c must be finite")
+        carr = _v.finite("c", carr.astype(np.float64))
         if carr.ndim == 0:
             batch = A.batch
         elif carr.ndim == 1 and (A.batch == 1 or carr.shape[0] == A.batch):

@@ -27,60 +27,34 @@ Start vectors are drawn from a counter-based generator (Philox) keyed by
 results do not depend on how a scan is split into chunks, and a seed reproduces
 them bit for bit.
 
-:func:`weight_scan` tabulates sigma_max of weight matrices with the RMS -> RMS
-operator norm of the "spectral condition" for feature learning.
+The result classes are in :mod:`pyengine.linalg.results`, the solvers in
+:mod:`pyengine.linalg._solvers`, :func:`~pyengine.linalg.weights.weight_scan` in
+:mod:`pyengine.linalg.weights`.
 """
 
 from __future__ import annotations
 
-import dataclasses
-import numbers
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from .. import _validate as _v
-from ._solvers import (  # the solvers' constants are re-exported: pyengine.linalg.spectral.X keeps working
-    ARNOLDI_TOL_FACTOR,  # noqa: F401
-    BREAKDOWN,  # noqa: F401
-    COMPACT_FRACTION,  # noqa: F401
-    DGKS_ETA,  # noqa: F401
-    LANCZOS_FIRST_TEST,  # noqa: F401
-    LANCZOS_KEEP,  # noqa: F401
-    LANCZOS_MAX_SUBSPACE,
-    LANCZOS_TEST_GAP,  # noqa: F401
-    STALL_RATIO,  # noqa: F401
-    STALL_WINDOW,  # noqa: F401
-    _lanczos,
-    _power,
-    _radius,
-)
 from ..backends import check_name, resolve
+from ._solvers import LANCZOS_MAX_SUBSPACE, _lanczos, _power, _radius
 from .convert import as_batched_operator
-from .operators import (
-    BatchedOperator,
-    LayerNormJacobian,
-    RMSNormJacobian,
-    _NormJacobian,
-)
+from .norm_jacobians import LayerNormJacobian, RMSNormJacobian, _NormJacobian
+from .operators import BatchedOperator
+from .results import TOL, TOL_RADIUS, SpectralRadiusResult, SpectralResult
 
 __all__ = [
-    "SpectralRadiusResult",
-    "SpectralResult",
-    "WeightScan",
     "layer_norm_spectral_norm",
     "rms_norm_spectral_norm",
     "spectral_norm",
     "spectral_radius",
-    "weight_scan",
 ]
 
-# -- tolerances, caps and sizes: the public defaults; the solvers' own are in _solvers.py ---
-#: Default relative residual tolerance of spectral_norm / *_spectral_norm.
-TOL = 1e-6
-#: Default relative residual tolerance of spectral_radius.
-TOL_RADIUS = 1e-8
+# -- caps and sizes: the public defaults (TOL, TOL_RADIUS: results.py; the solvers' own: _solvers.py) --
 #: Default cap on iterations (products with A and A^T) per operator.
 MAX_ITER = 1000
 #: Working memory of one chunk of a scan (bytes); sets the default chunk_size.
@@ -90,200 +64,10 @@ METHODS_NORM = ("power", "lanczos")
 METHODS_LN = ("exact", "power", "lanczos")
 
 
-# -- results ------------------------------------------------------------------------------
-def _frozen(a: np.ndarray) -> np.ndarray:
-    a = np.asarray(a)
-    a.flags.writeable = False
-    return a
-
-
-def _stats_line(name: str, a: np.ndarray) -> str:
-    a = np.asarray(a, np.float64).ravel()
-    if a.size == 0:
-        return f"{name}: (none)"
-    return f"{name}: min {a.min():.6g}  median {np.median(a):.6g}  max {a.max():.6g}"
-
-
-def _short(a: np.ndarray) -> str:
-    with np.printoptions(threshold=6, edgeitems=3, precision=6):
-        return np.array2string(np.asarray(a), separator=", ")
-
-
-@dataclasses.dataclass(frozen=True, eq=False, repr=False)
-class SpectralResult:
-    """sigma_max per operator (token), with its bounds and convergence record.
-
-    Every array has the batch shape: ``(B,)`` for :func:`spectral_norm`,
-    ``x.shape[:-1]`` for the LayerNorm / RMSNorm scans. Arrays are read-only.
-
-    Attributes
-    ----------
-    sigma : float64
-        The estimate of sigma_max (for power and Lanczos, equal to ``lower``).
-    lower : float64
-        ``||A v||`` for the final unit vector v: sigma_max >= lower.
-    upper : float64
-        A cheap guaranteed bound, sigma_max <= upper (``inf`` if none); >= lower.
-    residual : float64
-        ``||A^T A v - sigma^2 v|| / sigma^2`` of the final v (0 for "exact").
-    iterations : int64
-        Products with A and with A^T used (one of each per iteration).
-    converged : bool
-        ``residual <= tol``; never True otherwise.
-    method : str
-        "power", "lanczos" or "exact", per operator.
-    tol : float
-        The tolerance that was asked for.
-    """
-
-    sigma: np.ndarray
-    lower: np.ndarray
-    upper: np.ndarray
-    residual: np.ndarray
-    iterations: np.ndarray
-    converged: np.ndarray
-    method: np.ndarray
-    tol: float = TOL
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if f.name != "tol":
-                object.__setattr__(self, f.name, _frozen(getattr(self, f.name)))
-
-    @property
-    def shape(self) -> tuple[int, ...]:
-        return self.sigma.shape
-
-    def __len__(self) -> int:
-        return int(self.sigma.size)
-
-    @property
-    def all_converged(self) -> bool:
-        return bool(self.converged.all())
-
-    def summary(self) -> str:
-        """A few lines: counts, sigma statistics, worst residual, iterations, bounds gap."""
-        n = len(self)
-        methods = ", ".join(sorted(set(self.method.ravel().tolist()))) or "-"
-        conv = int(self.converged.sum())
-        lines = [
-            f"SpectralResult: {n} operator(s), shape {self.shape}, method {methods}, tol {self.tol:g}",
-            f"converged: {conv}/{n}" + ("" if conv == n else f"  ({n - conv} NOT converged: sigma is a lower bound)"),
-            _stats_line("sigma", self.sigma),
-        ]
-        if n:
-            lines.append(f"residual: max {self.residual.max():.3g}   iterations: mean "
-                         f"{self.iterations.mean():.1f}  max {self.iterations.max()}")
-            with np.errstate(invalid="ignore", divide="ignore"):
-                gap = np.where(self.upper > 0, self.upper / np.where(self.lower > 0, self.lower, np.nan), 1.0)
-            finite = np.isfinite(gap)
-            if finite.any():
-                lines.append(f"upper/lower: median {np.median(gap[finite]):.4g}  max {gap[finite].max():.4g}")
-            lines.append(f"sigma < 1: {int((self.sigma < 1).sum())}/{n}")
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        n, conv = len(self), int(self.converged.sum())
-        methods = ",".join(sorted(set(self.method.ravel().tolist())))
-        return (f"SpectralResult(shape={self.shape}, method={methods!r}, converged={conv}/{n}, "
-                f"sigma={_short(self.sigma)}, max_residual={self.residual.max(initial=0.0):.3g})")
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain lists (JSON-ready), flattened in C order, plus the tolerance."""
-        return {f.name: (getattr(self, f.name).ravel().tolist() if f.name != "tol" else self.tol)
-                for f in dataclasses.fields(self)}
-
-
-@dataclasses.dataclass(frozen=True, eq=False, repr=False)
-class SpectralRadiusResult:
-    """rho = max |eigenvalue| per operator, and which method found it.
-
-    Attributes
-    ----------
-    rho : float64
-        The spectral radius estimate, ``|eigenvalue|``.
-    eigenvalue : complex128
-        The dominant eigenvalue found (one of a conjugate or tied pair).
-    residual : float64
-        ``||A x - lambda x|| / (|lambda| ||x||)`` for its eigenvector x, computed explicitly.
-    iterations : int64
-        Products with A used (power iterations plus Arnoldi's).
-    converged : bool
-        ``residual <= tol``.
-    method : str
-        "power", "arnoldi" (scipy.sparse.linalg.eigs) or "dense" (n < 3), per operator.
-    upper : float64
-        Guaranteed bound rho <= ||A|| <= upper (``inf`` if none).
-    tol : float
-    """
-
-    rho: np.ndarray
-    eigenvalue: np.ndarray
-    residual: np.ndarray
-    iterations: np.ndarray
-    converged: np.ndarray
-    method: np.ndarray
-    upper: np.ndarray
-    tol: float = TOL_RADIUS
-
-    def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            if f.name != "tol":
-                object.__setattr__(self, f.name, _frozen(getattr(self, f.name)))
-
-    def __len__(self) -> int:
-        return int(self.rho.size)
-
-    @property
-    def all_converged(self) -> bool:
-        return bool(self.converged.all())
-
-    def summary(self) -> str:
-        n, conv = len(self), int(self.converged.sum())
-        counts = {m: int((self.method == m).sum()) for m in ("power", "arnoldi", "dense")}
-        by = ", ".join(f"{m} {c}" for m, c in counts.items() if c)
-        lines = [
-            f"SpectralRadiusResult: {n} operator(s), tol {self.tol:g}; answered by {by or '-'}",
-            f"converged: {conv}/{n}" + ("" if conv == n else f"  ({n - conv} NOT converged)"),
-            _stats_line("rho", self.rho),
-        ]
-        if n:
-            lines.append(f"residual: max {self.residual.max():.3g}   iterations: mean "
-                         f"{self.iterations.mean():.1f}  max {self.iterations.max()}")
-            lines.append(f"rho < 1: {int((self.rho < 1).sum())}/{n};  complex dominant eigenvalue: "
-                         f"{int((np.abs(self.eigenvalue.imag) > 0).sum())}/{n}")
-        return "\n".join(lines)
-
-    def __repr__(self) -> str:
-        n, conv = len(self), int(self.converged.sum())
-        return (f"SpectralRadiusResult(n={n}, converged={conv}/{n}, rho={_short(self.rho)}, "
-                f"method={_short(self.method)})")
-
-
-# -- argument checks ------------------------------------------------------------------
-def _check_tol(tol: Any) -> float:
-    if isinstance(tol, bool) or not isinstance(tol, numbers.Real) or not (0 < float(tol) < 1):
-        raise ValueError(f"tol must be a real number in (0, 1) (a relative residual); got {tol!r}")
-    return float(tol)
-
-
-def _check_method(method: Any, allowed: tuple[str, ...]) -> str:
-    if method not in allowed:
-        raise ValueError(f"method must be one of {', '.join(map(repr, allowed))}; got {method!r}")
-    return method
-
-
-def _check_callback(callback: Any) -> Callable[[int, int], Any] | None:
-    if callback is not None and not callable(callback):
-        raise TypeError(f"callback must be callable as callback(done, total) or None; got {type(callback).__name__}")
-    return callback
-
-
+# -- start vectors ----------------------------------------------------------------------
 def _seed_key(seed: Any) -> np.ndarray:
     """The Philox key of ``seed`` (None: fresh entropy; otherwise a non-negative int)."""
-    if seed is not None and (isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0):
-        raise ValueError(f"seed must be a non-negative integer or None; got {seed!r}")
-    return np.random.SeedSequence(seed).generate_state(2, np.uint64)
+    return np.random.SeedSequence(_v.seed(seed)).generate_state(2, np.uint64)
 
 
 def _start_vectors(key: np.ndarray, first: int, count: int, n: int) -> np.ndarray:
@@ -303,19 +87,6 @@ def _start_vectors(key: np.ndarray, first: int, count: int, n: int) -> np.ndarra
     z = z[:, :n]
     z /= np.linalg.norm(z, axis=1, keepdims=True)
     return z
-
-
-def _check_v0(v0: Any, batch: int, n: int) -> np.ndarray:
-    arr = _v.float_array("v0", v0)
-    if arr.shape != (batch, n):
-        raise ValueError(f"v0 must have shape (B, n) = ({batch}, {n}); got {arr.shape}")
-    arr = arr.astype(np.float64)
-    if not np.isfinite(arr).all():
-        raise ValueError("v0 contains NaN or Inf")
-    norms = np.linalg.norm(arr, axis=1, keepdims=True)
-    if (norms == 0).any():
-        raise ValueError(f"v0 row {int(np.flatnonzero(norms[:, 0] == 0)[0])} is zero; start vectors must be non-zero")
-    return arr / norms
 
 
 def _empty_result(shape, tol, method) -> dict[str, np.ndarray]:
@@ -383,13 +154,13 @@ def spectral_norm(
         Bad operator, method, tol, max_iter, seed, v0, backend or chunk_size.
     """
     op = as_batched_operator(op)
-    method = _check_method(method, METHODS_NORM)
-    tol, max_iter = _check_tol(tol), _v.count("max_iter", max_iter)
+    method = _v.choice("method", method, METHODS_NORM)
+    tol, max_iter = _v.tol(tol), _v.count("max_iter", max_iter)
     chunk_size = _v.count("chunk_size", chunk_size, allow_none=True)
-    callback = _check_callback(callback)
+    callback = _v.callback(callback)
     backend = check_name(backend)
     key = _seed_key(seed)
-    start = None if v0 is None else _check_v0(v0, op.batch, op.shape[1])
+    start = None if v0 is None else _v.start_vectors("v0", v0, op.batch, op.shape[1])
     if isinstance(op, _NormJacobian) and type(op) in (LayerNormJacobian, RMSNormJacobian):
         res = _norm_scan(
             op._norm, op.x, op.gamma, op.eps, op.frozen, method, tol, max_iter, key,
@@ -485,10 +256,10 @@ def _norm_spectral_norm(
     x2, shape = _v.rows("x", x)
     g = _v.param("gamma", gamma, x2, 1.0)
     eps, frozen = _v.eps(eps), _v.frozen(mode)
-    method = _check_method(method, METHODS_LN)
-    tol, max_iter = _check_tol(tol), _v.count("max_iter", max_iter)
+    method = _v.choice("method", method, METHODS_LN)
+    tol, max_iter = _v.tol(tol), _v.count("max_iter", max_iter)
     chunk_size = _v.count("chunk_size", chunk_size, allow_none=True)
-    callback = _check_callback(callback)
+    callback = _v.callback(callback)
     backend = check_name(backend)
     key = _seed_key(seed)
     return _norm_scan(norm, x2, g, eps, frozen, method, tol, max_iter, key, backend, chunk_size,
@@ -588,124 +359,8 @@ def spectral_radius(
     op = as_batched_operator(op)
     if op.shape[0] != op.shape[1]:
         raise ValueError(f"op must be square for a spectral radius; got operators of shape {op.shape}")
-    tol, max_iter = _check_tol(tol), _v.count("max_iter", max_iter)
+    tol, max_iter = _v.tol(tol), _v.count("max_iter", max_iter)
     key = _seed_key(seed)
     B, n = op.batch, op.shape[0]
-    V = _start_vectors(key, 0, B, n) if v0 is None else _check_v0(v0, B, n)
+    V = _start_vectors(key, 0, B, n) if v0 is None else _v.start_vectors("v0", v0, B, n)
     return SpectralRadiusResult(**_radius(op, V, tol, max_iter), tol=tol)
-
-
-# -- weight scans ------------------------------------------------------------------------
-@dataclasses.dataclass(frozen=True, eq=False)
-class WeightScan:
-    """Spectral view of weight matrices; one entry per matrix.
-
-    ``sigma_max`` is the largest singular value; with ``W`` of shape
-    (d_out, d_in) acting as ``y = W x``, ``rms_to_rms = sigma_max * sqrt(d_in / d_out)``
-    is the operator norm from RMS-normalized inputs to RMS-normalized outputs, and
-    ``ratio = sigma_max / target`` compares sigma_max with the spectral-condition
-    rule ``target = sqrt(d_out / d_in)`` (numerically ratio == rms_to_rms: both
-    should be Theta(1) for stable feature learning).
-    """
-
-    name: tuple[str, ...]
-    d_out: np.ndarray
-    d_in: np.ndarray
-    sigma_max: np.ndarray
-    rms_to_rms: np.ndarray
-    target: np.ndarray
-    ratio: np.ndarray
-    converged: np.ndarray
-
-    def __len__(self) -> int:
-        return len(self.name)
-
-    def to_dict(self) -> dict[str, list[Any]]:
-        return {f.name: list(getattr(self, f.name)) if f.name == "name" else getattr(self, f.name).tolist()
-                for f in dataclasses.fields(self)}
-
-    def to_text(self) -> str:
-        """A fixed-width table, one row per matrix."""
-        w = max([4] + [len(s) for s in self.name])
-        head = f"{'name':<{w}}  {'shape':>13}  {'sigma_max':>11}  {'rms->rms':>10}  {'sqrt(dout/din)':>14}  {'ratio':>8}"
-        rows = [head, "-" * len(head)]
-        for i, nm in enumerate(self.name):
-            shape = f"{self.d_out[i]}x{self.d_in[i]}"
-            flag = "" if self.converged[i] else "  (not converged)"
-            rows.append(f"{nm:<{w}}  {shape:>13}  {self.sigma_max[i]:>11.5g}  {self.rms_to_rms[i]:>10.4g}  "
-                        f"{self.target[i]:>14.4g}  {self.ratio[i]:>8.4g}{flag}")
-        return "\n".join(rows)
-
-    def __str__(self) -> str:
-        return self.to_text()
-
-
-#: weight_scan: matrices up to this min(d_out, d_in) get a dense SVD, larger ones Lanczos.
-WEIGHT_SVD_MAX = 1024
-
-
-def weight_scan(
-    weights: Mapping[str, Any] | Sequence[Any], layout: str = "out_in", tol: float = 1e-10, seed: int = 0,
-) -> WeightScan:
-    """sigma_max, the RMS -> RMS norm and the spectral-condition ratio of weight matrices.
-
-    Parameters
-    ----------
-    weights : dict name -> 2-D array, or a list of 2-D arrays (named "0", "1", ...)
-        Real float matrices.
-    layout : {"out_in", "in_out"}, default "out_in"
-        "out_in": W has shape (d_out, d_in), ``y = W x`` (torch.nn.Linear.weight);
-        "in_out": shape (d_in, d_out), ``y = x W`` (GPT-2 Conv1D, JAX).
-    tol : float, default 1e-10
-        Residual tolerance for matrices too large for a dense SVD (min side
-        over 1024), which use ``spectral_norm(method="lanczos")``.
-    seed : int, default 0
-
-    Returns
-    -------
-    WeightScan
-        Arrays in the order of ``weights``; ``to_text()`` gives a table.
-
-    Raises
-    ------
-    TypeError, ValueError
-        Not a list/dict, a matrix that is not 2-D, not float, empty or not finite.
-    """
-    import scipy.linalg
-
-    if layout not in ("out_in", "in_out"):
-        raise ValueError(f"layout must be 'out_in' or 'in_out'; got {layout!r}")
-    if isinstance(weights, Mapping):
-        items = [(str(k), w) for k, w in weights.items()]
-        label = "weights[{!r}]"
-    elif isinstance(weights, Sequence) and not isinstance(weights, (str, bytes)) and not isinstance(weights, np.ndarray):
-        items = [(str(i), w) for i, w in enumerate(weights)]
-        label = "weights[{}]"
-    else:
-        raise TypeError(f"weights must be a dict of name -> matrix or a list of matrices; got {type(weights).__name__}")
-    tol = _check_tol(tol)
-    names, dout, din, sig, conv = [], [], [], [], []
-    for i, (name, w) in enumerate(items):
-        arg = label.format(name if isinstance(weights, Mapping) else i)
-        arr = _v.float_array(arg, w)
-        if arr.ndim != 2 or 0 in arr.shape:
-            raise ValueError(f"{arg} must be a non-empty 2-D matrix; got shape {arr.shape}")
-        if not np.isfinite(arr).all():
-            raise ValueError(f"{arg} contains NaN or Inf")
-        do, di = arr.shape if layout == "out_in" else arr.shape[::-1]
-        if min(arr.shape) <= WEIGHT_SVD_MAX:
-            s, ok = float(scipy.linalg.svdvals(arr.astype(np.float64, copy=False), check_finite=False)[0]), True
-        else:
-            r = spectral_norm(arr, method="lanczos", tol=tol, seed=seed)
-            s, ok = float(r.sigma[0]), bool(r.converged[0])
-        names.append(name)
-        dout.append(do)
-        din.append(di)
-        sig.append(s)
-        conv.append(ok)
-    dout_a, din_a, sig_a = np.array(dout, np.int64), np.array(din, np.int64), np.array(sig)
-    target = np.sqrt(dout_a / din_a) if len(names) else np.zeros(0)
-    rms = sig_a * np.sqrt(din_a / dout_a) if len(names) else np.zeros(0)
-    return WeightScan(name=tuple(names), d_out=dout_a, d_in=din_a, sigma_max=sig_a, rms_to_rms=rms,
-                      target=target, ratio=sig_a / target if len(names) else np.zeros(0),
-                      converged=np.array(conv, bool))

@@ -249,10 +249,13 @@ def _directions(direction: Any, d: int) -> np.ndarray:
     v = np.atleast_2d(v).astype(np.float64)
     if not np.isfinite(v).all():
         raise ValueError("direction contains NaN or Inf")
-    n = np.linalg.norm(v, axis=1)
-    if (n == 0).any():
-        raise ValueError(f"direction {int(np.argmin(n))} is the zero vector: it has no direction")
-    return v / n[:, None]
+    # Divided by its largest |entry| before the norm is taken, so that the norm of a
+    # direction of 1e300 does not overflow (nor that of 1e-160 underflow): exact unit rows.
+    top = np.abs(v).max(axis=1)
+    if (top == 0).any():
+        raise ValueError(f"direction {int(np.argmin(top))} is the zero vector: it has no direction")
+    v = v / top[:, None]
+    return v / np.linalg.norm(v, axis=1)[:, None]
 
 
 def _scales(scale: Any) -> np.ndarray:
@@ -274,7 +277,11 @@ def resolve_positions(positions: Any, T: int) -> np.ndarray:
             return np.array([T - 1])
         raise ValueError(f"positions must be 'all', 'last', an int, a slice or a list of ints; got {positions!r}")
     if isinstance(positions, slice):
-        p = np.unique(np.arange(T)[positions])
+        try:
+            p = np.unique(np.arange(T)[positions])
+        except (ValueError, TypeError, IndexError) as exc:  # step 0, non-integer bounds
+            raise ValueError(f"positions must be a slice of integers with a non-zero step; got {positions!r} "
+                             f"({exc})") from None
     else:
         p = np.atleast_1d(np.asarray(positions))
         if p.size == 0:
@@ -384,6 +391,8 @@ def propagate(
     V = _directions(direction, cfg.d_model)
     S = _scales(scale)
     _v.frozen(mode)
+    linearized = _v.flag("linearized", linearized)
+    progress = _v.callback(progress, "progress")
     dt = model.dtype if dtype is None else _float_dtype(dtype)
     batch_size = _v.count("batch_size", batch_size, allow_none=True)
     h_base, caches = baseline(model, input_ids, layer, dt)

@@ -13,6 +13,7 @@
 #include <pybind11/pybind11.h>
 
 #include "bind_activations.hpp"
+#include "bind_attention.hpp"
 #include "bind_layernorm.hpp"
 #include "bind_machine.hpp"
 #include "bind_spectral.hpp"
@@ -24,4 +25,5 @@ PYBIND11_MODULE(_core, m) {
     register_layernorm(m);
     register_spectral(m);
     register_activations(m);
+    register_attention(m);
 }

@@ -18,6 +18,7 @@ import os as _os
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .kernels.activations import activation, activation_jvp_coef, softmax, softmax_jvp
+from .kernels.attention import attention_backward, attention_forward, attention_score_grad
 from .backends import (
     available_backends,
     get_num_threads,
@@ -89,6 +90,9 @@ __all__ = [
     "activation",
     "activation_jvp_coef",
     "as_linear_operator",
+    "attention_backward",
+    "attention_forward",
+    "attention_score_grad",
     "available_backends",
     "fit_decay",
     "from_linear_operator",

@@ -70,8 +70,16 @@ ACTIVATION_KERNELS: tuple[str, ...] = (
     "silu_gated",
     "silu_gated_grad",
 )
+#: Attention backward (the score gradient, the advantage) and the fused head (forward,
+#: backward) that streams rows instead of storing (Tq, Tk) matrices.
+ATTENTION_KERNELS: tuple[str, ...] = (
+    "attention_score_grad",
+    "attention_advantage",
+    "attention_forward",
+    "attention_backward",
+)
 #: Every kernel id; each must have a ``numpy`` (reference) entry.
-KERNELS: tuple[str, ...] = NORM_KERNELS + SPECTRAL_KERNELS + ACTIVATION_KERNELS
+KERNELS: tuple[str, ...] = NORM_KERNELS + SPECTRAL_KERNELS + ACTIVATION_KERNELS + ATTENTION_KERNELS
 
 #: Backend name -> the module that registers its kernels when imported.
 _MODULES: dict[str, str] = {

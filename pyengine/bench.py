@@ -173,6 +173,8 @@ ARGUMENTS = frozenset(_kernel_arrays("layer_norm", np.dtype(np.float32), (1, 2))
 
 
 def _kernel_case(kernel: str) -> Case:
+    if kernel in backends.ATTENTION_KERNELS:
+        return _attention_case(kernel)
     names = tuple(inspect.signature(backends.resolve(kernel, "numpy")).parameters)
     unknown = set(names) - ARGUMENTS
     if unknown:
@@ -191,6 +193,40 @@ def _kernel_case(kernel: str) -> Case:
         backends=tuple(b for b in backends.BACKENDS if backends.provides(kernel, b)),
         tokens=lambda n: _tokens(kernel, n), label=lambda size: _shape_label(kernel, size),
     )
+
+
+def _attention_arrays(kernel: str, dtype: np.dtype, size: tuple[int, int]) -> list[Any]:
+    """Arguments of an attention kernel: B * H causal heads (see _attention_shape), dk = dv = HEAD_DIM."""
+    b, h, t = _attention_shape(size)
+    n, rng = b * h, np.random.default_rng(0)
+    rand = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
+    if kernel in ("attention_score_grad", "attention_advantage"):
+        p = np.empty((n, t, t), dtype)
+        backends.resolve("softmax", "numpy")((3.0 * rng.standard_normal((n, t, t))).astype(dtype), 0, p)
+        outs = [np.zeros_like(p) for _ in range(2 if kernel == "attention_advantage" else 1)]
+        return [p, rand(n, t, HEAD_DIM), rand(n, t, HEAD_DIM), 0, *outs]
+    q, k, v, scale = rand(n, t, HEAD_DIM), rand(n, t, HEAD_DIM), rand(n, t, HEAD_DIM), 1.0 / np.sqrt(HEAD_DIM)
+    lse, ent = np.zeros((n, t)), np.zeros((n, t))
+    if kernel == "attention_forward":
+        return [q, k, v, 0, scale, np.zeros_like(q), lse, ent]
+    backends.resolve("attention_forward", "numpy")(q, k, v, 0, scale, np.zeros_like(q), lse, ent)
+    return [q, k, v, rand(n, t, HEAD_DIM), lse, 0, scale, np.zeros_like(q), np.zeros_like(k), np.zeros_like(v), ent]
+
+
+def _attention_case(kernel: str) -> Case:
+    def setup(backend: str, dtype: str, size: tuple[int, int]):
+        args = _attention_arrays(kernel, np.dtype(dtype), size)
+        fn = backends.resolve(kernel, backend)
+        moved = sum(a.nbytes for a in args if isinstance(a, np.ndarray))
+        return (lambda: fn(*args)), moved, 0.0
+
+    def label(size: tuple[int, int]) -> str:
+        b, h, t = _attention_shape(size)
+        return f"{b * h}x{t}x{t}x{HEAD_DIM}"
+
+    limit = "bandwidth" if kernel in ("attention_score_grad", "attention_advantage") else "none"  # fused: compute
+    return Case(kernel, setup, limit=limit, label=label,
+                backends=tuple(b for b in backends.BACKENDS if backends.provides(kernel, b)))
 
 
 def time_call(call: Callable[[], Any], repeat: int) -> tuple[float, float]:

@@ -7,6 +7,7 @@
 ``pyengine spectral``  per-token sigma_max of LayerNorm/RMSNorm Jacobians of activations.
 ``pyengine bench``  every kernel x backend, as a fraction of the machine's limits
                    measured in the same run; ``--compare`` checks for regressions.
+``pyengine attention``  attention gradient dynamics on a sticky Markov chain (EM-style vs GD).
 ``pyengine backends``  which backends load, and why not.
 
 Bad arguments never end in a traceback: one line on stderr and exit status 2;
@@ -31,7 +32,7 @@ from .._progress import end_line
 __all__ = ["COMMANDS", "main", "parser"]
 
 #: The subcommand modules of this package, in the order ``pyengine --help`` lists them.
-COMMANDS = ("demo", "backends", "spectral", "recovery", "bench")
+COMMANDS = ("demo", "backends", "spectral", "recovery", "attention", "bench")
 
 #: Errors that end a run with one line and exit status 2: bad arguments or input files,
 #: a missing optional dependency, a request too large for memory.

@@ -8,3 +8,4 @@ stated in :mod:`pyengine.kernels._reference.layernorm`.
 from . import layernorm  # noqa: F401  (registers the normalization kernels)
 from . import spectral  # noqa: F401  (registers the spectral kernels)
 from . import activations  # noqa: F401  (registers the softmax and activation kernels)
+from . import attention  # noqa: F401  (registers the attention backward kernels)

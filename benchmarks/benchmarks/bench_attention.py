@@ -1,0 +1,83 @@
+"""asv suites for the attention backward kernels and the fused head: one class per kernel id.
+
+``time_<kernel>`` times one kernel call (``pyengine.backends.resolve``, preallocated
+outputs, the arrays built by ``pyengine.bench``). Shapes: ``12x128x128x64`` is the
+issue's (12 heads, 128, 128) score-gradient target with GPT-2's head width 64;
+``1x2000x2000x10`` the attention-dynamics experiment's head (T = 2000, dk = 10,
+dv = 15), where the fused kernels run every training step. All causal.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+
+from pyengine import backends
+
+from .common import BACKENDS, DTYPES, require_backend
+
+#: heads x Tq x Tk x head width.
+SHAPES = ["12x128x128x64", "1x2000x2000x10"]
+
+
+def _arrays(kernel: str, dtype: str, shape: str) -> list:
+    n, tq, tk, d = (int(s) for s in shape.split("x"))
+    dv = 15 if d == 10 else d  # the experiment's value width
+    rng = np.random.default_rng(0)
+    rand = lambda *s: rng.standard_normal(s).astype(dtype)  # noqa: E731
+    if kernel in ("attention_score_grad", "attention_advantage"):
+        p = np.empty((n, tq, tk), dtype)
+        backends.resolve("softmax", "numpy")(3.0 * rand(n, tq, tk), 0, p)
+        outs = [np.zeros_like(p) for _ in range(2 if kernel == "attention_advantage" else 1)]
+        return [p, rand(n, tq, dv), rand(n, tk, dv), 0, *outs]
+    q, k, v = rand(n, tq, d), rand(n, tk, d), rand(n, tk, dv)
+    scale = 1.0 / np.sqrt(d)
+    lse, ent = np.zeros((n, tq)), np.zeros((n, tq))
+    out = np.zeros((n, tq, dv), dtype)
+    if kernel == "attention_forward":
+        return [q, k, v, 0, scale, out, lse, ent]
+    backends.resolve("attention_forward", "cpp" if backends.provides("attention_forward", "cpp") else "numpy")(
+        q, k, v, 0, scale, out, lse, ent)
+    return [q, k, v, rand(n, tq, dv), lse, 0, scale, np.zeros_like(q), np.zeros_like(k), np.zeros_like(v), ent]
+
+
+class _Attention:
+    kernel = ""
+    params = [BACKENDS, DTYPES, SHAPES]
+    param_names = ["backend", "dtype", "shape"]
+    timeout = 600
+
+    def setup(self, backend, dtype, shape):
+        require_backend(backend)
+        if backend == "numpy" and shape.startswith("1x2000") and self.kernel.endswith("backward"):
+            raise NotImplementedError("the materialized reference backward at T = 2000 takes minutes")
+        self.fn = backends.resolve(self.kernel, backend)
+        self.args = _arrays(self.kernel, dtype, shape)
+        self.fn(*self.args)  # warm-up: JIT compilation and first-touch page faults are not timed
+
+
+class AttentionScoreGrad(_Attention):
+    kernel = "attention_score_grad"
+
+    def time_attention_score_grad(self, *params):
+        self.fn(*self.args)
+
+
+class AttentionAdvantage(_Attention):
+    kernel = "attention_advantage"
+
+    def time_attention_advantage(self, *params):
+        self.fn(*self.args)
+
+
+class AttentionForward(_Attention):
+    kernel = "attention_forward"
+
+    def time_attention_forward(self, *params):
+        self.fn(*self.args)
+
+
+class AttentionBackward(_Attention):
+    kernel = "attention_backward"
+
+    def time_attention_backward(self, *params):
+        self.fn(*self.args)

@@ -1,0 +1,136 @@
+"""``pyengine attention``: attention gradient dynamics on a sticky Markov chain (EM-style vs GD).
+
+One module per subcommand: :func:`add_parser` adds the subcommand to the ``pyengine``
+parser and :func:`run` executes it (exit status 0; 2 on bad arguments; 130 on Ctrl-C,
+after writing what had finished).
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+
+__all__ = ["add_parser", "run"]
+
+
+class _Bar:
+    """``progress(fraction, label)``: a bar on a terminal, else a line per tenth (logs stay short)."""
+
+    def __init__(self, mode: str) -> None:
+        self.tty = sys.stderr.isatty() if mode == "auto" else mode == "always"
+        self.quiet = mode == "never"
+        self.t0, self.last = time.perf_counter(), -1
+
+    def __call__(self, frac: float, label: str) -> None:
+        if self.quiet:
+            return
+        el = time.perf_counter() - self.t0
+        eta = el / frac - el if frac > 0 else float("nan")
+        if self.tty:
+            bar = "#" * int(30 * frac) + "." * (30 - int(30 * frac))
+            end = "\n" if label == "done" else ""
+            print(f"\r\033[K[{bar}] {100 * frac:5.1f}%  {el:6.1f} s  eta {eta:5.0f} s  {label}", end=end,
+                  file=sys.stderr, flush=True)
+        elif int(10 * frac) != self.last:
+            self.last = int(10 * frac)
+            print(f"[{100 * frac:5.1f}%] {el:6.1f} s  {label}", file=sys.stderr, flush=True)
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}")
+    return value
+
+
+def _ints(text: str) -> list[int]:
+    try:
+        vals = [int(v) for v in text.split(",") if v.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be comma-separated integers; got {text}") from None
+    if not vals:
+        raise argparse.ArgumentTypeError("needs at least one seed")
+    return vals
+
+
+def _arms(text: str) -> list[str]:
+    from ..experiments.attention_dynamics import ARMS
+
+    vals = [v.strip() for v in text.split(",") if v.strip()]
+    bad = [v for v in vals if v not in ARMS]
+    if bad or "gd" not in vals:
+        raise argparse.ArgumentTypeError(f"must be a comma-separated subset of {','.join(ARMS)} including gd; "
+                                         f"got {text}")
+    return vals
+
+
+def _positive_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a positive number; got {text}") from None
+    if not value > 0:
+        raise argparse.ArgumentTypeError(f"must be a positive number; got {text}")
+    return value
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    """Add ``attention`` to the ``pyengine`` subcommands."""
+    a = subparsers.add_parser(
+        "attention", help="attention gradient dynamics on a sticky Markov chain: EM-style value updates vs GD",
+        description="Train a single causal attention head full-batch on a sticky Markov chain (8 symbols) with "
+                    "three arms: gd (lr on all weights), value_lr (10x lr on W_V) and m_step (a damped Newton "
+                    "M-step on W_V with routing fixed), over several seeds; print the table, write JSON, CSV "
+                    "and plots.")
+    a.add_argument("--steps", type=_positive, default=1000, help="training steps per run (default 1000)")
+    a.add_argument("--seeds", type=_ints, default=[42, 2024, 1337, 7777, 9999],
+                   help="comma-separated seeds (default 42,2024,1337,7777,9999)")
+    a.add_argument("--arms", type=_arms, default=["gd", "value_lr", "m_step"],
+                   help="comma-separated arms, gd included (default gd,value_lr,m_step)")
+    a.add_argument("--T", type=_positive, default=2000, help="sequence length (default 2000)")
+    a.add_argument("--stay", type=float, default=0.3, help="the chain's stay weight (default 0.3)")
+    a.add_argument("--lr", type=_positive_float, default=0.01, help="learning rate of gd (default 0.01)")
+    a.add_argument("--value-lr-factor", type=_positive_float, default=10.0,
+                   help="value_lr arm: factor on W_V's learning rate (default 10)")
+    a.add_argument("--newton-damping", type=_positive_float, default=1e-3,
+                   help="m_step arm: damping relative to the Hessian's mean eigenvalue (default 1e-3)")
+    a.add_argument("--dtype", choices=["float32", "float64"], default="float64")
+    a.add_argument("--backend", choices=["auto", "cpp", "numba", "numpy"], default="auto",
+                   help="kernel backend of the attention head (default auto)")
+    a.add_argument("--out", default="attention-out", help="output folder (default ./attention-out)")
+    a.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    a.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
+                   help="bar on a terminal, a line per tenth otherwise (auto), or force either")
+    a.set_defaults(run=run)
+    return a
+
+
+def run(args: argparse.Namespace) -> int:
+    """Run the experiment with the parsed arguments; print the table and write the outputs."""
+    from ..experiments import attention_dynamics, format_attention_table, write_attention_report
+
+    try:
+        print(f"pyengine attention: {len(args.seeds)} seed(s) x {len(args.arms)} arm(s) x {args.steps} steps, "
+              f"T = {args.T}, {args.dtype}; output folder {args.out}", flush=True)
+        rep = attention_dynamics(seeds=args.seeds, arms=args.arms, steps=args.steps, T=args.T, stay=args.stay,
+                                 lr=args.lr, value_lr_factor=args.value_lr_factor,
+                                 newton_damping=args.newton_damping, dtype=args.dtype, backend=args.backend,
+                                 progress=_Bar(args.progress))
+        print(format_attention_table(rep))
+        paths = write_attention_report(rep, args.out, plots=not args.no_plots)
+        print(f"time: {rep.seconds['total']:.1f} s ({rep.seconds['per_step_ms']:.2f} ms per step); "
+              f"wrote {', '.join(paths)}")
+        if rep.interrupted:
+            print("pyengine: interrupted: wrote the seeds that had finished", file=sys.stderr)
+            return 130
+        return 0
+    except KeyboardInterrupt:
+        print("\npyengine: interrupted before any seed finished; nothing written", file=sys.stderr)
+        return 130
+    except (ValueError, TypeError, OSError, MemoryError, ImportError, FloatingPointError) as exc:
+        print(f"pyengine: error: {exc}", file=sys.stderr)
+        return 2

@@ -1,0 +1,165 @@
+"""The attention-dynamics experiment: the chain and its Bayes floor, the training gradient
+against central differences, the M-step, the report and the CLI (small T, few steps)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import math
+import os
+
+import numpy as np
+import pytest
+
+from pyengine import cli
+from pyengine.experiments import attention_dynamics, format_attention_table, write_attention_report
+from pyengine.experiments.attention_dynamics import (
+    Model,
+    bayes_entropy,
+    init_params,
+    m_step,
+    make_data,
+    markov_chain,
+    stationary,
+)
+
+
+def test_chain_construction_and_effective_stay():
+    P = markov_chain(8, 0.3)
+    np.testing.assert_allclose(P.sum(axis=1), 1.0, rtol=0, atol=1e-15)
+    # row 0 by hand: weights stay, 1/d off the diagonal; normalize, * (1 - stay), + stay on the diagonal
+    d = np.array([0, 1, 2, 3, 4, 3, 2, 1], float)
+    w = np.where(d == 0, 0.3, 1 / np.maximum(d, 1))
+    row = w / w.sum() * 0.7 + 0.3 * (d == 0)
+    np.testing.assert_allclose(P[0], row / row.sum(), rtol=1e-15)
+    assert abs(P[0, 0] - 0.35) < 0.001  # the "about 0.35" of the protocol
+
+
+def test_bayes_floor_is_the_direct_computation():
+    P = markov_chain(8, 0.3)
+    pi = stationary(P)
+    np.testing.assert_allclose(pi @ P, pi, atol=1e-14)
+    direct = -sum(pi[i] * sum(P[i, j] * math.log(P[i, j]) for j in range(8)) for i in range(8))
+    assert abs(bayes_entropy(P) - direct) < 1e-13
+    # and the empirical conditional entropy of a long path agrees
+    rng = np.random.default_rng(0)
+    _, y = make_data(P, 200_000, np.zeros((8, 2)), rng)
+    counts = np.zeros((8, 8))
+    np.add.at(counts, (y[:-1], y[1:]), 1)
+    emp = counts / counts.sum(axis=1, keepdims=True)
+    h = -(counts.sum(axis=1) / counts.sum() * (emp * np.log(emp)).sum(axis=1)).sum()
+    assert abs(h - direct) < 0.01
+
+
+def _model(T=24, seed=3):
+    P = markov_chain(8, 0.3)
+    mu = np.random.default_rng(0).standard_normal((8, 20))
+    rng = np.random.default_rng(seed)
+    X, y = make_data(P, T, mu, rng)
+    W = init_params(rng, 8, "float64")
+    W = {k: 3 * v for k, v in W.items()}  # away from the near-uniform start: larger gradients
+    return Model(X, y, 8), W
+
+
+@pytest.mark.parametrize("want_z", [False, True], ids=["values", "via_z"])
+def test_training_gradient_is_the_central_difference(backend, want_z):
+    model, W = _model()
+    model = Model(model.X, model.y, 8, backend)
+    _, grads, _ = model.step(W, want_z=want_z)
+    h = 1e-6
+    for name in W:
+        fd = np.zeros_like(W[name])
+        for idx in np.ndindex(*W[name].shape):
+            plus = {k: v.copy() for k, v in W.items()}
+            minus = {k: v.copy() for k, v in W.items()}
+            plus[name][idx] += h
+            minus[name][idx] -= h
+            fd[idx] = (model.step(plus)[0]["loss"] - model.step(minus)[0]["loss"]) / (2 * h)
+        np.testing.assert_allclose(grads[name], fd, rtol=1e-6, atol=1e-9, err_msg=name)
+
+
+def test_m_step_lowers_the_loss_with_routing_fixed():
+    model, W = _model(T=64)
+    for _ in range(3):
+        metrics, _, Z = model.step(W, want_z=True)
+        new_v, taken, before, after = m_step(model, W, 1e-3, Z)
+        assert taken and after < before
+        assert abs(before - metrics["loss"]) < 1e-12
+        W = dict(W, W_V=new_v)
+        assert abs(model.step(W)[0]["loss"] - after) < 1e-12  # the same loss, recomputed
+
+
+def test_m_step_gradient_matches_the_training_gradient():
+    """The Newton step's gradient g is the training gradient of W_V (same model, same point)."""
+    model, W = _model(T=32)
+    _, grads, Z = model.step(W, want_z=True)
+    assert Z.shape == (32, 20)
+    # direct: dL/dW_V = Z^T (p - Y) W_O^T / T
+    logits = Z @ W["W_V"] @ W["W_O"]
+    p = np.exp(logits - logits.max(1, keepdims=True))
+    p /= p.sum(1, keepdims=True)
+    direct = Z.T @ ((p - model.Y) @ W["W_O"].T) / model.T
+    np.testing.assert_allclose(grads["W_V"], direct, rtol=1e-10, atol=1e-14)
+
+
+@pytest.fixture(scope="module")
+def small_report():
+    return attention_dynamics(seeds=(1, 2), steps=12, T=80)
+
+
+def test_report_has_every_metric_and_the_paired_comparison(small_report, tmp_path):
+    rep = small_report
+    assert rep.arms == ("gd", "value_lr", "m_step") and rep.seeds == (1, 2)
+    for arm in rep.arms:
+        for m in ("loss", "accuracy", "pred_entropy", "attn_entropy", "adv_spread"):
+            a = rep.metrics[arm][m]
+            assert a.shape == (2, 13) and np.isfinite(a).all()
+        assert rep.value_pca[arm].shape == (2, 2)
+    # same initialization and data for every arm of a seed: the same step-0 metrics (m_step forms
+    # O as Z W_V instead of attending over X W_V: equal up to rounding)
+    np.testing.assert_array_equal(rep.metrics["gd"]["loss"][:, 0], rep.metrics["value_lr"]["loss"][:, 0])
+    np.testing.assert_allclose(rep.metrics["gd"]["loss"][:, 0], rep.metrics["m_step"]["loss"][:, 0], rtol=1e-13)
+    assert (rep.steps_to_gd_final("gd") <= 12).all()
+    pair = rep.paired("m_step")
+    assert pair["n"] == 2 and math.isfinite(pair["mean_diff"])
+    text = format_attention_table(rep)
+    assert "Bayes floor" in text and "m_step" in text
+    paths = write_attention_report(rep, str(tmp_path), plots=True)
+    assert {os.path.basename(p) for p in paths} == {"attention.json", "attention.csv", "attention_loss.png",
+                                                    "attention_heatmaps.png", "attention_value_pca.png"}
+    data = json.loads((tmp_path / "attention.json").read_text())
+    assert abs(data["bayes_entropy"] - rep.bayes_entropy) < 1e-12
+    lines = (tmp_path / "attention.csv").read_text().splitlines()
+    assert len(lines) == 1 + 3 * 2 * 13
+
+
+def test_cli_runs_and_rejects_bad_arguments(tmp_path, capsys):
+    rc = cli.main(["attention", "--steps", "3", "--seeds", "5", "--T", "40", "--out", str(tmp_path),
+                   "--no-plots", "--progress", "never"])
+    assert rc == 0
+    out = capsys.readouterr().out
+    assert "Bayes floor" in out and (tmp_path / "attention.json").exists()
+    with pytest.raises(SystemExit) as exc:
+        cli.main(["attention", "--arms", "value_lr"])  # gd is required
+    assert exc.value.code == 2
+    assert "including gd" in capsys.readouterr().err
+    assert cli.main(["attention", "--steps", "1", "--T", "1", "--progress", "never", "--no-plots",
+                     "--out", str(tmp_path)]) == 2
+    assert "T >= 2" in capsys.readouterr().err
+
+
+def test_interrupt_keeps_the_finished_seeds(monkeypatch):
+    ad = importlib.import_module("pyengine.experiments.attention_dynamics")  # the module, not the function
+    real_run_arm = ad.run_arm
+    calls = {"n": 0}
+
+    def flaky(*args, **kwargs):
+        calls["n"] += 1
+        if calls["n"] > 3:  # Ctrl-C during the second seed's first arm
+            raise KeyboardInterrupt
+        return real_run_arm(*args, **kwargs)
+
+    monkeypatch.setattr(ad, "run_arm", flaky)
+    rep = ad.attention_dynamics(seeds=(1, 2), steps=3, T=30)
+    assert rep.interrupted and rep.seeds == (1,)
+    assert rep.metrics["gd"]["loss"].shape == (1, 4)

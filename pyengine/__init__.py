@@ -43,10 +43,8 @@ from .linalg.convert import as_linear_operator, from_linear_operator
 from .linalg.results import SpectralRadiusResult, SpectralResult, WeightScan
 from .linalg.spectral import layer_norm_spectral_norm, rms_norm_spectral_norm, spectral_norm, spectral_radius
 from .linalg.weights import weight_scan
-from .models.initialization import init_weights
-from .models.stack import Stack, StackConfig
-from .models.pretrained import PretrainedModel, load_pretrained
-from .analysis.propagate import DecayFit, Propagation, fit_decay, propagate
+from .models import PretrainedModel, Stack, StackConfig, init_weights, load_pretrained
+from .analysis import DecayFit, Propagation, fit_decay, propagate
 
 __version__ = "0.1.0"
 

@@ -479,3 +479,59 @@ def indices(name: str, value: Any, size: int) -> np.ndarray:
     if arr.size and (arr.min() < 0 or arr.max() >= size):
         raise IndexError(f"{name} must lie in [0, {size}); got values in [{arr.min()}, {arr.max()}]")
     return arr.astype(np.intp, copy=False)
+
+
+# -- models/analysis checks --
+# Stacks, their initialization and the analyses on them (models/, analysis/, experiments/).
+# They build on the checks above (finite, float_dtype, index, indices, choice) and keep
+# their message formats.
+
+
+def index_of(name: str, value: Any, size: int, what: str, *, negative: bool = False) -> int:
+    """:func:`index` with what it indexes in the message; ``negative``: [-size, 0) counts from the end.
+
+    ValueError ``"<name> must be an integer in [0, size) (<what>[; negative counts from
+    the end]); got <value>"``. Returns the index in [0, size).
+    """
+    low = -size if negative else 0
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or not low <= value < size:
+        more = "; negative counts from the end" if negative else ""
+        raise ValueError(f"{name} must be an integer in [0, {size}) ({what}{more}); got {value!r}")
+    return int(value) % size
+
+
+def int_seed(value: Any, name: str = "seed") -> int:
+    """A random seed that must be given: a non-negative integer (:func:`seed` also takes None)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 0:
+        raise ValueError(f"{name} must be a non-negative integer; got {value!r}")
+    return int(value)
+
+
+def nonnegative(name: str, value: Any) -> float:
+    """A finite real number >= 0 (bool excluded), e.g. a standard deviation."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Real) or not (np.isfinite(value) and value >= 0):
+        raise ValueError(f"{name} must be a finite number >= 0; got {value!r}")
+    return float(value)
+
+
+def unit_rows(name: str, a: Any, d: int) -> np.ndarray:
+    """Directions (d,) or (K, d), K >= 1, finite, none zero: as unit rows (K, d), float64."""
+    v = float_array(name, a)
+    if v.ndim not in (1, 2) or v.shape[-1] != d or v.size == 0:
+        raise ValueError(f"{name} must have shape ({d},) or (K, {d}) with K >= 1; got {v.shape}")
+    v = finite(name, np.atleast_2d(v).astype(np.float64))
+    # Divided by its largest |entry| before the norm is taken, so that the norm of a
+    # direction of 1e300 does not overflow (nor that of 1e-160 underflow): exact unit rows.
+    top = np.abs(v).max(axis=1)
+    if (top == 0).any():
+        raise ValueError(f"{name} {int(np.argmin(top))} is the zero vector: it has no direction")
+    v = v / top[:, None]
+    return v / np.linalg.norm(v, axis=1)[:, None]
+
+
+def reals(name: str, value: Any) -> np.ndarray:
+    """A number or a 1-D sequence of numbers, finite, at least one: as a float64 array (S,)."""
+    s = as_array(name, value, dtype=object if isinstance(value, str) else None)
+    if s.dtype.kind not in "iuf" or s.ndim > 1 or s.size == 0:
+        raise ValueError(f"{name} must be a number or a 1-D array of numbers; got {value!r}")
+    return finite(name, np.atleast_1d(s).astype(np.float64))

@@ -604,7 +604,8 @@ def test_stack_constructor_checks_weights():
 def test_bad_calls_raise_clear_errors():
     stack = make_stack(positions="learned")
     h = stream((T, D))
-    with pytest.raises(ValueError, match="k must be a block index"):
+    with pytest.raises(ValueError, match=r"k must be an integer in \[0, 2\)"
+                       r" \(a block index; negative counts from the end\); got 2"):
         stack.block_forward(2, h)
     with pytest.raises(ValueError, match=r"h must have shape \(T, 16\)"):
         stack.block_forward(0, h[:, :8])

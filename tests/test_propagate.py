@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 import pyengine as pe
-from pyengine.analysis.propagate import resolve_positions
+from pyengine.analysis import resolve_positions
 
 
 def _stack(dtype=np.float64, **kw):
@@ -189,7 +189,8 @@ def test_removing_the_residual_changes_the_measured_rate():
 def test_bad_arguments_get_clear_errors():
     st = _stack()
     v = np.ones(16)
-    with pytest.raises(ValueError, match="layer must be a hidden-state index in \\[0, 3\\]"):
+    with pytest.raises(ValueError, match=r"layer must be an integer in \[0, 4\)"
+                       r" \(a hidden-state index: the input of a block\); got 4"):
         pe.propagate(st, IDS, v, 1.0, 4)
     with pytest.raises(ValueError, match="layer must"):
         pe.propagate(st, IDS, v, 1.0, -1)
@@ -251,7 +252,7 @@ def test_fit_defaults_to_the_largest_scale_and_checks_its_index():
     st = _stack()
     r = pe.propagate(st, IDS, np.ones(16), [6.0, 0.1], 0)
     assert r.fit("all") == r.fit("all", 0)
-    with pytest.raises(ValueError, match=r"scale_index must be an int in \[0, 2\)"):
+    with pytest.raises(ValueError, match=r"scale_index must be an integer in \[0, 2\)"):
         r.fit("all", 2)
     with pytest.raises(ValueError, match="where must be one of"):
         r.view("cosine", "middle")

@@ -11,7 +11,7 @@ import pyengine as pe
 from pyengine.cli import main
 from pyengine.experiments import recovery
 from pyengine.experiments.recovery import byte_ids
-from pyengine.analysis.propagate import token_jacobians
+from pyengine.analysis import token_jacobians
 
 
 def _stack(seed=0, dtype=np.float64, **kw):
@@ -73,7 +73,8 @@ def test_token_jacobians_bad_arguments():
     h = st.hidden_states(np.arange(6))
     with pytest.raises(ValueError, match="positions must lie in"):
         token_jacobians(st, h[0], 0, [6])
-    with pytest.raises(ValueError, match="k must be a block index"):
+    with pytest.raises(ValueError, match=r"k must be an integer in \[0, 4\)"
+                       r" \(a block index; negative counts from the end\); got 4"):
         token_jacobians(st, h[0], 4, [0])
     with pytest.raises(ValueError, match=r"h must have shape \(T, d_model\)"):
         token_jacobians(st, h[:2], 0, [0])

@@ -1,3 +1,5 @@
 """Layer 3: propagation of perturbations and its metrics, decay fits, token Jacobians."""
 
-from .propagate import DecayFit, Propagation, fit_decay, propagate, token_jacobians
+from .decay import DecayFit, fit_decay
+from .jacobians import token_jacobians
+from .propagate import Propagation, position_mask, propagate, resolve_positions

@@ -16,90 +16,20 @@ injecting at ``layer`` perturbs the input of block ``layer + 1``.
 from __future__ import annotations
 
 import dataclasses
-import math
-import numbers
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
-from ..models import _blocks
 from .. import _validate as _v
+from ..models import Stack
+from .decay import DecayFit, fit_decay
 
-__all__ = ["DecayFit", "Propagation", "fit_decay", "propagate", "token_jacobians"]
+__all__ = ["Propagation", "position_mask", "propagate", "resolve_positions"]
 
 #: Bytes of activations one propagation chunk may hold (sets the default batch size).
 CHUNK_BYTES = 1 << 30
 _VIEWS = ("last", "injected", "downstream", "all")
-
-
-@dataclasses.dataclass(frozen=True)
-class DecayFit:
-    """Exponential fit |p_k| ~ exp(intercept - rate k) by least squares on log |p_k|.
-
-    ``rate`` > 0 is decay, < 0 growth. ``rate_ci`` is the 95 % interval of the
-    slope (Student t, n - 2 degrees of freedom; NaN with fewer than 3 points);
-    ``half_life`` = ln 2 / rate layers (inf when the rate is <= 0); ``intercept``
-    log |p| extrapolated to layer 0 (absolute index); ``r2`` the
-    coefficient of determination of the log-linear fit; ``n_points`` the layers used
-    (those with |p_k| > 0 and finite).
-    """
-
-    rate: float
-    rate_ci: tuple[float, float]
-    r2: float
-    half_life: float
-    intercept: float
-    n_points: int
-
-    def to_dict(self) -> dict[str, Any]:
-        return {"rate": self.rate, "rate_ci": list(self.rate_ci), "r2": self.r2,
-                "half_life": self.half_life, "intercept": self.intercept, "n_points": self.n_points}
-
-
-def fit_decay(values: Any, layers: Any | None = None) -> DecayFit:
-    """Fit the exponential rate of ``|values|`` over ``layers`` (default 0, 1, ...).
-
-    Parameters
-    ----------
-    values : array_like, (n,)
-        A magnitude per layer, e.g. ``|projection|`` at one position.
-    layers : array_like, (n,), optional
-        The layer index of each value.
-
-    Returns
-    -------
-    DecayFit
-        NaN rate (and n_points < 2) when fewer than two values are > 0.
-    """
-    from scipy import stats
-
-    y = np.abs(np.asarray(values, dtype=np.float64))
-    if y.ndim != 1:
-        raise ValueError(f"values must be 1-D (one per layer); got shape {y.shape}")
-    x = np.arange(y.size, dtype=np.float64) if layers is None else np.asarray(layers, dtype=np.float64)
-    if x.shape != y.shape:
-        raise ValueError(f"layers must have the shape of values {y.shape}; got {x.shape}")
-    keep = np.isfinite(y) & (y > 0) & np.isfinite(x)
-    x, y = x[keep], np.log(y[keep])
-    n = int(x.size)
-    nan = float("nan")
-    if n < 2 or np.ptp(x) == 0:
-        return DecayFit(nan, (nan, nan), nan, nan, nan, n)
-    xm, ym = x.mean(), y.mean()
-    sxx = float(((x - xm) ** 2).sum())
-    slope = float(((x - xm) * (y - ym)).sum() / sxx)
-    intercept = float(ym - slope * xm)
-    resid = y - (intercept + slope * x)
-    ss_res, ss_tot = float((resid**2).sum()), float(((y - ym) ** 2).sum())
-    r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
-    if n > 2:
-        half = float(stats.t.ppf(0.975, n - 2)) * math.sqrt(ss_res / (n - 2) / sxx)
-        ci = (-slope - half, -slope + half)
-    else:
-        ci = (nan, nan)
-    rate = -slope
-    return DecayFit(rate, ci, r2, math.log(2) / rate if rate > 0 else math.inf, intercept, n)
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -172,8 +102,7 @@ class Propagation:
         ``projection`` and ``delta_norm`` average magnitudes (|projection|); the
         result is NaN where the selection is empty (e.g. nothing downstream).
         """
-        if metric not in ("cosine", "projection", "norm_ratio", "delta_norm"):
-            raise ValueError(f"metric must be cosine, projection, norm_ratio or delta_norm; got {metric!r}")
+        _v.choice("metric", metric, ("cosine", "projection", "norm_ratio", "delta_norm"))
         a = getattr(self, metric)
         m = self.position_mask(where)
         if not m.any():
@@ -192,9 +121,7 @@ class Propagation:
         One scale: ``scale_index`` (default the largest). The first point is the
         injected hidden state ``layer`` itself, unless no selected position is injected.
         """
-        j = int(np.argmax(self.scales)) if scale_index is None else scale_index
-        if isinstance(j, bool) or not isinstance(j, numbers.Integral) or not 0 <= j < self.S:
-            raise ValueError(f"scale_index must be an int in [0, {self.S}); got {scale_index!r}")
+        j = int(np.argmax(self.scales)) if scale_index is None else _v.index("scale_index", scale_index, self.S)
         v = self.view("projection", where).reshape(-1, self.K, self.S)[:, :, j].mean(axis=1)
         return fit_decay(v, self.layers)
 
@@ -233,41 +160,6 @@ def position_mask(where: str, positions: np.ndarray, T: int) -> np.ndarray:
     return m
 
 
-
-def _layer(layer: Any, n_layers: int) -> int:
-    if isinstance(layer, bool) or not isinstance(layer, numbers.Integral) or not 0 <= layer < n_layers:
-        raise ValueError(
-            f"layer must be a hidden-state index in [0, {n_layers - 1}] (the input of a block); got {layer!r}"
-        )
-    return int(layer)
-
-
-def _directions(direction: Any, d: int) -> np.ndarray:
-    v = _v.float_array("direction", direction)
-    if v.ndim not in (1, 2) or v.shape[-1] != d or v.size == 0:
-        raise ValueError(f"direction must have shape ({d},) or (K, {d}) with K >= 1; got {v.shape}")
-    v = np.atleast_2d(v).astype(np.float64)
-    if not np.isfinite(v).all():
-        raise ValueError("direction contains NaN or Inf")
-    # Divided by its largest |entry| before the norm is taken, so that the norm of a
-    # direction of 1e300 does not overflow (nor that of 1e-160 underflow): exact unit rows.
-    top = np.abs(v).max(axis=1)
-    if (top == 0).any():
-        raise ValueError(f"direction {int(np.argmin(top))} is the zero vector: it has no direction")
-    v = v / top[:, None]
-    return v / np.linalg.norm(v, axis=1)[:, None]
-
-
-def _scales(scale: Any) -> np.ndarray:
-    s = np.asarray(scale, dtype=object if isinstance(scale, str) else None)
-    if s.dtype.kind not in "iuf" or s.ndim > 1 or s.size == 0:
-        raise ValueError(f"scale must be a number or a 1-D array of numbers; got {scale!r}")
-    s = np.atleast_1d(s).astype(np.float64)
-    if not np.isfinite(s).all():
-        raise ValueError("scale contains NaN or Inf")
-    return s
-
-
 def resolve_positions(positions: Any, T: int) -> np.ndarray:
     """Sorted unique positions from "all", "last", an int, a slice or a list (negative from the end)."""
     if isinstance(positions, str):
@@ -298,14 +190,6 @@ def resolve_positions(positions: Any, T: int) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- engine
-
-
-def baseline(model: Any, input_ids: Any, layer: int, dtype: Any) -> tuple[np.ndarray, list[dict[str, Any]]]:
-    """Hidden states (n_layers + 1, T, d) of one sequence and the block caches from ``layer`` on."""
-    h, caches = model._forward(input_ids, dtype, cache_from=layer)
-    if h.ndim != 3:
-        raise ValueError(f"input_ids must be one sequence (T,) of ids or (T, d_model) floats; got a batch {h.shape[1:]}")
-    return h, caches
 
 
 class _Metrics:
@@ -382,20 +266,19 @@ def propagate(
     -------
     Propagation
     """
-    from ..models.stack import Stack, _float_dtype
-
     if not isinstance(model, Stack):
         raise TypeError(f"model must be a pyengine Stack or pretrained model; got {type(model).__name__}")
     cfg = model.config
-    layer = _layer(layer, cfg.n_layers)
-    V = _directions(direction, cfg.d_model)
-    S = _scales(scale)
+    layer = _v.index_of("layer", layer, cfg.n_layers, "a hidden-state index: the input of a block")
+    V = _v.unit_rows("direction", direction, cfg.d_model)
+    S = _v.reals("scale", scale)
     _v.frozen(mode)
     linearized = _v.flag("linearized", linearized)
     progress = _v.callback(progress, "progress")
-    dt = model.dtype if dtype is None else _float_dtype(dtype)
+    dt = model.dtype if dtype is None else _v.float_dtype("dtype", dtype)
     batch_size = _v.count("batch_size", batch_size, allow_none=True)
-    h_base, caches = baseline(model, input_ids, layer, dt)
+    # Hidden states (n_layers + 1, T, d) of the one sequence, and the block caches from ``layer`` on.
+    h_base, caches = model.forward(input_ids, dt, cache_from=layer)
     T, d = h_base.shape[1:]
     pos = resolve_positions(positions, T)
     s = int(pos[0]) if cfg.causal else 0
@@ -406,9 +289,6 @@ def propagate(
     if batch_size is None:
         per = (T - s) * (4 * d + cfg.n_heads * T + 3 * cfg.d_mlp) * dt.itemsize * 2
         batch_size = max(1, CHUNK_BYTES // max(per, 1))
-    blocks = model._params(dt)[0]
-    ctx = _blocks.make_context(cfg, T, dt, s)
-    jvp_caches = [_blocks.suffix(_blocks.make_context(cfg, T, dt), c, s) for c in caches] if linearized else None
 
     hf = h_base.astype(np.float64)  # (n_layers + 1, T, d)
     sq = np.einsum("ktd,ktd->kt", hf, hf)  # |h_k|^2 per position
@@ -437,12 +317,11 @@ def propagate(
         x = delta0.astype(dt) if linearized else (h_base[layer, s:] + delta0).astype(dt)
         for i in range(L):
             if i:
-                k = layer + i - 1
+                c = caches[i - 1]  # block layer + i - 1 at the baseline; rows s.. only
                 if linearized:
-                    c_ctx, c_cache = jvp_caches[i - 1]
-                    x = _blocks.block_jvp(blocks[k], c_ctx, x, c_cache, mode)
+                    x = model.block_jvp(c.block, c.h, x, mode, c, start=s)
                 else:
-                    x = _blocks.block_forward(blocks[k], ctx, x, {"attn.past": caches[i - 1]})
+                    x = model.block_forward(c.block, x, past=c)
                 done += 1
                 if progress is not None:
                     progress(done, total)
@@ -476,53 +355,3 @@ def propagate(
         base_adjacent_cosine=adj, base_step=np.linalg.norm(b - a, axis=-1), deltas=deltas,
         delta_positions=keep,
     )
-
-
-def token_jacobians(
-    model: Any, h: Any, block: int, tokens: Any, *, mode: str = "full", chunk: int = 256
-) -> np.ndarray:
-    """Dense per-token diagonal blocks d out_t / d h_t of block ``block`` at its input ``h``.
-
-    With a causal mask the Jacobian of a block over all T tokens is block
-    lower-triangular, so its eigenvalues are those of these (d, d) blocks.
-
-    Parameters
-    ----------
-    model : Stack
-    h : array_like, (T, d_model), float32 or float64
-        The block's input (e.g. ``model.hidden_states(ids)[block]``); its dtype is
-        the compute dtype.
-    block : int
-        Block index (0-based: block k maps hidden state k to k + 1).
-    tokens : "all", "last", int, slice or sequence of ints
-        Positions t (negative count from the end); used sorted and without repeats.
-    mode : {"full", "frozen_scale"}
-    chunk : int
-        Basis vectors pushed through one batched JVP.
-
-    Returns
-    -------
-    ndarray, (R, d_model, d_model), h's dtype: ``A[r] @ u`` is the change of the
-    block output at the r-th selected token per change u of the input at that token.
-    """
-    k = model._block_index(block)
-    _v.frozen(mode)
-    chunk = _v.count("chunk", chunk)
-    x, batched = model._stream("h", h)
-    if batched:
-        raise ValueError(f"h must have shape (T, d_model); got {x.shape}")
-    T, d = x.shape[1:]
-    rows = resolve_positions(tokens, T)
-    w = model._params(x.dtype)[0][k]
-    ctx = _blocks.make_context(model.config, T, x.dtype)
-    cache: dict[str, Any] = {}
-    _blocks.block_forward(w, ctx, x, cache)
-    dctx, dcache = _blocks.diagonal(ctx, cache, rows)
-    out = np.empty((rows.size, d, d), x.dtype)
-    for i0 in range(0, d, chunk):
-        i1 = min(d, i0 + chunk)
-        basis = np.zeros((i1 - i0, rows.size, d), x.dtype)
-        basis[np.arange(i1 - i0), :, np.arange(i0, i1)] = 1.0
-        cols = _blocks.block_jvp(w, dctx, basis, dcache, mode)  # (n, R, d): columns i0..i1 of each A_r
-        out[:, :, i0:i1] = cols.transpose(1, 2, 0)
-    return out

@@ -32,22 +32,14 @@ import numpy as np
 
 from .. import _validate as _v
 from ..models import Stack, StackConfig, init_weights
-from ..analysis.propagate import (
-    DecayFit,
-    Propagation,
-    position_mask,
-    propagate,
-    resolve_positions,
-    token_jacobians,
-)
+from ..analysis import DecayFit, Propagation, position_mask, propagate, resolve_positions, token_jacobians
+from ._report import LINEAR_TOL, _verdicts
 
 __all__ = ["DEFAULT_TEXT", "Recovery", "byte_ids", "default_model", "recovery"]
 
 DEFAULT_TEXT = "The residual stream carries a small push forward through every layer until the last token reads it."
 DEFAULT_SCALES = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 6.0, 10.0, 30.0)
 PROTOCOL_SCALE = 6.0  # the published protocol injects 6 v/|v|
-#: Relative disagreement of exact and linearized projections that still counts as linear.
-LINEAR_TOL = 0.10
 Progress = Callable[[float, str], None]
 
 
@@ -172,83 +164,6 @@ class Recovery:
         }
 
 
-def _fmt_fit(f: DecayFit) -> str:
-    return f"{f.rate:+.3f} [{f.rate_ci[0]:+.3f}, {f.rate_ci[1]:+.3f}] per layer (R^2 {f.r2:.2f}, {f.n_points} layers)"
-
-
-def _solid(f: DecayFit) -> bool:
-    """A fit with a finite rate and a finite 95 % interval (at least 3 layers)."""
-    return f.n_points >= 3 and all(math.isfinite(v) for v in (f.rate, *f.rate_ci))
-
-
-def _halfwidth(f: DecayFit) -> float:
-    return (f.rate_ci[1] - f.rate_ci[0]) / 2
-
-
-#: Verdict (1) calls the spectra consistent when |rate + mean log rho| is within the
-#: fit's 95 % half-width + SPECTRA_ABS + SPECTRA_REL * |mean log rho|.
-SPECTRA_ABS, SPECTRA_REL = 0.05, 0.25
-#: An interval half-width above this makes a verdict inconclusive.
-WIDE = 0.25
-
-
-def _verdicts(r: Recovery) -> list[str]:
-    cfg, out = r.config, []
-    lam, fit = r.fit_exact.rate, r.fit_exact
-    pred = float(-np.log(r.rho.max(axis=1)).mean())
-    rho_min, sig = float(r.rho.min()), r.sigma.max(axis=1)
-    one = float(r.ones_residual.max())
-    g = r.gain_linear
-    gains = (f"linearized gain along v, v.A_k delta / v.delta: geometric mean {math.exp(np.nanmean(np.log(g))):.4f} "
-             f"per block (range {np.nanmin(g):.4f}-{np.nanmax(g):.4f})" if np.isfinite(g).any() else
-             "linearized gain along v: undefined (zero projection)")
-    if cfg.placement == "pre" and cfg.residual and cfg.norm == "layernorm":
-        bound = (f"rho(A_k) >= 1 for every pre-LN residual block: each LayerNorm Jacobian annihilates the "
-                 f"all-ones vector, so A_k 1 = 1 (measured max |A_k 1 - 1| = {one:.1e}); measured min rho = "
-                 f"{rho_min:.4f}, so -log rho <= 0 predicts no decay")
-    else:
-        bound = (f"this stack ({cfg.placement}-{cfg.norm}, residual {'on' if cfg.residual else 'off'}) has no "
-                 f"structural eigenvalue 1 (max |A_k 1 - 1| = {one:.2e}): the bound is measured, min rho = "
-                 f"{rho_min:.4f}")
-    if not cfg.causal:
-        bound += ("; attention is not causal here, so the full Jacobian is not block-triangular and these "
-                  "per-token blocks do not carry its eigenvalues")
-    tol = SPECTRA_ABS + SPECTRA_REL * abs(pred)
-    if not _solid(fit):
-        head = "INCONCLUSIVE (the fit has too few layers or no finite interval)"
-    elif _halfwidth(fit) > WIDE:
-        head = f"INCONCLUSIVE (the rate's 95 % interval is +-{_halfwidth(fit):.2f} wide)"
-    else:
-        head = "CONSISTENT" if abs(lam - pred) <= _halfwidth(fit) + tol else "CONTRADICTED"
-    out.append(
-        f"(1) spectra: {head}: -mean log rho = {pred:+.3f} per layer would be the rate (accepted within the "
-        f"interval + {tol:.3f}); measured {_fmt_fit(fit)}; sigma_max {sig.min():.3f}-{sig.max():.3f}; {gains}. "
-        f"{bound}."
-    )
-    nr = r.no_residual
-    if not (_solid(nr) and _solid(fit)):
-        head = "INCONCLUSIVE (too few layers or no finite interval)"
-    else:
-        head = "CHANGES THE RATE" if abs(nr.rate - lam) > _halfwidth(nr) + _halfwidth(fit) else "NO MEASURABLE EFFECT"
-    out.append(f"(2) residual: {head}: with residual {lam:+.3f}, without {_fmt_fit(nr)}.")
-    for name, sweep in (("eps", r.eps_sweep), ("gamma scale", r.gamma_sweep)):
-        vals = ", ".join(f"{v:.3g}: {f.rate:+.3f}" for v, f in sweep)
-        if len(sweep) < 2 or not all(_solid(f) for _, f in sweep):
-            out.append(f"(3) {name}: INCONCLUSIVE (fewer than two values or a fit without an interval): {vals}.")
-            continue
-        rates = np.array([f.rate for _, f in sweep])
-        widths = max(_halfwidth(f) for _, f in sweep)
-        spread = float(rates.max() - rates.min())
-        head = "CHANGES THE RATE" if spread > 2 * widths + 0.02 else "NO MEASURABLE EFFECT"
-        out.append(f"(3) {name}: {head} (spread {spread:.3f} per layer, intervals +-{widths:.3f}): {vals}.")
-    lr = r.linear_regime
-    out.append("linear regime: " + (f"exact and linearized delta agree within {LINEAR_TOL:.0%} (|d_ex - d_lin| / "
-                                    f"|d_lin| at the read-out, every layer) for scales {lr[0]:g} to {lr[1]:g}"
-                                    if lr else f"no scale tried keeps exact and linearized delta within "
-                                    f"{LINEAR_TOL:.0%}") + ".")
-    return out
-
-
 def _linear_gap(ex: Propagation, li: Propagation) -> np.ndarray:
     """(S,): max over the layers after the injection of |delta_ex - delta_lin| / |delta_lin|,
     both summed over the directions and the kept (read-out) positions; NaN where
@@ -331,7 +246,7 @@ def recovery(
     """
     t_start = time.perf_counter()
     # Every argument is checked here, before the first (expensive) propagation.
-    seed = _v.seed(seed)
+    seed = _v.int_seed(seed)
     say = _v.callback(progress, "progress") or (lambda f, s: None)
     protocol_scale = _v.real("protocol_scale", protocol_scale, low=0, low_open=True)
     scales = _v.as_array("scales", scales, np.float64)
@@ -358,8 +273,7 @@ def recovery(
             raise ValueError(f"this model has no tokenizer and {cfg.vocab_size} < 256 token ids, so text cannot "
                              "be read as UTF-8 bytes; pass ids")
     ids = np.asarray(ids)
-    if read not in ("last", "injected", "downstream", "all"):
-        raise ValueError(f"read must be 'last', 'injected', 'downstream' or 'all'; got {read!r}")
+    _v.choice("read", read, ("last", "injected", "downstream", "all"))
     if ids.ndim not in (1, 2) or ids.ndim != (1 if ids.dtype.kind in "iu" else 2):
         raise ValueError(f"ids must be one sequence: token ids (T,) or a float stream (T, d); got shape {ids.shape}")
     T = ids.shape[0]

@@ -3,12 +3,13 @@
 This is the engine behind :mod:`pyengine.models.stack`; it assumes validated, C-contiguous
 float32/float64 input and computes in that dtype. Residual streams here always
 carry a batch axis: ``(B, T, d)``. Every weight product sees ``(B*T, d)`` rows, so
-B sequences (forward) or K tangents (JVP) make one large GEMM. Normalization runs
-in pyengine's kernels, and so do softmax and activations (the raw kernels of the
-"auto" backend: the inputs here are already validated and contiguous).
+B sequences (forward) or K tangents (JVP) make one large GEMM. Normalization,
+softmax and activations run in the raw kernels of the "auto" backend, called directly:
+the Stack checked the inputs once, and the weights when it was made.
 
 A JVP linearizes at one sequence: its cached base activations have a leading axis
-of 1 and broadcast against the K tangents' leading axis.
+of 1 and broadcast against the K tangents' leading axis. Attention is in
+:mod:`pyengine.models._attention`; norms, MLP and the block assembly are here.
 
 Weight names inside a block (the public layer strips the ``blocks.<k>.`` prefix):
 ``norm1.gamma``, ``norm1.beta`` (LayerNorm only), ``norm2.*`` (sequential layout
@@ -26,8 +27,10 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from .. import _validate as _v
 from ..kernels.activations import kernel
-from ..kernels.layernorm import layer_norm, layer_norm_jvp, rms_norm, rms_norm_jvp
+from ..kernels.layernorm import kernel as norm_kernel
+from ._attention import attn, attn_jvp, check
 
 
 Weights = dict[str, np.ndarray]
@@ -131,20 +134,41 @@ def sinusoidal_positions(T: int, d: int, dtype: np.dtype) -> np.ndarray:
 
 
 # --------------------------------------------------------------------------- norms
-# Called through these two module-level names (tests replace ``norm`` to freeze scales).
+# Called through these two module-level names (tests replace ``norm`` to freeze scales). A
+# kernel's bad-row count becomes the message of pyengine.layer_norm & co.
+
+_KERNEL = {"layernorm": "layer_norm", "rmsnorm": "rms_norm"}
+#: JVP tangents of at least this many rows go to the kernel one by one, against the base
+#: rows as they are; smaller ones (many of them) at once, against a broadcast copy.
+_ROWS_PER_CALL = 8
 
 
 def norm(kind: str, x: np.ndarray, gamma: np.ndarray, beta: np.ndarray | None, eps: float) -> np.ndarray:
-    if kind == "layernorm":
-        return layer_norm(x, gamma, beta, eps)
-    return rms_norm(x, gamma, eps)
+    """The norm of x (..., d) in x's dtype (beta None: zeros; LayerNorm only)."""
+    name = _KERNEL[kind]
+    x2 = np.ascontiguousarray(x).reshape(-1, x.shape[-1])
+    out = np.empty(x.shape, x.dtype)
+    args = (x2, gamma) if kind == "rmsnorm" else (x2, gamma, np.zeros_like(gamma) if beta is None else beta)
+    _v.raise_bad_rows(norm_kernel(name)(*args, eps, out.reshape(x2.shape)), x2, x.shape, eps, name)
+    return out
 
 
 def norm_jvp(kind: str, x: np.ndarray, v: np.ndarray, gamma: np.ndarray, eps: float, mode: str) -> np.ndarray:
-    # The kernels take one base row per tangent row: broadcast the (1, T, d) base over K.
-    xb = x if x.shape == v.shape else np.broadcast_to(x, v.shape)
-    fn = layer_norm_jvp if kind == "layernorm" else rms_norm_jvp
-    return fn(xb, v, gamma, eps, mode)
+    """The norm's JVP at x, (1, T, d) or v's shape, for the tangents v (K, T, d), in v's dtype."""
+    name = _KERNEL[kind]
+    fn, frozen, d = norm_kernel(name + "_jvp"), mode == "frozen_scale", v.shape[-1]
+    v2 = np.ascontiguousarray(v).reshape(-1, d)
+    out = np.empty(v.shape, v.dtype)
+    tile = lambda: np.ascontiguousarray(np.broadcast_to(x, v.shape)).reshape(-1, d)  # noqa: E731
+    if x.shape == v.shape or v.shape[-2] < _ROWS_PER_CALL:  # one base row per tangent row
+        nbad = fn(tile(), v2, gamma, eps, frozen, out.reshape(-1, d))
+    else:  # one call per tangent, on the (T, d) base rows: no copies of the base
+        x2 = np.ascontiguousarray(x).reshape(-1, d)
+        v3, o3 = v2.reshape((-1,) + x2.shape), out.reshape((-1,) + x2.shape)
+        nbad = sum(fn(x2, v3[j], gamma, eps, frozen, o3[j]) for j in range(v3.shape[0]))
+    if nbad:
+        _v.raise_bad_rows(nbad, tile(), v.shape, eps, name, "v", v2)
+    return out
 
 
 def _norm(w: Weights, cfg: Any, name: str, x: np.ndarray, cache: Cache) -> np.ndarray:
@@ -156,138 +180,13 @@ def _norm_jvp(w: Weights, cfg: Any, name: str, dx: np.ndarray, cache: Cache, mod
     return norm_jvp(cfg.norm, cache[name], dx, w[name + ".gamma"], cfg.eps, mode)
 
 
-# --------------------------------------------------------------------------- attention
-
-
-def _split_heads(qkv: np.ndarray, B: int, T: int, cfg: Any) -> tuple[np.ndarray, ...]:
-    """(B*T, (H+2Hkv) dh) -> q (B, H, T, dh), k and v (B, Hkv, T, dh), as strided views."""
-    H, Hkv = cfg.n_heads, cfg.n_kv_heads
-    x = qkv.reshape(B, T, H + 2 * Hkv, cfg.head_dim)
-    return (x[:, :, :H].transpose(0, 2, 1, 3), x[:, :, H : H + Hkv].transpose(0, 2, 1, 3),
-            x[:, :, H + Hkv :].transpose(0, 2, 1, 3))
-
-
-def _rotate(x: np.ndarray, table: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
-    """Half-split rotary embedding (GPT-NeoX / Llama): pairs (i, i + dh/2) rotate by angle_i."""
-    cos, sin = table
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    out = np.empty(x.shape, x.dtype)
-    o1, o2 = out[..., :half], out[..., half:]
-    np.multiply(x1, cos, out=o1)
-    o1 -= x2 * sin
-    np.multiply(x2, cos, out=o2)
-    o2 += x1 * sin
-    return out
-
-
-def _qk(ctx: Context, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rotate q and k (if rotary) and fold 1/sqrt(dh) into q; q comes back C-contiguous."""
-    if ctx.rope_q is not None:
-        return _rotate(q, ctx.rope_q), _rotate(k, ctx.rope_k)
-    return np.multiply(q, 1.0 / math.sqrt(q.shape[-1]), out=np.empty(q.shape, q.dtype)), k
-
-
-def _check(nbad: int, what: str) -> None:
-    if nbad:
-        raise ValueError(f"{what}: {nbad} row(s) hold NaN or Inf (overflow in the block; are the inputs huge?)")
-
-
-def _softmax_(s: np.ndarray, ctx: Context) -> np.ndarray:
-    """Row softmax of the scores s (..., Tq, Tk) in place, causal rows j <= start + i."""
-    tq, tk = s.shape[-2:]
-    s3 = s.reshape(-1, tq, tk)
-    _check(kernel("softmax")(s3, ctx.start if ctx.cfg.causal else tk - 1, s3), "attention scores")
-    return s
-
-
-def _heads_out(B: int, T: int, cfg: Any, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """A (B, T, H, dh) buffer and its (B, Hkv, g, T, dh) view, so P @ V lands in GEMM layout."""
-    H, Hkv, dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-    buf = np.empty((B, T, H, dh), dtype)
-    return buf, buf.reshape(B, T, Hkv, H // Hkv, dh).transpose(0, 2, 3, 1, 4)
-
-
-def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
-    """Multi-head (grouped-query) self-attention of a (B, T, d) -> (B, T, d).
-
-    With ``ctx.start`` = s > 0, ``a`` holds rows s..T-1 only and the keys and
-    values of rows < s come from ``cache["attn.past"]`` (the base sequence's cache
-    of this block, batch 1): causal attention cannot change those rows.
-    """
-    cfg = ctx.cfg
-    B, T, d = a.shape
-    H, Hkv = cfg.n_heads, cfg.n_kv_heads
-    qkv = a.reshape(B * T, d) @ w["attn.w_qkv"]
-    if cfg.bias:
-        qkv += w["attn.b_qkv"]
-    q, k, v = _split_heads(qkv, B, T, cfg)
-    q, k = _qk(ctx, q, k)
-    # Query heads h = j*g + i share key/value head j: (B, Hkv, g, T, dh) against (B, Hkv, 1, T, dh).
-    q5 = q.reshape(B, Hkv, H // Hkv, T, cfg.head_dim)
-    k5, v5 = k[:, :, None], v[:, :, None]
-    s = ctx.start
-    if s:
-        past = cache.pop("attn.past")
-        k5, v5 = (_prepend(p[..., :s, :], x) for p, x in zip((past["attn.k"], past["attn.v"]), (k5, v5)))
-    p = _softmax_(np.matmul(q5, k5.swapaxes(-1, -2)), ctx)
-    buf, view = _heads_out(B, T, cfg, a.dtype)
-    np.matmul(p, v5, out=view)
-    out = buf.reshape(B * T, H * cfg.head_dim) @ w["attn.w_o"]
-    if cfg.bias:
-        out += w["attn.b_o"]
-    cache.update({"attn.q": q5, "attn.k": k5, "attn.v": v5, "attn.p": p})
-    return out.reshape(B, T, d)
-
-
-def _prepend(head: np.ndarray, tail: np.ndarray) -> np.ndarray:
-    """(1, ..., s, dh) rows before (B, ..., T', dh) rows, along the row axis, for every batch entry."""
-    out = np.empty(tail.shape[:-2] + (head.shape[-2] + tail.shape[-2], tail.shape[-1]), tail.dtype)
-    out[..., : head.shape[-2], :] = head
-    out[..., head.shape[-2] :, :] = tail
-    return out
-
-
-def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarray:
-    """Tangent of :func:`attn`: (K, T, d) -> (K, T, d), including the softmax JVP.
-
-    With ``ctx.start`` = s the tangent rows are s..T-1 (zero before); with
-    ``ctx.rows`` the per-token diagonal blocks (see :func:`diagonal`).
-    """
-    cfg = ctx.cfg
-    K, T, d = da.shape
-    H, Hkv = cfg.n_heads, cfg.n_kv_heads
-    dq, dk, dv = _split_heads(da.reshape(K * T, d) @ w["attn.w_qkv"], K, T, cfg)
-    dq, dk = _qk(ctx, dq, dk)  # rotation and scaling are linear
-    q5, k5, v5, p = cache["attn.q"], cache["attn.k"], cache["attn.v"], cache["attn.p"]
-    dk5, dv5 = dk[:, :, None], dv[:, :, None]
-    ds = np.matmul(dq.reshape(K, Hkv, H // Hkv, T, cfg.head_dim), k5.swapaxes(-1, -2))
-    if ctx.rows is not None:
-        # Token r's tangent moves only its own key: score (r, rows[r]) gains q_r . dk_r.
-        r = np.arange(T)
-        ds[..., r, ctx.rows] += np.einsum("...rd,...rd->...r", q5, dk5)
-    else:
-        ds[..., ctx.start :] += np.matmul(q5, dk5.swapaxes(-1, -2))
-    # dP = P * (dS - sum_j P dS): masked entries have P = 0, so they drop out exactly.
-    tq, tk = ds.shape[-2:]
-    ds4 = ds.reshape(K, -1, tq, tk)
-    _check(kernel("softmax_jvp")(p.reshape(-1, tq, tk), ds4, ds4), "attention score tangents")
-    buf, view = _heads_out(K, T, cfg, da.dtype)
-    np.matmul(ds, v5, out=view)
-    if ctx.rows is not None:
-        view += p[..., np.arange(T), ctx.rows][..., None] * dv5
-    else:
-        view += np.matmul(p[..., ctx.start :], dv5)
-    return (buf.reshape(K * T, H * cfg.head_dim) @ w["attn.w_o"]).reshape(K, T, d)
-
-
 # --------------------------------------------------------------------------- MLP
 
 
 def _act(name: str, u: np.ndarray, n: int) -> np.ndarray:
     """Activation of the (N, n_in) pre-activations u (C-contiguous): (N, n_in), or (N, n) if gated."""
     y = np.empty((u.shape[0], n if name == "silu_gated" else u.shape[1]), u.dtype)
-    _check(kernel(name)(u, y), "MLP pre-activations")
+    check(kernel(name)(u, y), "MLP pre-activations")
     return y
 
 
@@ -295,10 +194,10 @@ def _act_coef(name: str, u: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
     """Coefficients of the activation's JVP at u: dz = c * du, or A dgate + B dup if gated."""
     if name == "silu_gated":
         a, b = np.empty((u.shape[0], n), u.dtype), np.empty((u.shape[0], n), u.dtype)
-        _check(kernel("silu_gated_grad")(u, a, b), "MLP pre-activations")
+        check(kernel("silu_gated_grad")(u, a, b), "MLP pre-activations")
         return a, b
     c = np.empty_like(u)
-    _check(kernel(name + "_grad")(u, c), "MLP pre-activations")
+    check(kernel(name + "_grad")(u, c), "MLP pre-activations")
     return (c,)
 
 

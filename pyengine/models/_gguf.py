@@ -12,6 +12,8 @@ from typing import Any
 
 import numpy as np
 
+from .. import _validate as _v
+
 #: llama.cpp's ``tokenizer.ggml.pre`` values whose pre-tokenizer is "every digit
 #: alone, then the GPT-2 regex" (llama-vocab.cpp groups them; HF's tokenizer.json for
 #: SmolLM2 is Sequence[Digits(individual_digits), ByteLevel]).
@@ -83,9 +85,7 @@ class GGUFFile:
             raise ValueError(f"{where}: tensor {name!r} dequantizes to shape {a.shape}, not {tuple(shape)}")
         if np.may_share_memory(a, raw.data) or a.dtype != np.float32:  # float tensors come back as file views
             a = np.array(a, dtype=np.float32)
-        if not np.isfinite(a).all():
-            i = tuple(int(j) for j in np.argwhere(~np.isfinite(a))[0])
-            raise ValueError(f"{where}: tensor {name!r} contains NaN or Inf (first at {i}: {a[i]})")
+        _v.finite(f"{where}: tensor {name!r}", a)
         return a
 
     def close(self) -> None:

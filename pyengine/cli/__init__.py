@@ -45,7 +45,7 @@ def _commands() -> dict[str, ModuleType]:
 
 def parser() -> argparse.ArgumentParser:
     """The argument parser of the ``pyengine`` command, with every subcommand of :data:`COMMANDS`."""
-    p = argparse.ArgumentParser(prog="pyengine", description=__doc__.split("\n\n")[0])
+    p = argparse.ArgumentParser(prog="pyengine", description=__doc__.split("\n\n")[0].replace("``", ""))
     sub = p.add_subparsers(dest="command", required=True)
     for module in _commands().values():
         module.add_parser(sub)

@@ -51,6 +51,9 @@ auto tangent(const T* t_row, const T* gamma) {
     };
 }
 
+// The tangent of slow_stats when there is none.
+inline constexpr auto no_tangent = [](index_t) { return 0.0; };
+
 template <class V>
 V square(V a) {
     return a * a;
@@ -174,13 +177,20 @@ std::int64_t layer_norm(const T* x, const T* gamma, const T* beta, double eps, i
             const T* xr = x + row * d;
             T* o = out + row * d;
             const auto stats = ln_mean_var(xr, d, sums.first);
-            const double mu = stats.first;  // a plain local: the row writer captures it
+            double mu = stats.first;  // a plain local: the row writer captures it
             const double sq = stats.second + eps;
-            if (!(std::isfinite(mu) && good_scale(sq))) {
+            double inv_s = 1.0 / std::sqrt(sq);
+            bool bad = !(std::isfinite(mu) && good_scale(sq));
+            if (!safe_scale(sq, mu)) {  // a row of extreme magnitude: its statistics, rescaled
+                const auto slow = slow_stats(xr, d, eps, true, false, no_tangent);
+                mu = slow.mu;
+                inv_s = 1.0 / slow.scale;
+                bad = slow.bad;
+            }
+            if (bad) {
                 write_nan_row(o, d);
                 return true;
             }
-            const double inv_s = 1.0 / std::sqrt(sq);
             write_row(
                 o, d, stream,
                 [=](auto lane, index_t j) {
@@ -223,16 +233,26 @@ std::int64_t ln_tangent(const T* x, const T* t, const T* gamma, double eps, bool
             mu = static_cast<double>(xr[0]);
             sxx = sxw = 0.0;
         }
-        auto xc = [=](auto lane, index_t j) { return element(xr)(lane, j) - mu; };
         const double sq = sxx * inv_d + eps;
-        // Non-finite sums flag NaN/Inf anywhere in x (mu) or in the tangent (mw).
-        if (!(std::isfinite(mu) && std::isfinite(mw) && good_scale(sq))) {
+        double inv_s = 1.0 / std::sqrt(sq);
+        // xh_j mean(xh w) = (x_j - mu) * k with k = mean((x - mu) w) / s^2.
+        double k = frozen ? 0.0 : sxw * inv_d / sq;
+        bool bad = !good_scale(sq);
+        if (!safe_scale(sq, mu)) {  // a row of extreme magnitude: its statistics, rescaled
+            const auto slow = slow_stats(xr, d, eps, true, !frozen,
+                                         [=](index_t j) { return w(Scalar{}, j); });
+            mu = slow.mu;
+            inv_s = 1.0 / slow.scale;
+            k = frozen ? 0.0 : slow.k;
+            bad = slow.bad;
+        }
+        auto xc = [=](auto lane, index_t j) { return element(xr)(lane, j) - mu; };
+        // Non-finite sums flag NaN/Inf anywhere in x (mu) or in the tangent (mw), or
+        // sums of the tangent that overflowed (mw, k).
+        if (bad || !(std::isfinite(mu) && std::isfinite(mw) && std::isfinite(k))) {
             write_nan_row(o, d);
             return true;
         }
-        const double inv_s = 1.0 / std::sqrt(sq);
-        // xh_j mean(xh w) = (x_j - mu) * k with k = mean((x - mu) w) / s^2.
-        const double k = frozen ? 0.0 : sxw * inv_d / sq;
         write_row(
             o, d, stream,
             [=](auto lane, index_t j) {
@@ -273,10 +293,17 @@ std::int64_t layer_norm_jacobian(const T* x, const T* gamma, double eps, bool fr
     std::vector<char> bad(static_cast<std::size_t>(n));
     count_bad_rows(n, d, [&, first_pass = ln_first_pass(x, d)](index_t row) {
         const auto mean_var = ln_mean_var(x + row * d, d, first_pass(row).finish().first);
-        const double mu = mean_var.first;
+        double mu = mean_var.first;
         const double sq = mean_var.second + eps;
-        const bool is_bad = !(std::isfinite(mu) && good_scale(sq));
-        stats[static_cast<std::size_t>(row)] = {mu, is_bad ? kNaN : 1.0 / std::sqrt(sq)};
+        double s = std::sqrt(sq);
+        bool is_bad = !(std::isfinite(mu) && good_scale(sq));
+        if (!safe_scale(sq, mu)) {  // a row of extreme magnitude: its statistics, rescaled
+            const auto slow = slow_stats(x + row * d, d, eps, true, false, no_tangent);
+            mu = slow.mu;
+            s = slow.scale;
+            is_bad = slow.bad;
+        }
+        stats[static_cast<std::size_t>(row)] = {mu, is_bad ? kNaN : 1.0 / s};
         bad[static_cast<std::size_t>(row)] = is_bad;
         return is_bad;
     });
@@ -297,12 +324,18 @@ std::int64_t rms_norm(const T* x, const T* gamma, double eps, index_t n, index_t
             const T* xr = x + row * d;
             T* o = out + row * d;
             const double sq = sums.first / static_cast<double>(d) + eps;
+            double inv_r = 1.0 / std::sqrt(sq);
             // A NaN/Inf in x makes the sum of squares NaN/Inf.
-            if (!good_scale(sq)) {
+            bool bad = !good_scale(sq);
+            if (!safe_scale(sq, 0.0)) {  // a row of extreme magnitude: its statistics, rescaled
+                const auto slow = slow_stats(xr, d, eps, false, false, no_tangent);
+                inv_r = 1.0 / slow.scale;
+                bad = slow.bad;
+            }
+            if (bad) {
                 write_nan_row(o, d);
                 return true;
             }
-            const double inv_r = 1.0 / std::sqrt(sq);
             write_row(
                 o, d, stream,
                 [=](auto lane, index_t j) {
@@ -342,12 +375,20 @@ std::int64_t rms_tangent(const T* x, const T* t, const T* gamma, double eps, boo
         const double sxw = sums.second;
         // NaN/Inf in x makes sum x^2 non-finite; in w, sum x w (x_j Inf is Inf, or NaN
         // if x_j = 0).
-        if (!(std::isfinite(sxw) && good_scale(sq))) {
+        bool bad = !(std::isfinite(sxw) && good_scale(sq));
+        double inv_r = 1.0 / std::sqrt(sq);
+        double k = frozen ? 0.0 : sxw * inv_d / sq;  // mean(x w) / r^2
+        if (!safe_scale(sq, 0.0)) {  // a row of extreme magnitude: its statistics, rescaled
+            const auto slow = slow_stats(xr, d, eps, false, true,
+                                         [=](index_t j) { return w(Scalar{}, j); });
+            inv_r = 1.0 / slow.scale;
+            k = frozen ? 0.0 : slow.k;
+            bad = slow.bad;
+        }
+        if (bad) {
             write_nan_row(o, d);
             return true;
         }
-        const double inv_r = 1.0 / std::sqrt(sq);
-        const double k = frozen ? 0.0 : sxw * inv_d / sq;  // mean(x w) / r^2
         write_row(
             o, d, stream,
             [=](auto lane, index_t j) {
@@ -388,8 +429,14 @@ std::int64_t rms_norm_jacobian(const T* x, const T* gamma, double eps, bool froz
     std::vector<char> bad(static_cast<std::size_t>(n));
     count_bad_rows(n, d, [&, first_pass = rms_first_pass(x, d)](index_t row) {
         const double sq = first_pass(row).finish().first / static_cast<double>(d) + eps;
-        const bool is_bad = !good_scale(sq);
-        stats[static_cast<std::size_t>(row)] = {0.0, is_bad ? kNaN : 1.0 / std::sqrt(sq)};
+        double r = std::sqrt(sq);
+        bool is_bad = !good_scale(sq);
+        if (!safe_scale(sq, 0.0)) {  // a row of extreme magnitude: its statistics, rescaled
+            const auto slow = slow_stats(x + row * d, d, eps, false, false, no_tangent);
+            r = slow.scale;
+            is_bad = slow.bad;
+        }
+        stats[static_cast<std::size_t>(row)] = {0.0, is_bad ? kNaN : 1.0 / r};
         bad[static_cast<std::size_t>(row)] = is_bad;
         return is_bad;
     });

@@ -29,6 +29,75 @@ inline constexpr double kInf = std::numeric_limits<double>::infinity();
 // that NaN fails it.
 inline bool good_scale(double sq) { return std::isfinite(sq) && sq > 0.0; }
 
+// Rows of extreme magnitude (the kernels' "slow path"). The fast path's statistics keep
+// full precision while the squared scale sq = var + eps (resp. mean(x^2) + eps) lies in
+// [kSafeLow, kSafeHigh]: no square that matters is subnormal and no sum of squares, or of
+// products with an ordinary tangent, overflows. Outside that range (rows like 1e-160 or
+// 1e+200, or sums that overflowed) a kernel redoes the row's statistics on the row scaled
+// by c = 2^-e (row_scale), which is exact, as the reference does for every row; eps is
+// scaled with it (var(c x) + c^2 eps). Serial loops in source order: such rows are rare.
+inline constexpr double kSafeLow = 0x1p-960;
+inline constexpr double kSafeHigh = 0x1p960;
+// Written so that NaN fails it; __builtin_expect: the fast path is the expected one.
+inline bool safe_scale(double sq, double mu) {
+    return __builtin_expect(sq >= kSafeLow && sq <= kSafeHigh && std::isfinite(mu), 1);
+}
+
+// c = 2^-e bringing max(max|x|, sqrt(eps)) into [0.5, 1); 1 for a non-finite or zero row.
+// e is clipped to [-1022, 1024] (2^1074 is not a double); c^2 eps <= 1 never overflows.
+template <class T>
+double row_scale(const T* xr, index_t d, double eps) {
+    double m = std::sqrt(eps);
+    for (index_t i = 0; i < d; ++i) {
+        const double a = std::fabs(static_cast<double>(xr[i]));
+        if (a > m) {
+            m = a;
+        } else if (a != a) {
+            return 1.0;
+        }
+    }
+    if (!(std::isfinite(m) && m > 0.0)) return 1.0;
+    int e = 0;
+    std::frexp(m, &e);
+    return std::ldexp(1.0, -std::min(std::max(e, -1022), 1024));
+}
+
+// Statistics of a row of extreme magnitude: mean (0 for RMSNorm), scale s (or r), and
+// k = mean((x - mu) w) / s^2, w_j = w(j) (0 unless want_dot); bad if unusable.
+struct SlowStats {
+    double mu, scale, k;
+    bool bad;
+};
+
+// `centre`: LayerNorm (mean removed; an exactly constant row has mean x[0] and variance
+// 0, the kernel contract) or RMSNorm (centre 0). `w(j)` returns the tangent w_j in double.
+// Out of line and marked cold: the kernels' hot row loops stay as they were without it.
+template <class T, class W>
+[[gnu::noinline, gnu::cold]] SlowStats slow_stats(const T* xr, index_t d, double eps, bool centre, bool want_dot, W w) {
+    const double c = row_scale(xr, d, eps);
+    double mu = 0.0;
+    bool constant = centre;
+    if (centre) {
+        double t = 0.0;
+        for (index_t i = 0; i < d; ++i) {
+            t += static_cast<double>(xr[i]) * c;
+            constant = constant && xr[i] == xr[0];
+        }
+        mu = constant ? static_cast<double>(xr[0]) * c : t / static_cast<double>(d);
+    }
+    double q = 0.0, dot = 0.0;
+    for (index_t i = 0; i < d; ++i) {
+        const double xc = constant ? 0.0 : static_cast<double>(xr[i]) * c - mu;
+        q += xc * xc;
+        if (want_dot) dot += xc * w(i);
+    }
+    const double sq = q / static_cast<double>(d) + eps * c * c;  // eps * c first: c * c may overflow
+    if (!(good_scale(sq) && std::isfinite(dot))) return {0.0, 1.0, 0.0, true};
+    // Scaled row: scale sqrt(sq), centre mu; the row's own are sqrt(sq) / c and mu / c, and
+    // mean((x - mu) w) / s^2 = c mean(xc w) / sq.
+    return {mu / c, std::sqrt(sq) / c, c * (dot / static_cast<double>(d) / sq), false};
+}
+
 // Bad rows are rare: plain stores are fine for them.
 template <class T>
 void write_nan_row(T* out, index_t d) {

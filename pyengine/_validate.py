@@ -21,9 +21,21 @@ DENSE_MAX_BYTES = 2 * 2**30
 MODES = ("full", "frozen_scale")
 
 
+def as_array(name: str, a: Any, dtype: Any = None) -> np.ndarray:
+    """``np.asarray(a, dtype)``, with NumPy's conversion errors (ragged nested lists, objects
+    that are not numbers) turned into a ValueError that names ``name``."""
+    if isinstance(a, np.ndarray) and dtype is None:
+        return a
+    try:
+        return np.asarray(a, dtype=dtype)
+    except (ValueError, TypeError) as exc:
+        raise ValueError(f"{name} must be an array of numbers (a regular, non-ragged nesting); "
+                         f"cannot convert it: {exc}") from None
+
+
 def float_array(name: str, a: Any) -> np.ndarray:
     """``a`` as an ndarray of float32/float64 (not copied), or a TypeError naming ``name``."""
-    arr = np.asarray(a)
+    arr = as_array(name, a)
     if arr.dtype in FLOAT_DTYPES:
         return arr
     kind = arr.dtype.kind
@@ -78,6 +90,38 @@ def count(name: str, value: Any, allow_none: bool = False) -> int | None:
     if isinstance(value, bool) or not isinstance(value, numbers.Integral) or value < 1:
         raise ValueError(f"{name} must be a positive integer; got {value!r}")
     return int(value)
+
+
+def real(
+    name: str, value: Any, *, low: float | None = None, high: float | None = None, low_open: bool = False,
+    high_open: bool = False, finite: bool = True, what: str | None = None,
+) -> float:
+    """``value`` as a float: a real number (bool excluded), never NaN, finite unless ``finite`` is
+    False (then +-inf pass the bounds test like any number), in the interval given by ``low`` /
+    ``high`` (open ends with ``low_open`` / ``high_open``). TypeError for a non-number, ValueError
+    otherwise; both name ``name`` and say what was expected (``what``, or the interval)."""
+    if what is None:
+        what = "a finite number" if finite else "a number"
+        if low is not None:
+            what += f" {'>' if low_open else '>='} {low:g}"
+        if high is not None:
+            what += f"{' and' if low is not None else ''} {'<' if high_open else '<='} {high:g}"
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"{name} must be {what}; got {value!r}")
+    v = float(value)
+    ok = not np.isnan(v) and (not finite or np.isfinite(v))
+    ok = ok and (low is None or (v > low if low_open else v >= low))
+    ok = ok and (high is None or (v < high if high_open else v <= high))
+    if not ok:
+        raise ValueError(f"{name} must be {what}; got {value!r}")
+    return v
+
+
+def flag(name: str, value: Any) -> bool:
+    """A boolean argument: True or False (NumPy's bool too), nothing else (no "no", 0 or None)."""
+    if isinstance(value, (bool, np.bool_)):
+        return bool(value)
+    raise TypeError(f"{name} must be True or False; got {value!r}")
 
 
 def eps(value: Any) -> float:
@@ -140,9 +184,8 @@ def output(
 
 def dense_budget(shape: tuple[int, ...], dtype: np.dtype, max_bytes: Any) -> None:
     """Refuse a dense output larger than ``max_bytes`` before allocating it."""
-    limit = DENSE_MAX_BYTES if max_bytes is None else max_bytes
-    if isinstance(limit, bool) or not isinstance(limit, numbers.Real) or limit <= 0:
-        raise ValueError(f"max_bytes must be a positive number of bytes; got {max_bytes!r}")
+    limit = DENSE_MAX_BYTES if max_bytes is None else real("max_bytes", max_bytes, low=0, low_open=True,
+                                                           finite=False, what="a positive number of bytes")
     need = int(np.prod(shape, dtype=np.float64)) * dtype.itemsize
     if need > limit:
         raise ValueError(
@@ -180,6 +223,11 @@ def raise_bad_rows(
                 )
     xd = x2.astype(np.float64)
     with np.errstate(over="ignore", invalid="ignore"):
+        # Each row scaled by a power of two first (exact), as the kernels do: a row of
+        # 1e-170 is not constant, though its variance underflows to 0.
+        top = np.abs(xd).max(axis=1, keepdims=True)
+        ok = np.isfinite(top) & (top > 0)
+        xd = xd * np.ldexp(1.0, -np.clip(np.frexp(np.where(ok, top, 1.0))[1], -1022, 1024))
         if norm == "layer_norm":
             stat = np.var(xd, axis=1)
             what, cure = "constant (zero variance)", "LayerNorm divides by zero"
@@ -195,7 +243,8 @@ def raise_bad_rows(
     i = int(np.flatnonzero(~np.isfinite(stat))[0]) if not np.isfinite(stat).all() else 0
     raise ValueError(
         f"x row {where(i)}: the row statistics overflow float64 ({nbad} bad row(s)); "
-        "rescale x (normalization is scale-invariant up to eps)"
+        f"rescale x{'' if tangent_name is None else ' or ' + tangent_name} (normalization is "
+        "scale-invariant up to eps, its derivatives linear in the tangent)"
     )
 
 
@@ -319,6 +368,39 @@ def raise_bad_softmax_rows(nbad: int, x3: np.ndarray, offset: int, shape: tuple[
     )
 
 
+# -- bench checks --
+
+#: The fields of a ``pyengine bench --json`` row that :func:`pyengine.bench.compare` reads.
+BENCH_KEYS = ("kernel", "backend", "dtype", "size")
+BENCH_FIGURES = ("fraction", "speedup_vs_numpy")
+
+
+def bench_report(name: str, doc: Any) -> dict[str, Any]:
+    """A bench report (``{"results": [row, ...], ...}``) whose rows :func:`pyengine.bench.compare`
+    can read: each row a dict with string ``kernel``, ``backend``, ``dtype``, ``size``, a finite
+    ``spread`` >= 0, and ``fraction`` / ``speedup_vs_numpy`` absent, None or finite numbers.
+    ValueError naming ``name`` and the first bad row otherwise."""
+    hint = "not a `pyengine bench --json` file"
+    if not isinstance(doc, dict) or not isinstance(doc.get("results"), list):
+        raise ValueError(f"{name} has no 'results' list: {hint}")
+
+    def number(v: Any) -> bool:
+        return isinstance(v, numbers.Real) and not isinstance(v, bool) and bool(np.isfinite(v))
+
+    for i, row in enumerate(doc["results"]):
+        if not isinstance(row, dict):
+            raise ValueError(f"{name}: results[{i}] is {type(row).__name__} {row!r}, not a row object: {hint}")
+        for key in BENCH_KEYS:
+            if not isinstance(row.get(key), str):
+                raise ValueError(f"{name}: results[{i}] has no string {key!r} (got {row.get(key)!r}): {hint}")
+        if not (number(row.get("spread")) and row["spread"] >= 0):
+            raise ValueError(f"{name}: results[{i}] needs a 'spread' >= 0 (got {row.get('spread')!r}): {hint}")
+        for key in BENCH_FIGURES:
+            if row.get(key) is not None and not number(row[key]):
+                raise ValueError(f"{name}: results[{i}] {key!r} must be a number or null; got {row[key]!r}")
+    return doc
+
+
 # -- linalg checks --
 def finite(name: str, a: Any) -> np.ndarray:
     """``a`` as an array if every value is finite; else a ValueError naming ``name`` and the first bad entry.
@@ -371,12 +453,15 @@ def start_vectors(name: str, a: Any, batch: int, n: int) -> np.ndarray:
     if arr.shape != (batch, n):
         raise ValueError(f"{name} must have shape (B, n) = ({batch}, {n}); got {arr.shape}")
     arr = finite(name, arr).astype(np.float64)
-    norms = np.linalg.norm(arr, axis=1, keepdims=True)
-    if (norms == 0).any():
+    # Each row divided by its largest |entry| first, so that the norm of a row of 1e300
+    # (or 1e-300) neither overflows nor underflows: only the direction matters.
+    top = np.abs(arr).max(axis=1, keepdims=True) if n else np.zeros((batch, 1))
+    if (top == 0).any():
         raise ValueError(
-            f"{name} row {int(np.flatnonzero(norms[:, 0] == 0)[0])} is zero; start vectors must be non-zero"
+            f"{name} row {int(np.flatnonzero(top[:, 0] == 0)[0])} is zero; start vectors must be non-zero"
         )
-    return arr / norms
+    arr = arr / top
+    return arr / np.linalg.norm(arr, axis=1, keepdims=True)
 
 
 def index(name: str, value: Any, size: int) -> int:
@@ -435,15 +520,18 @@ def unit_rows(name: str, a: Any, d: int) -> np.ndarray:
     if v.ndim not in (1, 2) or v.shape[-1] != d or v.size == 0:
         raise ValueError(f"{name} must have shape ({d},) or (K, {d}) with K >= 1; got {v.shape}")
     v = finite(name, np.atleast_2d(v).astype(np.float64))
-    n = np.linalg.norm(v, axis=1)
-    if (n == 0).any():
-        raise ValueError(f"{name} {int(np.argmin(n))} is the zero vector: it has no direction")
-    return v / n[:, None]
+    # Divided by its largest |entry| before the norm is taken, so that the norm of a
+    # direction of 1e300 does not overflow (nor that of 1e-160 underflow): exact unit rows.
+    top = np.abs(v).max(axis=1)
+    if (top == 0).any():
+        raise ValueError(f"{name} {int(np.argmin(top))} is the zero vector: it has no direction")
+    v = v / top[:, None]
+    return v / np.linalg.norm(v, axis=1)[:, None]
 
 
 def reals(name: str, value: Any) -> np.ndarray:
     """A number or a 1-D sequence of numbers, finite, at least one: as a float64 array (S,)."""
-    s = np.asarray(value, dtype=object if isinstance(value, str) else None)
+    s = as_array(name, value, dtype=object if isinstance(value, str) else None)
     if s.dtype.kind not in "iuf" or s.ndim > 1 or s.size == 0:
         raise ValueError(f"{name} must be a number or a 1-D array of numbers; got {value!r}")
     return finite(name, np.atleast_1d(s).astype(np.float64))

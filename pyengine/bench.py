@@ -28,10 +28,11 @@ from typing import Any
 
 import numpy as np
 
+from . import _validate as _v
 from . import backends
 from ._progress import Progress
 
-__all__ = ["Case", "compare", "copy_bandwidth", "machine_limits", "register_case", "run", "time_call"]
+__all__ = ["Case", "compare", "copy_bandwidth", "load_baseline", "machine_limits", "register_case", "run", "time_call"]
 
 #: Shapes (tokens, d): the standard run and ``--quick``.
 SIZES = {"standard": [(8192, 768), (2048, 4096)], "quick": [(2048, 768)]}
@@ -344,8 +345,11 @@ def compare(report: dict[str, Any], baseline: dict[str, Any], threshold: float =
     A figure regresses when it falls below ``baseline * (1 - threshold)`` by more
     than the larger of the two runs' spreads allows (for the speed-up, a ratio, the
     NumPy reference's spreads count too): noise alone must not fail it.
-    Returns one line per regression (empty when none).
+    Returns one line per regression (empty when none). ``threshold``: in [0, 1);
+    ``baseline`` is checked as :func:`load_baseline` checks a file.
     """
+    threshold = _v.real("threshold", threshold, low=0, high=1, high_open=True)
+    baseline = _v.bench_report("baseline", baseline)
     key_of = lambda r, backend: (r["kernel"], backend, r["dtype"], r["size"])  # noqa: E731
     base = {key_of(r, r["backend"]): r for r in baseline.get("results", [])}
     mine = {key_of(r, r["backend"]): r for r in report["results"]}
@@ -367,17 +371,23 @@ def compare(report: dict[str, Any], baseline: dict[str, Any], threshold: float =
     return found
 
 
+def load_baseline(path: str) -> dict[str, Any]:
+    """A ``pyengine bench --json`` report read from ``path`` and checked row by row
+    (:func:`pyengine._validate.bench_report`), before any benchmark runs; every error names the file."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            doc = json.load(f)
+    except UnicodeDecodeError:
+        raise ValueError(f"baseline {path} is not a text (UTF-8 JSON) file: not a `pyengine bench --json` file") from None
+    except json.JSONDecodeError as exc:
+        raise ValueError(f"baseline {path} is not valid JSON: {exc}") from None
+    return _v.bench_report(f"baseline {path}", doc)
+
+
 def main(quick: bool, json_path: str | None, compare_path: str | None, threshold: float, dtypes: tuple[str, ...]) -> int:
     """The ``pyengine bench`` command; exit status 1 on a regression against the baseline."""
-    baseline = None
-    if compare_path is not None:
-        with open(compare_path, encoding="utf-8") as f:
-            try:
-                baseline = json.load(f)
-            except json.JSONDecodeError as exc:
-                raise ValueError(f"baseline {compare_path} is not valid JSON: {exc}") from None
-        if not isinstance(baseline, dict) or not isinstance(baseline.get("results"), list):
-            raise ValueError(f"baseline {compare_path} has no 'results' list: not a `pyengine bench --json` file")
+    threshold = _v.real("threshold", threshold, low=0, high=1, high_open=True)
+    baseline = None if compare_path is None else load_baseline(compare_path)
     report = run(quick=quick, dtypes=dtypes)
     print(format_table(report))
     if json_path is not None:

@@ -169,7 +169,11 @@ def resolve_positions(positions: Any, T: int) -> np.ndarray:
             return np.array([T - 1])
         raise ValueError(f"positions must be 'all', 'last', an int, a slice or a list of ints; got {positions!r}")
     if isinstance(positions, slice):
-        p = np.unique(np.arange(T)[positions])
+        try:
+            p = np.unique(np.arange(T)[positions])
+        except (ValueError, TypeError, IndexError) as exc:  # step 0, non-integer bounds
+            raise ValueError(f"positions must be a slice of integers with a non-zero step; got {positions!r} "
+                             f"({exc})") from None
     else:
         p = np.atleast_1d(np.asarray(positions))
         if p.size == 0:
@@ -269,6 +273,8 @@ def propagate(
     V = _v.unit_rows("direction", direction, cfg.d_model)
     S = _v.reals("scale", scale)
     _v.frozen(mode)
+    linearized = _v.flag("linearized", linearized)
+    progress = _v.callback(progress, "progress")
     dt = model.dtype if dtype is None else _v.float_dtype("dtype", dtype)
     batch_size = _v.count("batch_size", batch_size, allow_none=True)
     # Hidden states (n_layers + 1, T, d) of the one sequence, and the block caches from ``layer`` on.

@@ -1,42 +1,73 @@
-"""argparse types shared by the subcommands: each rejects a bad value with one line."""
+"""argparse types shared by the subcommands: each rejects a bad value with one line.
+
+Numbers are finite (``nan`` and ``inf`` are refused: they pass no comparison, so a
+range check alone would let NaN through); the ranges are those of the library's own
+checks in :mod:`pyengine._validate`, so a bad value stops here, before any work.
+"""
 
 from __future__ import annotations
 
 import argparse
+import math
 
-__all__ = ["floats", "positions", "positive", "positive_float"]
+__all__ = ["fraction", "floats", "non_negative", "non_negative_float", "positions", "positive", "positive_float"]
+
+
+def _int(text: str, what: str, low: int) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}; got {text}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"must be {what}; got {text}")
+    return value
+
+
+def _float(text: str, what: str, ok) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be {what}; got {text}") from None
+    if not (math.isfinite(value) and ok(value)):
+        raise argparse.ArgumentTypeError(f"must be {what}; got {text}")
+    return value
 
 
 def positive(text: str) -> int:
     """A positive integer."""
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}")
-    return value
+    return _int(text, "a positive integer", 1)
+
+
+def non_negative(text: str) -> int:
+    """An integer >= 0 (a seed)."""
+    return _int(text, "a non-negative integer", 0)
 
 
 def positive_float(text: str) -> float:
-    """A positive number."""
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a number; got {text}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be positive; got {text}")
-    return value
+    """A finite number > 0."""
+    return _float(text, "a positive finite number", lambda v: v > 0)
+
+
+def non_negative_float(text: str) -> float:
+    """A finite number >= 0 (an eps)."""
+    return _float(text, "a finite number >= 0", lambda v: v >= 0)
+
+
+def fraction(text: str) -> float:
+    """A finite number in [0, 1) (a relative threshold)."""
+    return _float(text, "a number in [0, 1)", lambda v: 0 <= v < 1)
 
 
 def floats(text: str) -> list[float]:
-    """Comma-separated numbers, at least one."""
+    """Comma-separated finite numbers, at least one."""
     try:
         vals = [float(v) for v in text.split(",") if v.strip()]
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be comma-separated numbers; got {text}") from None
     if not vals:
         raise argparse.ArgumentTypeError("needs at least one number")
+    if not all(math.isfinite(v) for v in vals):
+        raise argparse.ArgumentTypeError(f"must be finite numbers; got {text}")
     return vals
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 
 from .. import bench
+from ._args import fraction
 
 __all__ = ["add_parser", "run"]
 
@@ -15,7 +16,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--quick", action="store_true", help="small sizes, few repeats (under a minute)")
     b.add_argument("--json", metavar="PATH", help="write the full report as JSON")
     b.add_argument("--compare", metavar="BASELINE", help="a --json report: exit 1 on a regression against it")
-    b.add_argument("--threshold", type=float, default=0.25, help="allowed relative drop beyond noise (default 0.25)")
+    b.add_argument("--threshold", type=fraction, default=bench.THRESHOLD,
+                   help=f"allowed relative drop beyond noise, in [0, 1) (default {bench.THRESHOLD})")
     b.add_argument("--dtype", choices=["float32", "float64", "both"], default="float32")
     return b
 

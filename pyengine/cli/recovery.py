@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from .._progress import Progress
-from ._args import floats, positions, positive, positive_float
+from ._args import floats, non_negative, positions, positive, positive_float
 
 __all__ = ["add_parser", "load_model", "run"]
 
@@ -30,7 +30,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--spectral-tokens", type=positions, default="last",
                    help="tokens whose Jacobian blocks are formed (default last)")
     r.add_argument("--dtype", choices=["float32", "float64"], default="float32")
-    r.add_argument("--seed", type=int, default=0,
+    r.add_argument("--seed", type=non_negative, default=0,
                    help="seeds the directions and the default model's weights (default 0)")
     r.add_argument("--out", default="recovery-out", help="output folder (default ./recovery-out)")
     r.add_argument("--no-plots", action="store_true", help="skip recovery.png")

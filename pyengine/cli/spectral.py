@@ -10,7 +10,7 @@ import numpy as np
 
 from .. import backends
 from .._progress import Progress
-from ._args import positive, positive_float
+from ._args import non_negative, non_negative_float, positive, positive_float
 
 __all__ = ["SPECTRAL_D", "SPECTRAL_TOKENS", "add_parser", "run"]
 
@@ -42,6 +42,9 @@ def _load_array(path: str, key: str | None, what: str) -> np.ndarray:
             except (ValueError, OSError, zipfile.BadZipFile) as exc:
                 raise ValueError(f"cannot read array {key!r} of {path}: {exc}") from None
     elif isinstance(obj, np.ndarray):
+        if key is not None:
+            raise ValueError(f"--key {key} names an array inside an .npz, but {path} is a .npy file "
+                             "(one array): drop --key")
         arr = obj
     else:
         raise ValueError(f"{path} is not a .npy or .npz file")
@@ -169,14 +172,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--norm", choices=["layernorm", "rmsnorm"], default="layernorm")
     s.add_argument("--method", choices=["exact", "power", "lanczos"], default="exact")
     s.add_argument("--mode", choices=["full", "frozen_scale"], default="full")
-    s.add_argument("--eps", type=float, default=1e-5, help="normalization eps (default 1e-5)")
+    s.add_argument("--eps", type=non_negative_float, default=1e-5, help="normalization eps (default 1e-5)")
     s.add_argument("--tol", type=positive_float, default=1e-6, help="residual tolerance (default 1e-6)")
     s.add_argument("--max-iter", type=positive, default=1000, help="iterations cap per token (default 1000)")
     s.add_argument("--backend", choices=["auto", *backends.BACKENDS], default="auto")
     s.add_argument("--tokens", type=positive, default=SPECTRAL_TOKENS,
                    help=f"synthetic tokens (default {SPECTRAL_TOKENS})")
     s.add_argument("--d", type=positive, default=SPECTRAL_D, help=f"synthetic width (default {SPECTRAL_D})")
-    s.add_argument("--seed", type=int, default=0, help="seed of the synthetic data and start vectors (default 0)")
+    s.add_argument("--seed", type=non_negative, default=0, help="seed of the synthetic data and start vectors (default 0)")
     s.add_argument("--chunk-size", type=positive, default=None, help="tokens per chunk (default: automatic)")
     s.add_argument("--bins", type=positive, default=20, help="histogram bins (default 20)")
     s.add_argument("--progress", choices=["auto", "always", "never"], default="auto",

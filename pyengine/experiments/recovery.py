@@ -245,8 +245,18 @@ def recovery(
     progress : callable(fraction, stage), optional
     """
     t_start = time.perf_counter()
+    # Every argument is checked here, before the first (expensive) propagation.
     seed = _v.int_seed(seed)
-    say = progress or (lambda f, s: None)
+    say = _v.callback(progress, "progress") or (lambda f, s: None)
+    protocol_scale = _v.real("protocol_scale", protocol_scale, low=0, low_open=True)
+    scales = _v.as_array("scales", scales, np.float64)
+    if scales.ndim != 1 or not np.isfinite(scales).all():
+        raise ValueError(f"scales must be a 1-D sequence of finite numbers; got {scales!r}")
+    if eps_values is not None:
+        eps_values = [_v.real("eps_values", e, low=0) for e in np.atleast_1d(_v.as_array("eps_values", eps_values))]
+    gamma_values = [_v.real("gamma_values", g) for g in np.atleast_1d(_v.as_array("gamma_values", gamma_values))]
+    if name is not None and not isinstance(name, str):
+        raise TypeError(f"name must be a str or None; got {name!r}")
     if model is None:
         model = default_model(seed)
         name = name or "default (seeded GPT-2-small-shaped pre-LN stack)"
@@ -267,6 +277,9 @@ def recovery(
     if ids.ndim not in (1, 2) or ids.ndim != (1 if ids.dtype.kind in "iu" else 2):
         raise ValueError(f"ids must be one sequence: token ids (T,) or a float stream (T, d); got shape {ids.shape}")
     T = ids.shape[0]
+    if T == 0:
+        raise ValueError("ids must hold at least one token; got an empty sequence")
+    toks = resolve_positions(spectral_tokens, T)
     read_at = np.flatnonzero(position_mask(read, resolve_positions(positions, T), T))
     if read_at.size == 0:
         raise ValueError(f"read = {read!r} selects no token for positions = {positions!r} (T = {T})")
@@ -290,7 +303,6 @@ def recovery(
     li = timed("linearized propagation", 0.35, 0.45,
                lambda cb: propagate(model, ids, directions, sc, layer, linearized=True, return_deltas=read_at,
                                     progress=cb, **run))
-    toks = resolve_positions(spectral_tokens, T)
 
     def spectra(cb: Callable[[int, int], None]) -> tuple[np.ndarray, ...]:
         h = model.hidden_states(ids, dtype=np.float64)

@@ -68,6 +68,29 @@ def _rowdot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.einsum("ij,ij->i", a, b, dtype=np.float64)
 
 
+def _relative_residual(rn: np.ndarray, scale: np.ndarray, bound: np.ndarray) -> np.ndarray:
+    """rn / scale, the reported residual; where scale = 0 (a zero Rayleigh quotient, or a zero
+    sigma) it is 0 only for a provably zero operator (bound 0, and rn = 0), else inf.
+
+    So ``converged`` is exactly ``residual <= tol`` in every solver: sigma = 0 is an
+    answer only when the operator is known to be zero, and the residual says so.
+    """
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(scale > 0, rn / np.where(scale > 0, scale, 1.0),
+                        np.where((rn == 0) & (bound == 0), 0.0, np.inf))
+
+
+def _unit_rows(a: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(a / |a| row by row, |a|) in float64; zero rows stay zero. |a| is taken of the row divided
+    by its largest entry first, so rows of 1e-200 or 1e+200 neither underflow nor overflow."""
+    a = a.astype(np.float64)
+    top = np.abs(a).max(axis=1) if a.shape[1] else np.zeros(a.shape[0])
+    safe = np.where(top > 0, top, 1.0)
+    scaled = a / safe[:, None]
+    n = np.sqrt(_rowdot(scaled, scaled))
+    return scaled / np.where(n > 0, n, 1.0)[:, None], n * top
+
+
 # -- power iteration on A^T A (generic operators) ------------------------------------
 def _power(op: BatchedOperator, V0: np.ndarray, tol: float, max_iter: int, out: dict[str, np.ndarray]) -> None:
     """Batched power iteration on A^T A; fills ``out`` (arrays of shape (B,)) in place.
@@ -85,24 +108,25 @@ def _power(op: BatchedOperator, V0: np.ndarray, tol: float, max_iter: int, out: 
     for k in range(max_iter):
         a = len(ids)
         active_op.matvec(V, out=U[:a])
+        # A^T is applied to the unit vector U/sigma, not to U, so that A^T A v (of size
+        # sigma^2) cannot overflow (float32 operators with sigma ~ 1e20): the residual
+        # ||A^T A v - sigma^2 v|| / sigma^2 = ||A^T (U/sigma) - sigma v|| / sigma.
+        Un, sig = _unit_rows(U[:a])
+        U[:a] = Un
         active_op.rmatvec(U[:a], out=W[:a])
-        s2 = _rowdot(U[:a], U[:a])
-        R = W[:a] - s2.astype(dt)[:, None] * V
-        rn = np.sqrt(_rowdot(R, R))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            res = np.where(s2 > 0, rn / s2, np.where(rn == 0, 0.0, np.inf))
+        R = W[:a].astype(np.float64) - sig[:, None] * V
+        res = _relative_residual(np.sqrt(_rowdot(R, R)), sig, bound[ids])
         live = ~done[ids]
         g = ids[live]
-        out["sigma"][g] = np.sqrt(s2[live])
+        out["sigma"][g] = sig[live]
         out["residual"][g] = res[live]
         out["iterations"][g] = k + 1
-        # sigma = 0 is an answer only if the operator is provably zero (bound 0).
-        conv = live & (res <= tol) & ((s2 > 0) | (bound[ids] == 0))
+        conv = live & (res <= tol)
         out["converged"][ids[conv]] = True
         done[ids[conv]] = True
-        wn = np.sqrt(_rowdot(W[:a], W[:a]))
+        Wn, wn = _unit_rows(W[:a])
         zero = wn == 0  # A^T A v = 0: v lies in the null space; restart elsewhere
-        V[...] = W[:a] / np.where(zero, 1.0, wn).astype(dt)[:, None]
+        V[...] = Wn.astype(dt)
         if zero.any():
             fresh = np.random.default_rng([k, *ids[zero][:1].tolist()]).standard_normal((int(zero.sum()), n))
             V[zero] = (fresh / np.linalg.norm(fresh, axis=1, keepdims=True)).astype(dt)
@@ -226,18 +250,18 @@ def _lanczos(op: BatchedOperator, V0: np.ndarray, tol: float, max_iter: int, out
                 ritz = np.einsum("jan,aj->an", Vb[:j, ci], Qt[cand_local, 0, :])
                 ritz /= np.linalg.norm(ritz, axis=1, keepdims=True)
                 sub = act.take(ci)
-                y = sub.matvec(ritz).astype(np.float64)
-                z = sub.rmatvec(y).astype(np.float64)
-                s2 = _rowdot(y, y)
-                r = z - s2[:, None] * ritz
-                rn = np.sqrt(_rowdot(r, r))
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    res = np.where(s2 > 0, rn / s2, np.where(rn == 0, 0.0, np.inf))
+                # As in _power: A^T is applied to the unit y/sigma (no overflow of A^T A v).
+                yn, sig = _unit_rows(sub.matvec(ritz))
+                z = sub.rmatvec(yn.astype(sub.dtype)).astype(np.float64)
+                r = z - sig[:, None] * ritz
                 gc = ids[ci]
+                res = _relative_residual(np.sqrt(_rowdot(r, r)), sig, bound[gc])
                 used[gc] += 1
-                ok = (res <= tol) & ((s2 > 0) | (bound[gc] == 0))
-                fin = ok | out_of_budget[ci]
-                out["sigma"][gc[fin]] = np.sqrt(s2[fin])
+                ok = res <= tol
+                # Finish when no room is left for one more step and its check: a failed
+                # check near the end must not run past max_iter.
+                fin = ok | out_of_budget[ci] | (used[gc] + 2 > max_iter)
+                out["sigma"][gc[fin]] = sig[fin]
                 out["residual"][gc[fin]] = res[fin]
                 out["iterations"][gc[fin]] = used[gc[fin]]
                 out["converged"][gc[ok]] = True
@@ -328,13 +352,11 @@ def _radius(op: BatchedOperator, V: np.ndarray, tol: float, max_iter: int) -> di
         W = act.matvec(Vw)
         lq = _rowdot(Vw, W)
         R = W - lq.astype(dt)[:, None] * Vw
-        rn = np.sqrt(_rowdot(R, R))
-        with np.errstate(divide="ignore", invalid="ignore"):
-            res = np.where(lq != 0, rn / np.abs(lq), np.where(rn == 0, 0.0, np.inf))
+        res = _relative_residual(np.sqrt(_rowdot(R, R)), np.abs(lq), bound[ids])
         live = ~done[ids]
         g = ids[live]
         rho[g], lam[g], residual[g], iters[g] = np.abs(lq[live]), lq[live], res[live], k + 1
-        conv = live & (res <= tol) & ((lq != 0) | (bound[ids] == 0))
+        conv = live & (res <= tol)
         converged[ids[conv]] = True
         old = hist[k % STALL_WINDOW, ids]
         stalled = live & ~conv & (k >= STALL_WINDOW) & ~(res <= STALL_RATIO * old)
@@ -373,9 +395,10 @@ def _radius(op: BatchedOperator, V: np.ndarray, tol: float, max_iter: int) -> di
         Ax = one.matvec(xr).astype(np.float64)
         Axc = Ax[0] + 1j * Ax[1]
         xn = np.linalg.norm(x)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            r = np.linalg.norm(Axc - val * x) / (abs(val) * xn) if abs(val) > 0 else (0.0 if np.linalg.norm(Axc) == 0 else np.inf)
+        r = float(_relative_residual(np.array([np.linalg.norm(Axc - val * x)]), np.array([abs(val) * xn]),
+                                     bound[i : i + 1])[0])
         rho[i], lam[i], residual[i] = abs(val), val, r
-        converged[i] = bool(ok and r <= tol and (abs(val) > 0 or bound[i] == 0))
+        # Our own explicit residual decides (ARPACK's flag tests its Ritz estimate only).
+        converged[i] = r <= tol
     return {"rho": rho, "eigenvalue": lam, "residual": residual, "iterations": iters,
             "converged": converged, "method": method, "upper": np.maximum(bound, rho)}

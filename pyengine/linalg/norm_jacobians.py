@@ -24,6 +24,22 @@ __all__ = ["LayerNormJacobian", "RMSNormJacobian"]
 _STAT_ROWS = 4096
 
 
+def row_scales(norm: str, x: np.ndarray, eps: float) -> np.ndarray:
+    """Per-row scale s (LayerNorm) or r (RMSNorm), (n,) float64, of rows of any magnitude; NaN
+    or 0 for a bad row. Each row is divided by a power of two t first (exact) and eps by t^2, so
+    neither a row of 1e-170 (whose squares underflow) nor one of 1e+200 (whose squares
+    overflow) loses its scale, as in the kernels."""
+    xd = x.astype(np.float64)
+    with np.errstate(invalid="ignore", over="ignore"):
+        top = np.maximum(np.abs(xd).max(axis=1), np.sqrt(eps))
+        ok = np.isfinite(top) & (top > 0)
+        t = np.ldexp(1.0, np.clip(np.frexp(np.where(ok, top, 1.0))[1], -1022, 1023))
+        xd /= t[:, None]
+        if norm == "layer_norm":
+            xd -= xd.mean(axis=1, keepdims=True)
+        return np.sqrt(np.einsum("ij,ij->i", xd, xd) / x.shape[1] + eps / t / t) * t
+
+
 class _NormJacobian(BatchedOperator):
     """Shared machinery of the LayerNorm and RMSNorm Jacobian operators."""
 
@@ -47,14 +63,10 @@ class _NormJacobian(BatchedOperator):
         """s (LayerNorm) or r (RMSNorm) per token, float64; validates the values of x."""
         x2, scale, nbad = self.x, np.empty(self.batch), 0
         for lo in range(0, self.batch, _STAT_ROWS):
-            xd = x2[lo : lo + _STAT_ROWS].astype(np.float64)
-            with np.errstate(invalid="ignore", over="ignore"):
-                if self._norm == "layer_norm":
-                    xd -= xd.mean(axis=1, keepdims=True)
-                ms = np.einsum("ij,ij->i", xd, xd) / xd.shape[1] + self.eps
-                ok = np.isfinite(ms) & (ms > 0)
+            sc = row_scales(self._norm, x2[lo : lo + _STAT_ROWS], self.eps)
+            ok = np.isfinite(sc) & (sc > 0)
             nbad += int((~ok).sum())
-            scale[lo : lo + _STAT_ROWS] = np.sqrt(np.where(ok, ms, 1.0))
+            scale[lo : lo + _STAT_ROWS] = np.where(ok, sc, 1.0)
         _v.raise_bad_rows(nbad, x2, shape, self.eps, self._norm)
         return scale
 
@@ -94,6 +106,8 @@ class _NormJacobian(BatchedOperator):
         # J = diag(gamma)/s * P with P an orthogonal projector scaled into [0, 1]:
         # ||J|| <= max|gamma| / s (the scale r for RMSNorm).
         gmax = float(np.abs(self.gamma.astype(np.float64)).max())
+        if self._norm == "layer_norm" and not self.frozen and self.eps == 0 and self.shape[0] == 2:
+            return np.zeros(self.batch)  # eps = 0, d = 2: J has rank d - 2 = 0
         return gmax / self._scale * (1.0 + _BOUND_SLACK)
 
     @classmethod

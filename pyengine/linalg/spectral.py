@@ -43,7 +43,7 @@ from .. import _validate as _v
 from ..backends import check_name, resolve
 from ._solvers import LANCZOS_MAX_SUBSPACE, _lanczos, _power, _radius
 from .convert import as_batched_operator
-from .norm_jacobians import LayerNormJacobian, RMSNormJacobian, _NormJacobian
+from .norm_jacobians import LayerNormJacobian, RMSNormJacobian, _NormJacobian, row_scales
 from .operators import BatchedOperator
 from .results import TOL, TOL_RADIUS, SpectralRadiusResult, SpectralResult
 
@@ -186,10 +186,13 @@ def spectral_norm(
 
 # -- LayerNorm / RMSNorm scans ----------------------------------------------------------
 def _norm_scale(norm: str, x: np.ndarray, eps: float) -> np.ndarray:
-    xd = x.astype(np.float64)
-    if norm == "layer_norm":
-        xd -= xd.mean(axis=1, keepdims=True)
-    return np.sqrt(np.einsum("ij,ij->i", xd, xd) / x.shape[1] + eps)
+    return row_scales(norm, x, eps)
+
+
+def _zero_jacobian(norm: str, d: int, eps: float, frozen: bool) -> bool:
+    """True when every token's Jacobian is exactly 0: LayerNorm, full mode, eps = 0 and d = 2
+    (J = diag(gamma)/s (I - 11^T/d - xh xh^T/d) has rank d - 2 when eps = 0)."""
+    return norm == "layer_norm" and not frozen and eps == 0 and d == 2
 
 
 def _norm_scan(
@@ -200,6 +203,19 @@ def _norm_scan(
     """The chunked scan behind layer_norm_spectral_norm / rms_norm_spectral_norm."""
     N, d = x2.shape
     out = _empty_result((N,), tol, method)
+    if _zero_jacobian(norm, d, eps, frozen):
+        # sigma = 0 exactly, the same answer from every method (no solver can converge on
+        # a zero operator from rounding noise); the rows are still checked.
+        with np.errstate(invalid="ignore", over="ignore"):
+            scale = _norm_scale(norm, x2, eps)
+        bad = ~(np.isfinite(scale) & (scale > 0))
+        if bad.any():
+            _v.raise_bad_rows(int(bad.sum()), x2, shape + (d,), eps, norm)
+        out.update(sigma=np.zeros(N), lower=np.zeros(N), upper=np.zeros(N), residual=np.zeros(N),
+                   converged=np.ones(N, bool))
+        if callback is not None:
+            callback(N, N)
+        return SpectralResult(**{k: v.reshape(shape) for k, v in out.items()}, tol=tol)
     if method == "exact":
         kern = resolve(norm + "_sigma_max", backend)
     elif method == "power":

@@ -30,6 +30,8 @@ touch the calling modules) so the callers are recompiled.
 
 from __future__ import annotations
 
+import math
+
 import numpy as np
 
 from ._jit import jit
@@ -46,6 +48,12 @@ __all__ = [
     "_sum_sq_dot",
     "_sum_sq_dot_gu",
     "_zero",
+    "SAFE_HIGH",
+    "SAFE_LOW",
+    "_ln_slow",
+    "_rms_slow",
+    "_row_scale",
+    "_safe",
 ]
 
 #: Partial sums per reduction (a power of two). Large enough that LLVM keeps the
@@ -286,3 +294,99 @@ def _scale(ms, eps):
     if np.isfinite(sq) and sq > 0.0:
         return np.sqrt(sq), False
     return 1.0, True
+
+
+# --------------------------------------------------------------------------- #
+# Rows of extreme magnitude: the statistics again, of the row scaled by 2^-e.
+# --------------------------------------------------------------------------- #
+
+#: The fast path's statistics keep full precision while the squared scale
+#: ms + eps lies in [SAFE_LOW, SAFE_HIGH]: no square that matters is subnormal, and no
+#: sum of squares or of products with an ordinary tangent overflows. Outside (rows
+#: like 1e-160 or 1e+200, or a sum that overflowed) the row is redone by
+#: :func:`_ln_slow` / :func:`_rms_slow` on the row scaled by a power of two, as the
+#: reference (``_reference.layernorm.row_scale``) does for every row.
+SAFE_LOW = 2.0**-960
+SAFE_HIGH = 2.0**960
+
+
+@jit
+def _safe(ms, eps, mu):
+    """True when the fast path's (mean square ms, mean mu) need no rescaling."""
+    sq = ms + eps
+    return sq >= SAFE_LOW and sq <= SAFE_HIGH and np.isfinite(mu)
+
+
+@jit
+def _row_scale(x, eps):
+    """c = 2^-e that brings max(max|x|, sqrt(eps)) into [0.5, 1); 1 for a non-finite or zero row.
+
+    Multiplying by c is exact, and c^2 eps <= 1 never overflows. The same rule as the
+    reference's ``row_scale``: e is clipped to [-1022, 1024] (2^1074 is no float64).
+    """
+    m = np.sqrt(eps)
+    for i in range(x.size):
+        a = abs(_f64(x[i]))
+        if a > m:
+            m = a
+        elif a != a:
+            return 1.0
+    if not (np.isfinite(m) and m > 0.0):
+        return 1.0
+    e = math.frexp(m)[1]
+    return math.ldexp(1.0, -min(max(e, -1022), 1024))
+
+
+@jit
+def _ln_slow(x, eps, w, g, use_g, want_dot):
+    """LayerNorm statistics of a row of extreme magnitude: (mu, s, m2, bad).
+
+    Serial sums of the row scaled by c (:func:`_row_scale`), in source order (rows
+    of this kind are rare; no lanes needed): mu and s of the row itself, and
+    m2 = mean(xh * w) with w = g * u if ``use_g`` else w (when ``want_dot``; else 0).
+    The constant-row rule of :func:`layernorm._constant` holds here too.
+    """
+    d = x.size
+    c = _row_scale(x, eps)
+    t = 0.0
+    const = True
+    for i in range(d):
+        t += _f64(x[i]) * c
+        const = const and x[i] == x[0]
+    mu = t / d
+    if const:
+        mu = _f64(x[0]) * c
+    q = 0.0
+    dot = 0.0
+    for i in range(d):
+        xc = 0.0 if const else _f64(x[i]) * c - mu
+        q += xc * xc
+        if want_dot:
+            wi = _f64(g[i]) * _f64(w[i]) if use_g else _f64(w[i])
+            dot += xc * wi
+    sq = q / d + eps * c * c  # (eps * c) * c: c * c alone may overflow, c^2 eps <= 1 does not
+    if not (np.isfinite(sq) and sq > 0.0 and np.isfinite(dot)):
+        return 1.0, 1.0, 0.0, True
+    sc = np.sqrt(sq)  # the scale of the scaled row; the row's own is sc / c
+    return mu / c, sc / c, dot / sc / d, not np.isfinite(mu / c)
+
+
+@jit
+def _rms_slow(x, eps, w, g, use_g, want_dot):
+    """RMSNorm statistics of a row of extreme magnitude: (r, coef, bad), coef = mean(x w) / r^2
+    (w = g * u if ``use_g``; 0 unless ``want_dot``), from the row scaled by c as in :func:`_ln_slow`."""
+    d = x.size
+    c = _row_scale(x, eps)
+    q = 0.0
+    dot = 0.0
+    for i in range(d):
+        xs = _f64(x[i]) * c
+        q += xs * xs
+        if want_dot:
+            wi = _f64(g[i]) * _f64(w[i]) if use_g else _f64(w[i])
+            dot += xs * wi
+    sq = q / d + eps * c * c
+    if not (np.isfinite(sq) and sq > 0.0 and np.isfinite(dot)):
+        return 1.0, 0.0, True
+    # mean(x w) / r^2 = c mean(xs w) / rs^2, rs = sqrt(sq) the scaled row's r.
+    return np.sqrt(sq) / c, c * ((dot / d) / sq), False

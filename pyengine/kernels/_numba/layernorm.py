@@ -45,6 +45,8 @@ from ._jit import jit, pjit, prefetch
 from ._reduce import (
     LANES,
     _f64,
+    _ln_slow,
+    _safe,
     _scale,
     _sum,
     _sum_pair,
@@ -98,6 +100,9 @@ def _ln_stats(x, eps, acc):
     q = _sum_sq(x, mu, acc)
     if _constant(x, mu, q):
         mu, q = _f64(x[0]), 0.0
+    if not _safe(q / d, eps, mu):  # a row of extreme magnitude: its statistics, rescaled
+        mu, s, _, bad = _ln_slow(x, eps, x, x, False, False)
+        return mu, s, bad
     s, bad = _scale(q / d, eps)
     return mu, s, bad or not np.isfinite(mu)
 
@@ -163,9 +168,13 @@ def _layer_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next):
         q, dot = _sum_sq_dot(x, mu, v, acc)
     if _constant(x, mu, q):
         mu, q, dot = _f64(x[0]), 0.0, 0.0
-    s, bad = _scale(q / d, eps)
-    inv = 1.0 / s
-    m2 = dot * inv / d  # mean(xh * v), xh = (x - mu) / s
+    if _safe(q / d, eps, mu):
+        s, bad = _scale(q / d, eps)
+        inv = 1.0 / s
+        m2 = dot * inv / d  # mean(xh * v), xh = (x - mu) / s
+    else:  # a row of extreme magnitude: its statistics, rescaled
+        mu, s, m2, bad = _ln_slow(x, eps, v, gamma, False, not frozen)
+        inv = 1.0 / s
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
@@ -178,7 +187,7 @@ def _layer_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next):
     for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
         xh = (_f64(x[i]) - mu) * inv
         out[i] = _f64(gamma[i]) * (((_f64(v[i]) - mv) - xh * m2) * inv)
-    return bad or not (np.isfinite(mu) and np.isfinite(mv))
+    return bad or not (np.isfinite(mu) and np.isfinite(mv) and np.isfinite(m2))
 
 
 @jit
@@ -195,9 +204,13 @@ def _layer_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
         q, dot = _sum_sq_dot_gu(x, mu, gamma, u, acc)
     if _constant(x, mu, q):
         mu, q, dot = _f64(x[0]), 0.0, 0.0
-    s, bad = _scale(q / d, eps)
-    inv = 1.0 / s
-    m2 = dot * inv / d  # mean(xh * g)
+    if _safe(q / d, eps, mu):
+        s, bad = _scale(q / d, eps)
+        inv = 1.0 / s
+        m2 = dot * inv / d  # mean(xh * g)
+    else:  # a row of extreme magnitude: its statistics, rescaled
+        mu, s, m2, bad = _ln_slow(x, eps, u, gamma, True, not frozen)
+        inv = 1.0 / s
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
@@ -210,7 +223,7 @@ def _layer_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
     for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
         xh = (_f64(x[i]) - mu) * inv
         out[i] = ((_f64(gamma[i]) * _f64(u[i]) - mg) - xh * m2) * inv
-    return bad or not (np.isfinite(mu) and np.isfinite(mg))
+    return bad or not (np.isfinite(mu) and np.isfinite(mg) and np.isfinite(m2))
 
 
 @jit

@@ -15,7 +15,7 @@ from numba import prange
 
 from ...backends import register
 from ._jit import jit, pjit
-from ._reduce import LANES, _f64, _scale, _sum_sq, _sum_sq_dot, _sum_sq_dot_gu
+from ._reduce import LANES, _f64, _rms_slow, _safe, _scale, _sum_sq, _sum_sq_dot, _sum_sq_dot_gu
 from .layernorm import _BLOCK, _prefetch_block
 
 __all__ = ["rms_norm", "rms_norm_jacobian", "rms_norm_jvp", "rms_norm_vjp"]
@@ -27,10 +27,20 @@ __all__ = ["rms_norm", "rms_norm_jacobian", "rms_norm_jvp", "rms_norm_vjp"]
 
 
 @jit
+def _rms_scale(x, eps, acc):
+    """(r, bad) of one row; a row of extreme magnitude is rescaled (:func:`._reduce._rms_slow`)."""
+    ms = _sum_sq(x, 0.0, acc) / x.size
+    if _safe(ms, eps, 0.0):
+        return _scale(ms, eps)
+    r, _, bad = _rms_slow(x, eps, x, x, False, False)
+    return r, bad
+
+
+@jit
 def _rms_norm_row(x, gamma, eps, out, acc, x_next):
     """out = gamma * x / r, r = sqrt(mean(x^2) + eps)."""
     d = x.size
-    r, bad = _scale(_sum_sq(x, 0.0, acc) / d, eps)
+    r, bad = _rms_scale(x, eps, acc)
     inv = 1.0 / r
     nb = d // _BLOCK
     for j in range(nb):
@@ -50,9 +60,14 @@ def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next):
     d = x.size
     # sum(x v) is needed for frozen=True too: it is non-finite iff v has NaN/Inf.
     q, dot = _sum_sq_dot(x, 0.0, v, acc)
-    r, bad = _scale(q / d, eps)
+    if _safe(q / d, eps, 0.0):
+        r, bad = _scale(q / d, eps)
+        c = 0.0 if frozen else (dot / d) / (r * r)  # mean(x w) / r^2
+        bad = bad or not np.isfinite(dot)
+    else:  # a row of extreme magnitude: its statistics, rescaled
+        r, c, bad = _rms_slow(x, eps, v, gamma, False, True)
+        c = 0.0 if frozen else c
     inv = 1.0 / r
-    c = 0.0 if frozen else (dot / d) / (r * r)  # mean(x w) / r^2
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
@@ -63,7 +78,7 @@ def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next):
             out[i] = _f64(gamma[i]) * ((_f64(v[i]) - _f64(x[i]) * c) * inv)
     for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
         out[i] = _f64(gamma[i]) * ((_f64(v[i]) - _f64(x[i]) * c) * inv)
-    return bad or not np.isfinite(dot)
+    return bad
 
 
 @jit
@@ -71,9 +86,14 @@ def _rms_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
     """out = (g - x mean(x g)/r^2) / r with g = gamma * u; frozen: g / r."""
     d = x.size
     q, dot = _sum_sq_dot_gu(x, 0.0, gamma, u, acc)
-    r, bad = _scale(q / d, eps)
+    if _safe(q / d, eps, 0.0):
+        r, bad = _scale(q / d, eps)
+        c = 0.0 if frozen else (dot / d) / (r * r)  # mean(x w) / r^2
+        bad = bad or not np.isfinite(dot)
+    else:  # a row of extreme magnitude: its statistics, rescaled
+        r, c, bad = _rms_slow(x, eps, u, gamma, True, True)
+        c = 0.0 if frozen else c
     inv = 1.0 / r
-    c = 0.0 if frozen else (dot / d) / (r * r)  # mean(x w) / r^2
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
@@ -84,14 +104,14 @@ def _rms_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
             out[i] = (_f64(gamma[i]) * _f64(u[i]) - _f64(x[i]) * c) * inv
     for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
         out[i] = (_f64(gamma[i]) * _f64(u[i]) - _f64(x[i]) * c) * inv
-    return bad or not np.isfinite(dot)
+    return bad
 
 
 @jit
 def _rms_norm_jacobian_row(x, gamma, eps, frozen, out, acc):
     """out : (d, d), J[i, j] = gamma_i/r (delta_ij - xn_i xn_j/d), xn = x/r; frozen drops xn."""
     d = x.size
-    r, bad = _scale(_sum_sq(x, 0.0, acc) / d, eps)
+    r, bad = _rms_scale(x, eps, acc)
     inv = 1.0 / r
     for i in range(d):
         a = _f64(gamma[i]) / r

@@ -55,7 +55,7 @@ from __future__ import annotations
 import numpy as np
 
 from ...backends import register
-from .layernorm import _finite_rows, _ln_stats, _scale
+from .layernorm import _finite_rows, _ln_stats, _scale, row_scale
 
 __all__ = [
     "layer_norm_power_iteration",
@@ -75,24 +75,28 @@ _MAX_BISECT = 400
 
 
 def _row_stats(norm, x, eps):
-    """Centred rows (x - mu, or x for RMSNorm) in float64, scale^2 (n, 1), bad rows (n,)."""
+    """Rows scaled by c (``layernorm.row_scale``) and centred (c (x - mu), or c x for RMSNorm)
+    in float64, their mean square and scale^2 (n, 1) (including c^2 eps), c (n, 1) and the bad
+    rows (n,). The true scale is sqrt(scale^2) / c; ratios such as xh need no c."""
     with np.errstate(invalid="ignore", over="ignore"):
         if norm == "layer_norm":
-            xc, ms = _ln_stats(x)
+            xc, ms, c = _ln_stats(x, eps)
         else:
-            xc = x.astype(np.float64)
+            xd = x.astype(np.float64)
+            c = row_scale(xd, eps)
+            xc = xd * c
             ms = np.mean(xc * xc, axis=-1, keepdims=True)
-        s, bad = _scale(ms, eps)
+        s, bad = _scale(ms, eps, c)
         bad |= ~_finite_rows(xc)
-    return xc, ms, s * s, bad
+    return xc, ms, s * s, c, bad
 
 
 def _downdate(x, eps, frozen, norm):
-    """Per-token columns a, b (n, d), kappa (n, 2), scale^2 (n,), bad rows (n,)."""
+    """Per-token columns a, b (n, d), kappa (n, 2), scale^2 (n,) and c (n,) of the scaled row, bad rows (n,)."""
     n, d = x.shape
-    xc, ms, s2, bad = _row_stats(norm, x, eps)
+    xc, ms, s2, cs, bad = _row_stats(norm, x, eps)
     with np.errstate(invalid="ignore", over="ignore", divide="ignore"):
-        one_minus_c = eps / s2  # 1 - c = eps / (ms + eps), no cancellation
+        one_minus_c = eps * cs * cs / s2  # 1 - c = eps / (ms + eps), no cancellation
         c = ms / s2
         col = np.sqrt((2.0 - c) / (d * s2)) * xc  # sqrt((2 - c)/d) * xh
         kappa = np.empty((n, 2))
@@ -105,7 +109,7 @@ def _downdate(x, eps, frozen, norm):
             a, b = col, np.zeros((n, d))
             kappa[:, 0] = one_minus_c[:, 0] ** 2
             kappa[:, 1] = 1.0
-    return a, b, kappa, s2[:, 0], bad
+    return a, b, kappa, s2[:, 0], cs[:, 0], bad
 
 
 def _count_above(lam, delta, a, b, kappa):
@@ -158,7 +162,7 @@ def _lambda_max(delta, a, b, kappa):
 def _sigma_max(norm, x, gamma, eps, frozen, out):
     g = gamma.astype(np.float64)
     delta = g * g
-    a, b, kappa, s2, bad = _downdate(x, eps, frozen, norm)
+    a, b, kappa, s2, cs, bad = _downdate(x, eps, frozen, norm)
     if norm == "rms_norm" and frozen:
         lam = np.full(x.shape[0], float(delta.max()))
     else:
@@ -166,7 +170,7 @@ def _sigma_max(norm, x, gamma, eps, frozen, out):
         lam = np.full(x.shape[0], np.nan)
         lam[good] = _lambda_max(delta, a[good], b[good], kappa[good])
     with np.errstate(invalid="ignore"):
-        out[...] = np.sqrt(lam / s2)
+        out[...] = np.sqrt(lam / s2) * cs  # sigma = sqrt(lam) / s, s = sqrt(s2) / c
     out[bad] = np.nan
     return int(bad.sum())
 
@@ -197,7 +201,7 @@ def _power_iteration(norm, x, gamma, eps, frozen, v0, tol, max_iter, sigma, resi
     n, d = x.shape
     g = gamma.astype(np.float64)
     x64 = x.astype(np.float64)
-    _, _, _, bad = _row_stats(norm, x, eps)
+    _, _, _, _, bad = _row_stats(norm, x, eps)
     v = v0.astype(np.float64)
     bad |= ~_finite_rows(v)
     with np.errstate(invalid="ignore", over="ignore"):

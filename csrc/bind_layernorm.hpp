@@ -9,6 +9,7 @@
 
 #include "bind_util.hpp"
 #include "layernorm.hpp"
+#include "rmsnorm.hpp"
 
 namespace pyengine::bind {
 

@@ -1,6 +1,7 @@
 """The layering of the package, read from its source with ``ast`` (nothing is imported).
 
-Rules (README, Layout): the root modules are the foundation every layer may use; each
+Rules (README, Layout): the root modules (and private root packages such as
+``_validate/``) are the foundation every layer may use; each
 folder is a layer and imports only the foundation and the layers below it
 (kernels < linalg, models < analysis < experiments, distributed < cli); siblings of one
 rank do not import each other; there are no import cycles; and no module imports a
@@ -41,7 +42,7 @@ def _layer(mod: str, pkg: str) -> tuple[str, int]:
         return "<top>", TOP
     if parts[0] in RANKS:
         return parts[0], RANKS[parts[0]]
-    if len(parts) == 1:
+    if len(parts) == 1 or parts[0].startswith("_"):  # a root module, or a private root package
         return "<foundation>", 0
     raise AssertionError(f"{mod}: folder {parts[0]!r} is not a known layer; add it to RANKS and the README")
 
@@ -142,7 +143,9 @@ def test_package_is_layered():
 
 
 def test_every_folder_is_a_layer():
-    folders = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    """Every public folder is a layer; a private root folder (``_validate/``) belongs to the foundation."""
+    folders = {p.name for p in PACKAGE.iterdir()
+               if p.is_dir() and (p / "__init__.py").exists() and not p.name.startswith("_")}
     assert folders <= set(RANKS), f"folders that are no layer: {sorted(folders - set(RANKS))}"
 
 

@@ -21,6 +21,7 @@ from pyengine.experiments.attention_dynamics import (
     make_data,
     markov_chain,
     stationary,
+    value_hessian,
 )
 
 
@@ -87,6 +88,19 @@ def test_m_step_lowers_the_loss_with_routing_fixed():
         assert abs(before - metrics["loss"]) < 1e-12
         W = dict(W, W_V=new_v)
         assert abs(model.step(W)[0]["loss"] - after) < 1e-12  # the same loss, recomputed
+
+
+def test_value_hessian_is_the_dense_kron_formula():
+    """value_hessian (syrk and two contractions) against (1/T) sum_t kron(z z^T, Wo (diag p - p p^T) Wo^T)."""
+    rng = np.random.default_rng(3)
+    T, dz, dv, n = 50, 20, 15, 8
+    Z, Wo = rng.standard_normal((T, dz)), rng.standard_normal((dv, n))
+    p = np.exp(rng.standard_normal((T, n)))
+    p /= p.sum(1, keepdims=True)
+    dense = sum(np.kron(np.outer(z, z), Wo @ (np.diag(q) - np.outer(q, q)) @ Wo.T) for z, q in zip(Z, p)) / T
+    H = value_hessian(Z, p, Wo)
+    np.testing.assert_allclose(H, dense, rtol=1e-12, atol=1e-13 * np.abs(dense).max())
+    np.testing.assert_array_equal(H, H.T)  # exactly symmetric
 
 
 def test_m_step_gradient_matches_the_training_gradient():

@@ -13,13 +13,18 @@
 // Key j is visible to query i when j <= i + offset; masked inputs are never read, masked
 // outputs are 0. Every kernel returns the number of bad rows (non-finite row sums).
 //
-// Numerics: everything in double, also for float input (the inputs a row needs are
-// converted once per head into double scratch). The fused head never stores a (tq, tk)
-// matrix: a row (or column) of scores lives in a thread's scratch of length tk (tq).
+// Numerics: the fused head computes in the input's type C (double for float64, float for
+// float32: 8-wide AVX lanes and a float exp, about 2x the throughput), with the row sums
+// that gather T terms in double (the softmax's z and sum p s, D_i = d_o_i . o_i, the sum of
+// the chunks' partials) and lse, entropy and spread returned in double; float64 is
+// computed exactly as before. attention_score_grad computes in double for both. The fused
+// head never stores a (tq, tk) matrix: a row (or column) of scores lives in a thread's
+// scratch of length tk (tq). Scratch is per thread and kept across calls (scratch() in
+// attention_tiles.hpp): a training loop allocates nothing in the kernels.
 //
 // Layout and vectorization (the tile helpers are in attention_tiles.hpp): per head, k, v
-// (and for the backward q, d_o) are transposed
-// into (features, tokens) double scratch shared by the threads. Queries are taken kTile at
+// (and for the backward q, d_o) are transposed into (features, tokens) scratch of C shared
+// by the threads. Queries are taken kTile at
 // a time (a tile): the tile's scores s_rj = sum_c q_rc kt[c][j] come from dot_rows, which
 // keeps 4 rows x 8 keys in registers and reads each transposed key once for the 4 rows,
 // and its weighted sums over keys (o_rc = sum_j p_rj vt[c][j]) from weighted_sums, in a
@@ -59,25 +64,26 @@ template <class T>
 std::int64_t attention_score_grad(const T* p, const T* u, const T* v, index_t offset, index_t n,
                                   index_t tq, index_t tk, index_t dv, T* out, T* adv) {
     using namespace attention_detail;
-    std::vector<double> vt(sz(dv * tk));  // one head's v^T, shared
+    double* vt = scratch<double>(0, dv * tk);  // one head's v^T, shared (the caller's slot)
     const index_t tiles = (tq + kTile - 1) / kTile;
     std::int64_t nbad = 0;
 #pragma omp parallel num_threads(threads_for(n * tq, tk * (dv + 1))) reduction(+ : nbad)
     {
-        std::vector<double> bt(sz(kTile * tk)), ut(sz(kTile * dv));
+        double* bt = scratch<double>(1, kTile * tk);
+        double* ut = scratch<double>(2, kTile * dv);
         for (index_t h = 0; h < n; ++h) {
-            transpose_into(v + h * tk * dv, tk, dv, vt.data());  // ends in a barrier
+            transpose_into(v + h * tk * dv, tk, dv, vt);  // ends in a barrier
 #pragma omp for schedule(static, 1)
             for (index_t t = 0; t < tiles; ++t) {
                 const index_t i0 = t * kTile;
-                const index_t real = load_tile(u + h * tq * dv, i0, tq, dv, ut.data());
+                const index_t real = load_tile(u + h * tq * dv, i0, tq, dv, ut);
                 const index_t nmax = visible_keys(i0 + real - 1, offset, tk);
-                dot_rows(ut.data(), vt.data(), dv, tk, nmax, bt.data(), tk);  // b, formed once
+                dot_rows(ut, vt, dv, tk, nmax, bt, tk);  // b, formed once
                 for (index_t r = 0; r < real; ++r) {
                     const index_t row = h * tq + i0 + r;
                     const index_t vis = visible_keys(i0 + r, offset, tk);
                     const T* pr = p + row * tk;
-                    const double* b = bt.data() + r * tk;
+                    const double* b = bt + r * tk;
                     T* o = out + row * tk;
                     T* a = adv ? adv + row * tk : nullptr;
                     double c = 0.0;
@@ -117,50 +123,55 @@ std::int64_t attention_forward(const T* q, const T* k, const T* v, index_t offse
                                index_t n, index_t tq, index_t tk, index_t dk, index_t dv, T* out,
                                double* lse, double* entropy) {
     using namespace attention_detail;
-    using activations_detail::exp_neg;
-    std::vector<double> kt(sz(dk * tk)), vt(sz(dv * tk));
+    using C = T;  // the compute type (see the header comment)
+    C* kt = scratch<C>(0, dk * tk);  // shared: the caller's slots
+    C* vt = scratch<C>(1, dv * tk);
+    const C cscale = static_cast<C>(scale);
     const index_t tiles = (tq + kTile - 1) / kTile;
     std::int64_t nbad = 0;
 #pragma omp parallel num_threads(threads_for(n * tq, tk * (dk + dv))) reduction(+ : nbad)
     {
-        std::vector<double> st(sz(kTile * tk)), et(sz(kTile * tk));
-        std::vector<double> qt(sz(kTile * dk)), ot(sz(kTile * dv));
+        C* st = scratch<C>(2, kTile * tk);
+        C* et = scratch<C>(3, kTile * tk);
+        C* qt = scratch<C>(4, kTile * dk);
+        C* ot = scratch<C>(5, kTile * dv);
         for (index_t h = 0; h < n; ++h) {
-            transpose_into(k + h * tk * dk, tk, dk, kt.data());
-            transpose_into(v + h * tk * dv, tk, dv, vt.data());
+            transpose_into(k + h * tk * dk, tk, dk, kt);
+            transpose_into(v + h * tk * dv, tk, dv, vt);
 #pragma omp for schedule(static, 1)
             for (index_t t = 0; t < tiles; ++t) {
                 const index_t i0 = t * kTile;
-                const index_t real = load_tile(q + h * tq * dk, i0, tq, dk, qt.data());
+                const index_t real = load_tile(q + h * tq * dk, i0, tq, dk, qt);
                 const index_t nmax = visible_keys(i0 + real - 1, offset, tk);
-                dot_rows(qt.data(), kt.data(), dk, tk, nmax, st.data(), tk);
-                double inv[kTile] = {}, stat[kTile][2] = {};
+                dot_rows(qt, kt, dk, tk, nmax, st, tk);
+                C inv[kTile] = {};
+                double stat[kTile][2] = {};
                 for (index_t r = 0; r < kTile; ++r) {
                     const index_t vis = r < real ? visible_keys(i0 + r, offset, tk) : 0;
-                    double* s = st.data() + r * tk;
-                    double* e = et.data() + r * tk;
-                    const double m = scale_max(s, vis, scale);
-                    double z = 0.0, zs = 0.0;
+                    C* s = st + r * tk;
+                    C* e = et + r * tk;
+                    const C m = scale_max(s, vis, cscale);
+                    double z = 0.0, zs = 0.0;  // in double also for float: T terms
 #pragma omp simd reduction(+ : z, zs)
                     for (index_t j = 0; j < vis; ++j) {
-                        const double x = exp_neg(s[j] - m);
+                        const C x = exp_c(static_cast<C>(s[j] - m));
                         e[j] = x;
-                        z += x;
-                        zs += x * s[j];
+                        z += static_cast<double>(x);
+                        zs += static_cast<double>(x * s[j]);
                     }
-                    std::fill(e + vis, e + nmax, 0.0);  // masked (and padding rows): weight 0
-                    inv[r] = r < real ? 1.0 / z : 0.0;
-                    stat[r][0] = m + std::log(z);
+                    std::fill(e + vis, e + nmax, C(0));  // masked (and padding rows): weight 0
+                    inv[r] = r < real ? static_cast<C>(1.0 / z) : C(0);
+                    stat[r][0] = static_cast<double>(m) + std::log(z);
                     stat[r][1] = stat[r][0] - zs / z;
                 }
-                weighted_sums(et.data(), tk, vt.data(), dv, tk, nmax, inv, ot.data());
+                weighted_sums(et, tk, vt, dv, tk, nmax, inv, ot);
                 for (index_t r = 0; r < real; ++r) {
                     const index_t row = h * tq + i0 + r;
                     lse[row] = stat[r][0];
                     entropy[row] = stat[r][1];
                     bool bad = !std::isfinite(stat[r][0]) || !std::isfinite(stat[r][1]);
                     for (index_t c = 0; c < dv; ++c) {
-                        const double o = ot[sz(r * dv + c)];
+                        const C o = ot[sz(r * dv + c)];
                         out[row * dv + c] = static_cast<T>(o);
                         bad = bad || !std::isfinite(o);
                     }
@@ -182,77 +193,86 @@ std::int64_t attention_backward(const T* q, const T* k, const T* v, const T* o, 
                                 index_t tq, index_t tk, index_t dk, index_t dv, T* dq, T* dkey,
                                 T* dval, double* spread) {
     using namespace attention_detail;
-    using activations_detail::exp_neg;
-    using activations_detail::select;
+    using C = T;  // the compute type (see the header comment)
     const index_t tiles = (tk + kTile - 1) / kTile;
     const index_t nchunks = std::min(tiles, kChunks);
     const index_t prow = dk + 1;  // a chunk's partial: dk rows of dq^T, then the spread row
-    std::vector<double> qt(sz(dk * tq)), gt(sz(dv * tq)), delta(sz(tq));
-    std::vector<double> part(sz(nchunks * prow * tq));
+    // Shared, in the caller's slots: q^T, d_o^T, D_i and lse_i in C, the chunks' partials.
+    C* qt = scratch<C>(0, dk * tq);
+    C* gt = scratch<C>(1, dv * tq);
+    C* delta = scratch<C>(2, tq);
+    C* lsec = scratch<C>(3, tq);
+    C* part = scratch<C>(4, nchunks * prow * tq);
     std::vector<index_t> bounds(sz(nchunks + 1)), firstq(sz(nchunks + 1));
     chunk_tiles(tq, tk, offset, nchunks, bounds.data(), firstq.data());
-    const double scales[kTile] = {scale, scale, scale, scale}, ones[kTile] = {1.0, 1.0, 1.0, 1.0};
+    const C cs = static_cast<C>(scale);
+    const C scales[kTile] = {cs, cs, cs, cs}, ones[kTile] = {C(1), C(1), C(1), C(1)};
     std::int64_t nbad = 0, colbad = 0;
 #pragma omp parallel num_threads(threads_for(n * tq, tk * (2 * dk + 2 * dv))) \
     reduction(+ : nbad, colbad)
     {
-        std::vector<double> st(sz(kTile * tq)), pt(sz(kTile * tq)), at2(sz(kTile * tq));
-        std::vector<double> kb(sz(kTile * dk)), vb(sz(kTile * dv));
-        std::vector<double> rk(sz(kTile * dk)), rv(sz(kTile * dv));
+        C* st = scratch<C>(5, kTile * tq);
+        C* pt = scratch<C>(6, kTile * tq);
+        C* at2 = scratch<C>(7, kTile * tq);
+        C* kb = scratch<C>(8, kTile * dk);
+        C* vb = scratch<C>(9, kTile * dv);
+        C* rk = scratch<C>(10, kTile * dk);
+        C* rv = scratch<C>(11, kTile * dv);
         for (index_t h = 0; h < n; ++h) {
             const double* lh = lse + h * tq;
-            transpose_into(q + h * tq * dk, tq, dk, qt.data());
-            transpose_into(d_o + h * tq * dv, tq, dv, gt.data());
+            transpose_into(q + h * tq * dk, tq, dk, qt);
+            transpose_into(d_o + h * tq * dv, tq, dv, gt);
 #pragma omp for schedule(static)
             for (index_t i = 0; i < tq; ++i) {
                 const T *gr = d_o + (h * tq + i) * dv, *orow = o + (h * tq + i) * dv;
-                double d = 0.0;
+                double d = 0.0;  // in double also for float
                 for (index_t c = 0; c < dv; ++c) {
                     d = madd(static_cast<double>(gr[c]), static_cast<double>(orow[c]), d);
                 }
-                delta[sz(i)] = d;
+                delta[sz(i)] = static_cast<C>(d);
+                lsec[sz(i)] = static_cast<C>(lh[i]);
             }  // barrier: every chunk needs every D_i
             // The chunks of key tiles: each accumulates dk, dv of its keys whole, and its share
             // of dq and the spread into its own partial, so no two threads write one number.
 #pragma omp for schedule(static, 1)
             for (index_t ch = 0; ch < nchunks; ++ch) {
-                double* pq = part.data() + ch * prow * tq;
+                C* pq = part + ch * prow * tq;
                 const index_t f0 = firstq[sz(ch)];
-                for (index_t c = 0; c < prow; ++c) std::fill(pq + c * tq + f0, pq + (c + 1) * tq, 0.0);
+                for (index_t c = 0; c < prow; ++c) std::fill(pq + c * tq + f0, pq + (c + 1) * tq, C(0));
                 for (index_t t = bounds[sz(ch)]; t < bounds[sz(ch + 1)]; ++t) {
                     const index_t j0 = t * kTile;
-                    const index_t real = load_tile(k + h * tk * dk, j0, tk, dk, kb.data());
-                    load_tile(v + h * tk * dv, j0, tk, dv, vb.data());
+                    const index_t real = load_tile(k + h * tk * dk, j0, tk, dk, kb);
+                    load_tile(v + h * tk * dv, j0, tk, dv, vb);
                     const index_t i0 = first_query(j0, offset, tq);
                     const index_t cnt = tq - i0;
-                    dot_rows(kb.data(), qt.data() + i0, dk, tq, cnt, st.data(), tq);  // s
-                    dot_rows(vb.data(), gt.data() + i0, dv, tq, cnt, at2.data(), tq);  // dp
-                    const double* dl = delta.data() + i0;
-                    const double* li = lh + i0;
+                    dot_rows(kb, qt + i0, dk, tq, cnt, st, tq);  // s
+                    dot_rows(vb, gt + i0, dv, tq, cnt, at2, tq);  // dp
+                    const C* dl = delta + i0;
+                    const C* li = lsec + i0;
                     for (index_t r = 0; r < kTile; ++r) {
                         // Query i sees key j0 + r when i >= j0 + r - offset: local index >= first.
                         const index_t first =
                             r < real ? std::min(cnt, first_query(j0 + r, offset, tq) - i0) : cnt;
-                        double *s = st.data() + r * tq, *pp = pt.data() + r * tq;
-                        double* a = at2.data() + r * tq;
-                        std::fill(s, s + first, 0.0);
-                        std::fill(pp, pp + first, 0.0);
-                        std::fill(a, a + first, 0.0);
+                        C *s = st + r * tq, *pp = pt + r * tq;
+                        C* a = at2 + r * tq;
+                        std::fill(s, s + first, C(0));
+                        std::fill(pp, pp + first, C(0));
+                        std::fill(a, a + first, C(0));
 #pragma omp simd
                         for (index_t x = first; x < cnt; ++x) {
                             // <= 0 up to rounding when lse is the forward pass's; clamped so p <= 1.
-                            const double y = scale * s[x] - li[x];
-                            const double pv = exp_neg(select(y > 0.0, 0.0, y));
-                            const double ad = a[x] - dl[x];  // the advantage A_ij
-                            const double g = pv * ad;        // dL/ds_ij
+                            const C y = cs * s[x] - li[x];
+                            const C pv = exp_c(select_c(y > C(0), C(0), y));
+                            const C ad = a[x] - dl[x];  // the advantage A_ij
+                            const C g = pv * ad;        // dL/ds_ij
                             pp[x] = pv;
                             s[x] = g;
                             a[x] = g * ad;  // p A^2, the spread's term
                         }
                     }
-                    weighted_sums(st.data(), tq, qt.data() + i0, dk, tq, cnt, scales, rk.data());
-                    weighted_sums(pt.data(), tq, gt.data() + i0, dv, tq, cnt, ones, rv.data());
-                    scatter_rows(st.data(), at2.data(), tq, kb.data(), dk, cnt, pq + i0, tq);
+                    weighted_sums(st, tq, qt + i0, dk, tq, cnt, scales, rk);
+                    weighted_sums(pt, tq, gt + i0, dv, tq, cnt, ones, rv);
+                    scatter_rows(st, at2, tq, kb, dk, cnt, pq + i0, tq);
                     for (index_t r = 0; r < real; ++r) {
                         const index_t col = h * tk + j0 + r;
                         bool bad = false;
@@ -268,7 +288,7 @@ std::int64_t attention_backward(const T* q, const T* k, const T* v, const T* o, 
                     }
                 }
             }  // barrier: the rows need every chunk's partial
-            // dq_i and the spread: the chunks' partials summed in chunk order.
+            // dq_i and the spread: the chunks' partials summed in chunk order (in double).
 #pragma omp for schedule(static)
             for (index_t i = 0; i < tq; ++i) {
                 const index_t row = h * tq + i;
@@ -276,7 +296,7 @@ std::int64_t attention_backward(const T* q, const T* k, const T* v, const T* o, 
                 for (index_t c = 0; c < prow; ++c) {
                     double acc = 0.0;
                     for (index_t ch = 0; ch < nchunks && firstq[sz(ch)] <= i; ++ch) {
-                        acc += part[sz((ch * prow + c) * tq + i)];
+                        acc += static_cast<double>(part[sz((ch * prow + c) * tq + i)]);
                     }
                     bad = bad || !std::isfinite(acc);
                     if (c < dk) {

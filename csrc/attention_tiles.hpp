@@ -1,15 +1,20 @@
 // Tile helpers of the attention kernels (csrc/attention.hpp): register-blocked products of
 // a tile of kTile rows against (features, tokens) transposed scratch, the scaled row max,
-// and the loads and transposes into double scratch. Pure C++17 on raw pointers.
+// the loads and transposes into scratch, a float exp, and per-thread scratch reused across
+// calls. Templated on the compute type C (double, or float for float32 inputs): Simd<C>
+// is one AVX register of C (4 doubles or 8 floats). Pure C++17 on raw pointers.
 #pragma once
 
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <limits>
+#include <vector>
 
 #include "parallel.hpp"
 #include "rows.hpp"
+#include "vmath.hpp"
 
 namespace pyengine {
 namespace attention_detail {
@@ -25,10 +30,30 @@ inline constexpr index_t kChunks = 16;
 
 inline std::size_t sz(index_t a) { return static_cast<std::size_t>(a); }
 
+// Scratch of this thread that outlives the call: slot `slot` of the compute type C, grown
+// (never shrunk) to at least n elements. The kernels' buffers live here, so a call in a
+// training loop allocates nothing (a fresh vector per call cost ~500 page faults a step).
+// Contents are not initialized: every kernel writes what it reads. Each OpenMP thread (and
+// each calling thread) has its own slots, and a thread runs one kernel at a time.
+template <class C>
+C* scratch(int slot, index_t n) {
+    thread_local std::vector<C> slots[16];
+    auto& b = slots[slot];
+    if (b.size() < sz(n)) b.resize(sz(n));
+    return b.data();
+}
+
 // a * b + c, rounded once where the machine has FMA (the vector and scalar paths agree).
 PYENGINE_ALWAYS_INLINE double madd(double a, double b, double c) {
 #ifdef __FMA__
     return std::fma(a, b, c);
+#else
+    return a * b + c;
+#endif
+}
+PYENGINE_ALWAYS_INLINE float madd(float a, float b, float c) {
+#ifdef __FMA__
+    return std::fmaf(a, b, c);
 #else
     return a * b + c;
 #endif
@@ -42,41 +67,136 @@ PYENGINE_ALWAYS_INLINE __m256d vmadd(__m256d a, __m256d b, __m256d c) {
     return _mm256_add_pd(_mm256_mul_pd(a, b), c);
 #endif
 }
+PYENGINE_ALWAYS_INLINE __m256 vmadd(__m256 a, __m256 b, __m256 c) {
+#ifdef __FMA__
+    return _mm256_fmadd_ps(a, b, c);
+#else
+    return _mm256_add_ps(_mm256_mul_ps(a, b), c);
+#endif
+}
+
+// One AVX register of C: W lanes, with the operations the tiles use.
+template <class C>
+struct Simd;
+template <>
+struct Simd<double> {
+    using V = __m256d;
+    static constexpr index_t W = 4;
+    static V load(const double* p) { return _mm256_loadu_pd(p); }
+    static void store(double* p, V v) { _mm256_storeu_pd(p, v); }
+    static V set1(double x) { return _mm256_set1_pd(x); }
+    static V zero() { return _mm256_setzero_pd(); }
+    static V mul(V a, V b) { return _mm256_mul_pd(a, b); }
+    static V max(V a, V b) { return _mm256_max_pd(a, b); }
+    static double sum(V v) { return sum_lanes(v); }
+    static double hmax(V v) { return std::max(std::max(v[0], v[1]), std::max(v[2], v[3])); }
+};
+template <>
+struct Simd<float> {
+    using V = __m256;
+    static constexpr index_t W = 8;
+    static V load(const float* p) { return _mm256_loadu_ps(p); }
+    static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
+    static V set1(float x) { return _mm256_set1_ps(x); }
+    static V zero() { return _mm256_setzero_ps(); }
+    static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    static V max(V a, V b) { return _mm256_max_ps(a, b); }
+    // The lanes folded in a fixed order: ((0+4) + (1+5)) + ((2+6) + (3+7)).
+    static float sum(V v) {
+        const __m128 h = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        return (h[0] + h[1]) + (h[2] + h[3]);
+    }
+    static float hmax(V v) {
+        const __m128 h = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+        return std::max(std::max(h[0], h[1]), std::max(h[2], h[3]));
+    }
+};
 #endif
 
+// e^x for x <= 0 in float, a few ulp (Cephes expf: x = n ln2 + r, |r| <= ln2/2, a degree-6
+// polynomial); 0 for x < -87 (and -inf); branch-free like vmath's exp_neg so GCC
+// vectorizes it 8 wide. exp_c picks the double or the float version.
+PYENGINE_ALWAYS_INLINE float exp_negf(float x) {
+    constexpr float kMagic = 12582912.0f;  // 1.5 * 2^23
+    const float k = x * 1.44269504088896341f + kMagic;
+    const float n = k - kMagic;
+    float r = x - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    float p = 1.9875691500e-4f;
+    p = p * r + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * (r * r) + r + 1.0f;
+    std::uint32_t kb, mb, out;
+    std::memcpy(&kb, &k, 4);
+    std::memcpy(&mb, &kMagic, 4);
+    const std::uint32_t sb = (kb - mb + 127u) << 23;
+    float scale;
+    std::memcpy(&scale, &sb, 4);
+    const float res = p * scale;
+    std::uint32_t rb;
+    std::memcpy(&rb, &res, 4);
+    const std::uint32_t m = 0u - static_cast<std::uint32_t>(x < -87.0f);
+    out = rb & ~m;  // a NaN x keeps res, which is NaN
+    float o;
+    std::memcpy(&o, &out, 4);
+    return o;
+}
+PYENGINE_ALWAYS_INLINE double exp_c(double x) { return vmath::exp_neg(x); }
+PYENGINE_ALWAYS_INLINE float exp_c(float x) { return exp_negf(x); }
+
+// c ? a : b without a branch (see vmath::select), in double or float.
+PYENGINE_ALWAYS_INLINE double select_c(bool c, double a, double b) { return vmath::select(c, a, b); }
+PYENGINE_ALWAYS_INLINE float select_c(bool c, float a, float b) {
+    std::uint32_t ab, bb;
+    std::memcpy(&ab, &a, 4);
+    std::memcpy(&bb, &b, 4);
+    const std::uint32_t m = 0u - static_cast<std::uint32_t>(c);
+    const std::uint32_t r = (ab & m) | (bb & ~m);
+    float o;
+    std::memcpy(&o, &r, 4);
+    return o;
+}
+
 // out[r * ldo + j] = sum_c a[r * m + c] * bt[c * ld + j] for the kTile rows r of a tile,
-// j in [0, n), c in [0, m) in order: a tile of scores (or of b = u.v). 4 rows x 8 j stay in
-// eight registers across the c loop, so each load of bt serves four rows: the loads of the
-// transposed keys, not the multiply-adds, bound a one-row loop (a (features, T) scratch
-// of 400 KB is re-read for every row from L2). GCC does not vectorize this nest by itself
-// ("complicated access pattern"), hence the intrinsics. Every output is the same chain of
-// fused multiply-adds in c whichever path computes it, and fma(a, b, c) = fma(b, a, c), so
-// a score computed from the query side and from the key side is the same number.
-PYENGINE_ALWAYS_INLINE void dot_rows(const double* a, const double* bt, index_t m, index_t ld,
-                                     index_t n, double* out, index_t ldo) {
+// j in [0, n), c in [0, m) in order: a tile of scores (or of b = u.v). 4 rows x 2 registers
+// of j stay in eight registers across the c loop, so each load of bt serves four rows: the
+// loads of the transposed keys, not the multiply-adds, bound a one-row loop (a (features, T)
+// scratch of 400 KB is re-read for every row from L2). GCC does not vectorize this nest by
+// itself ("complicated access pattern"), hence the intrinsics. Every output is the same
+// chain of fused multiply-adds in c whichever path computes it, and fma(a, b, c) =
+// fma(b, a, c), so a score computed from the query side and from the key side is the same
+// number.
+template <class C>
+PYENGINE_ALWAYS_INLINE void dot_rows(const C* a, const C* bt, index_t m, index_t ld, index_t n,
+                                     C* out, index_t ldo) {
     index_t j = 0;
 #ifdef __AVX__
-    for (; j + 8 <= n; j += 8) {
-        __m256d acc[kTile][2];
-        for (auto& r : acc) r[0] = r[1] = _mm256_setzero_pd();
+    using S = Simd<C>;
+    constexpr index_t W = S::W;
+    for (; j + 2 * W <= n; j += 2 * W) {
+        typename S::V acc[kTile][2];
+        for (auto& r : acc) r[0] = r[1] = S::zero();
         for (index_t c = 0; c < m; ++c) {
-            const __m256d b0 = _mm256_loadu_pd(bt + c * ld + j);
-            const __m256d b1 = _mm256_loadu_pd(bt + c * ld + j + 4);
+            const auto b0 = S::load(bt + c * ld + j);
+            const auto b1 = S::load(bt + c * ld + j + W);
             for (index_t r = 0; r < kTile; ++r) {
-                const __m256d ar = _mm256_set1_pd(a[r * m + c]);
+                const auto ar = S::set1(a[r * m + c]);
                 acc[r][0] = vmadd(ar, b0, acc[r][0]);
                 acc[r][1] = vmadd(ar, b1, acc[r][1]);
             }
         }
         for (index_t r = 0; r < kTile; ++r) {
-            _mm256_storeu_pd(out + r * ldo + j, acc[r][0]);
-            _mm256_storeu_pd(out + r * ldo + j + 4, acc[r][1]);
+            S::store(out + r * ldo + j, acc[r][0]);
+            S::store(out + r * ldo + j + W, acc[r][1]);
         }
     }
 #endif
     for (; j < n; ++j) {
         for (index_t r = 0; r < kTile; ++r) {
-            double s = 0.0;
+            C s = 0;
             for (index_t c = 0; c < m; ++c) {
                 s = madd(a[r * m + c], bt[c * ld + j], s);
             }
@@ -88,28 +208,29 @@ PYENGINE_ALWAYS_INLINE void dot_rows(const double* a, const double* bt, index_t 
 // out[r * m + c] = scale[r] * sum_j w[r * ldw + j] * bt[c * ld + j] for the kTile rows r,
 // c in [0, m), j in [0, n): two c at a time for the four rows (eight registers), so each
 // load of bt serves four rows and each load of w two columns. The order of the additions
-// is fixed by n alone (4 lanes, folded in a fixed order, then the scalar tail).
-PYENGINE_ALWAYS_INLINE void weighted_sums(const double* w, index_t ldw, const double* bt, index_t m,
-                                          index_t ld, index_t n, const double* scale,
-                                          double* out) {
+// is fixed by n alone (W lanes, folded in a fixed order, then the scalar tail).
+template <class C>
+PYENGINE_ALWAYS_INLINE void weighted_sums(const C* w, index_t ldw, const C* bt, index_t m,
+                                          index_t ld, index_t n, const C* scale, C* out) {
     index_t c = 0;
 #ifdef __AVX__
-    const index_t n4 = n - n % 4;
+    using S = Simd<C>;
+    const index_t nw = n - n % S::W;
     for (; c + 2 <= m; c += 2) {
-        const double *b0 = bt + c * ld, *b1 = b0 + ld;
-        __m256d acc[kTile][2];
-        for (auto& r : acc) r[0] = r[1] = _mm256_setzero_pd();
-        for (index_t j = 0; j < n4; j += 4) {
-            const __m256d v0 = _mm256_loadu_pd(b0 + j), v1 = _mm256_loadu_pd(b1 + j);
+        const C *b0 = bt + c * ld, *b1 = b0 + ld;
+        typename S::V acc[kTile][2];
+        for (auto& r : acc) r[0] = r[1] = S::zero();
+        for (index_t j = 0; j < nw; j += S::W) {
+            const auto v0 = S::load(b0 + j), v1 = S::load(b1 + j);
             for (index_t r = 0; r < kTile; ++r) {
-                const __m256d wr = _mm256_loadu_pd(w + r * ldw + j);
+                const auto wr = S::load(w + r * ldw + j);
                 acc[r][0] = vmadd(wr, v0, acc[r][0]);
                 acc[r][1] = vmadd(wr, v1, acc[r][1]);
             }
         }
         for (index_t r = 0; r < kTile; ++r) {
-            double s0 = sum_lanes(acc[r][0]), s1 = sum_lanes(acc[r][1]);
-            for (index_t j = n4; j < n; ++j) {
+            C s0 = S::sum(acc[r][0]), s1 = S::sum(acc[r][1]);
+            for (index_t j = nw; j < n; ++j) {
                 s0 = madd(w[r * ldw + j], b0[j], s0);
                 s1 = madd(w[r * ldw + j], b1[j], s1);
             }
@@ -118,18 +239,18 @@ PYENGINE_ALWAYS_INLINE void weighted_sums(const double* w, index_t ldw, const do
         }
     }
     for (; c < m; ++c) {
-        const double* b0 = bt + c * ld;
-        __m256d acc[kTile];
-        for (auto& r : acc) r = _mm256_setzero_pd();
-        for (index_t j = 0; j < n4; j += 4) {
-            const __m256d v0 = _mm256_loadu_pd(b0 + j);
+        const C* b0 = bt + c * ld;
+        typename S::V acc[kTile];
+        for (auto& r : acc) r = S::zero();
+        for (index_t j = 0; j < nw; j += S::W) {
+            const auto v0 = S::load(b0 + j);
             for (index_t r = 0; r < kTile; ++r) {
-                acc[r] = vmadd(_mm256_loadu_pd(w + r * ldw + j), v0, acc[r]);
+                acc[r] = vmadd(S::load(w + r * ldw + j), v0, acc[r]);
             }
         }
         for (index_t r = 0; r < kTile; ++r) {
-            double s0 = sum_lanes(acc[r]);
-            for (index_t j = n4; j < n; ++j) {
+            C s0 = S::sum(acc[r]);
+            for (index_t j = nw; j < n; ++j) {
                 s0 = madd(w[r * ldw + j], b0[j], s0);
             }
             out[r * m + c] = scale[r] * s0;
@@ -138,7 +259,7 @@ PYENGINE_ALWAYS_INLINE void weighted_sums(const double* w, index_t ldw, const do
 #endif
     for (; c < m; ++c) {  // without AVX: every column here, in the same order as above
         for (index_t r = 0; r < kTile; ++r) {
-            double s0 = 0.0;
+            C s0 = 0;
             for (index_t j = 0; j < n; ++j) {
                 s0 = madd(w[r * ldw + j], bt[c * ld + j], s0);
             }
@@ -147,13 +268,13 @@ PYENGINE_ALWAYS_INLINE void weighted_sums(const double* w, index_t ldw, const do
     }
 }
 
-// dst (cols, rows) double = the transpose of src (rows, cols) of T, rows split over the team.
-template <class T>
-void transpose_into(const T* src, index_t rows, index_t cols, double* dst) {
+// dst (cols, rows) of C = the transpose of src (rows, cols) of T, rows split over the team.
+template <class T, class C>
+void transpose_into(const T* src, index_t rows, index_t cols, C* dst) {
 #pragma omp for schedule(static)
     for (index_t r = 0; r < rows; ++r) {
         for (index_t c = 0; c < cols; ++c) {
-            dst[c * rows + r] = static_cast<double>(src[r * cols + c]);
+            dst[c * rows + r] = static_cast<C>(src[r * cols + c]);
         }
     }
 }
@@ -191,63 +312,47 @@ inline void chunk_tiles(index_t tq, index_t tk, index_t offset, index_t nchunks,
 // part[c * ldp + x] += sum_r g[r * ldg + x] kb[r * m + c] (r = 0 .. kTile-1, in order) for
 // c in [0, m), and part[m * ldp + x] += sum_r w[r * ldg + x], x in [0, n): a key tile's share
 // of dq^T (the weighted keys) and of the spread, into a chunk's partial.
-PYENGINE_ALWAYS_INLINE void scatter_rows(const double* g, const double* w, index_t ldg,
-                                         const double* kb, index_t m, index_t n, double* part,
-                                         index_t ldp) {
-    const double *g0 = g, *g1 = g + ldg, *g2 = g + 2 * ldg, *g3 = g + 3 * ldg;
+template <class C>
+PYENGINE_ALWAYS_INLINE void scatter_rows(const C* g, const C* w, index_t ldg, const C* kb,
+                                         index_t m, index_t n, C* part, index_t ldp) {
+    const C *g0 = g, *g1 = g + ldg, *g2 = g + 2 * ldg, *g3 = g + 3 * ldg;
     for (index_t c = 0; c < m; ++c) {
-        const double k0 = kb[c], k1 = kb[m + c], k2 = kb[2 * m + c], k3 = kb[3 * m + c];
-        double* out = part + c * ldp;
+        const C k0 = kb[c], k1 = kb[m + c], k2 = kb[2 * m + c], k3 = kb[3 * m + c];
+        C* out = part + c * ldp;
 #pragma omp simd
         for (index_t x = 0; x < n; ++x) {
             out[x] += madd(g3[x], k3, madd(g2[x], k2, madd(g1[x], k1, g0[x] * k0)));
         }
     }
-    const double *w0 = w, *w1 = w + ldg, *w2 = w + 2 * ldg, *w3 = w + 3 * ldg;
-    double* out = part + m * ldp;
+    const C *w0 = w, *w1 = w + ldg, *w2 = w + 2 * ldg, *w3 = w + 3 * ldg;
+    C* out = part + m * ldp;
 #pragma omp simd
     for (index_t x = 0; x < n; ++x) {
         out[x] += ((w0[x] + w1[x]) + w2[x]) + w3[x];
     }
 }
 
-// sum_j a[j] b[j], j in [0, n).
-PYENGINE_ALWAYS_INLINE double dot(const double* a, const double* b, index_t n) {
-    double s = 0.0;
-#pragma omp simd reduction(+ : s)
-    for (index_t j = 0; j < n; ++j) {
-        s += a[j] * b[j];
-    }
-    return s;
-}
-
-template <class T>
-PYENGINE_ALWAYS_INLINE void to_double(const T* src, index_t n, double* dst) {
-    for (index_t c = 0; c < n; ++c) {
-        dst[c] = static_cast<double>(src[c]);
-    }
-}
-
-
 // s[j] *= scale for j in [0, n); returns the max of the scaled values (-inf if n = 0). The
-// intrinsics because GCC leaves the max reduction of doubles scalar, a chain of dependent
-// maxsd that took a fifth of the forward pass. Inputs are finite (validated).
-PYENGINE_ALWAYS_INLINE double scale_max(double* s, index_t n, double scale) {
-    double m = -std::numeric_limits<double>::infinity();
+// intrinsics because GCC leaves the max reduction scalar, a chain of dependent maxsd that
+// took a fifth of the forward pass. Inputs are finite (validated).
+template <class C>
+PYENGINE_ALWAYS_INLINE C scale_max(C* s, index_t n, C scale) {
+    C m = -std::numeric_limits<C>::infinity();
     index_t j = 0;
 #ifdef __AVX__
-    const __m256d sc = _mm256_set1_pd(scale);
-    __m256d m0 = _mm256_set1_pd(m), m1 = m0;
-    for (; j + 8 <= n; j += 8) {
-        const __m256d a = _mm256_mul_pd(_mm256_loadu_pd(s + j), sc);
-        const __m256d b = _mm256_mul_pd(_mm256_loadu_pd(s + j + 4), sc);
-        _mm256_storeu_pd(s + j, a);
-        _mm256_storeu_pd(s + j + 4, b);
-        m0 = _mm256_max_pd(m0, a);
-        m1 = _mm256_max_pd(m1, b);
+    using S = Simd<C>;
+    constexpr index_t W = S::W;
+    const auto sc = S::set1(scale);
+    auto m0 = S::set1(m), m1 = m0;
+    for (; j + 2 * W <= n; j += 2 * W) {
+        const auto a = S::mul(S::load(s + j), sc);
+        const auto b = S::mul(S::load(s + j + W), sc);
+        S::store(s + j, a);
+        S::store(s + j + W, b);
+        m0 = S::max(m0, a);
+        m1 = S::max(m1, b);
     }
-    m0 = _mm256_max_pd(m0, m1);
-    m = std::max(std::max(m0[0], m0[1]), std::max(m0[2], m0[3]));
+    m = S::hmax(S::max(m0, m1));
 #endif
     for (; j < n; ++j) {
         s[j] *= scale;
@@ -256,14 +361,14 @@ PYENGINE_ALWAYS_INLINE double scale_max(double* s, index_t n, double scale) {
     return m;
 }
 
-// Loads the rows t0 .. t0 + kTile - 1 of src (rows, cols) of T into dst (kTile, cols)
-// double, zero-filling the rows past `rows`; returns how many rows were real.
-template <class T>
-index_t load_tile(const T* src, index_t t0, index_t rows, index_t cols, double* dst) {
+// Loads the rows t0 .. t0 + kTile - 1 of src (rows, cols) of T into dst (kTile, cols) of
+// C, zero-filling the rows past `rows`; returns how many rows were real.
+template <class T, class C>
+index_t load_tile(const T* src, index_t t0, index_t rows, index_t cols, C* dst) {
     const index_t real = std::min(kTile, rows - t0);
     for (index_t r = 0; r < kTile; ++r) {
         for (index_t c = 0; c < cols; ++c) {
-            dst[r * cols + c] = r < real ? static_cast<double>(src[(t0 + r) * cols + c]) : 0.0;
+            dst[r * cols + c] = r < real ? static_cast<C>(src[(t0 + r) * cols + c]) : C(0);
         }
     }
     return real;

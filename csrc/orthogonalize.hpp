@@ -8,9 +8,10 @@
 // column-major n x m matrix Xc = Xᵀ, so with s = min(m, n), per step:
 //   m <= n:  A = X Xᵀ = Xcᵀ Xc      syrk(U, T)          X' = a X + P X  ⇔  Xc' = a Xc + Xc P
 //   m >  n:  A = Xᵀ X = Xc Xcᵀ      syrk(U, N)          X' = a X + X P  ⇔  Xc' = a Xc + P Xc
-// with P = b A + c A² (one gemm with beta = b on a copy of A; with c = 0, P = b A is folded
-// into the last gemm's alpha). syrk fills one triangle of the symmetric A (half the flops of
-// a gemm, as numpy's X @ X.T); the other is mirrored before A is used as a full matrix.
+// with P = b A + c A² = b A + c A Aᵀ (a second syrk, with beta = b on a copy of A; with c = 0,
+// P = b A is folded into the last gemm's alpha). syrk fills one triangle of a symmetric
+// result (half the flops of a gemm, as numpy's X @ X.T); the other is mirrored before use.
+// Per step: s² l + s³ + 2 s² l flops (4 n³ for a square n x n matrix, not 6 n³).
 // The norm is summed in float64 over fixed chunks in a fixed order, so results do not
 // depend on the number of threads (BLAS's own threading aside).
 #pragma once
@@ -120,10 +121,10 @@ std::int64_t newton_schulz(const T* g, index_t batch, index_t m, index_t n, cons
             detail::mirror_upper(gram.data(), s);
             T* p = gram.data();
             T alpha = b;
-            if (c != T(0)) {
+            if (c != T(0)) {  // P = b A + c A Aᵀ (A symmetric): a second syrk, one triangle
                 std::memcpy(poly.data(), gram.data(), static_cast<std::size_t>(s * s) * sizeof(T));
-                blas.gemm(&N, &N, &is, &is, &is, &c, gram.data(), &is, gram.data(), &is, &b,
-                          poly.data(), &is);
+                blas.syrk(&U, &N, &is, &is, &c, gram.data(), &is, &b, poly.data(), &is);
+                detail::mirror_upper(poly.data(), s);
                 p = poly.data();
                 alpha = one;
             }

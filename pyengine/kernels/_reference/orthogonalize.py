@@ -14,7 +14,8 @@ G = U Σ Vᵀ, so the iteration keeps the singular vectors and moves the singula
 toward 1; the Gram matrix A is formed on the short side (s x s, s = min(m, n)). A step
 with c = 0 skips the product A².
 
-Per step that is 2 s² l + 2 s³ (when c != 0) + 2 s² l flops (l = max(m, n)): the
+Per step that is s² l + s³ (when c != 0) + 2 s² l flops (l = max(m, n); A and A² = A Aᵀ
+are symmetric, so BLAS syrk computes one triangle at half a gemm's flops): the
 products are the whole cost, and every backend hands them to BLAS in the dtype of g
 (float32 products in float32). The scalings, the norm and the sums are the only other
 work; the compiled backends must agree with this reference to the rounding of the
@@ -57,7 +58,7 @@ def newton_schulz(g: np.ndarray, coeffs: np.ndarray, out: np.ndarray) -> int:
         x = (g[k] * (1.0 / nrm)).astype(g.dtype)
         for a, b, c in cf:
             gram = x @ x.T if wide else x.T @ x
-            poly = b * gram + c * (gram @ gram) if c != 0 else b * gram
+            poly = b * gram + c * (gram @ gram.T) if c != 0 else b * gram  # A Aᵀ = A²: numpy's syrk
             x = a * x + (poly @ x if wide else x @ poly)
         out[k] = x
     return bad

@@ -2,4 +2,6 @@
 
 from .decay import DecayFit, fit_decay
 from .jacobians import token_jacobians
+from .stability import SignalPropagation, mlp_stack, signal_propagation
+from .weight_spectra import WeightSpectra, weight_spectra
 from .propagate import Propagation, position_mask, propagate, resolve_positions

@@ -187,7 +187,7 @@ def _predict(layers, scheme: str, activation: str, norm: str, residual: bool, wi
 def signal_propagation(
     scheme: str = "kaiming_normal", depth: int = 50, width: int = 256, tokens: int = 128, *,
     activation: str = "relu", norm: str = "none", residual: bool = False, d_mlp: int | None = None,
-    seed: int = 0, dtype: Any = np.float64, **init: Any,
+    seed: int = 0, dtype: Any = np.float64, layers: list[tuple[np.ndarray, ...]] | None = None, **init: Any,
 ) -> SignalPropagation:
     """Measure forward and backward RMS per layer of an MLP-only stack, beside the mean-field prediction.
 
@@ -204,11 +204,15 @@ def signal_propagation(
     residual : bool
         A residual MLP block per layer (d -> d_mlp -> d, default d_mlp = 4 d) instead of
         one (d, d) layer.
+    layers : list, optional
+        The weights, as :func:`mlp_stack` returns them for the same scheme, depth, width,
+        residual, d_mlp, seed, dtype and ``init`` (to share them between settings).
     """
     activation = _v.choice("activation", activation, ACTIVATIONS)
     norm = _v.choice("norm", norm, NORMS)
     tokens = _v.count("tokens", tokens)
-    layers = mlp_stack(depth, width, scheme, residual=residual, d_mlp=d_mlp, seed=seed, dtype=dtype, **init)
+    if layers is None:
+        layers = mlp_stack(depth, width, scheme, residual=residual, d_mlp=d_mlp, seed=seed, dtype=dtype, **init)
     dt = layers[0][0].dtype
     rng = np.random.default_rng([_v.int_seed(seed), 1 << 30])
     h = rng.standard_normal((tokens, width)).astype(dt)

@@ -16,6 +16,7 @@
 #include "bind_attention.hpp"
 #include "bind_layernorm.hpp"
 #include "bind_machine.hpp"
+#include "bind_orthogonalize.hpp"
 #include "bind_spectral.hpp"
 
 PYBIND11_MODULE(_core, m) {
@@ -26,4 +27,5 @@ PYBIND11_MODULE(_core, m) {
     register_spectral(m);
     register_activations(m);
     register_attention(m);
+    register_orthogonalize(m);
 }

@@ -18,6 +18,7 @@ import os as _os
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
 
 from .kernels.activations import activation, activation_jvp_coef, softmax, softmax_jvp
+from .kernels.orthogonalize import orthogonalize
 from .kernels.attention import attention_backward, attention_forward, attention_score_grad
 from .backends import (
     available_backends,
@@ -43,6 +44,7 @@ from .linalg.convert import as_linear_operator, from_linear_operator
 from .linalg.results import SpectralRadiusResult, SpectralResult, WeightScan
 from .linalg.spectral import layer_norm_spectral_norm, rms_norm_spectral_norm, spectral_norm, spectral_radius
 from .linalg.weights import weight_scan
+from .linalg.steepest import steepest_descent
 from .models import PretrainedModel, Stack, StackConfig, init_weights, load_pretrained
 from .analysis import BlockJacobian, DecayFit, Propagation, block_jacobian_norm, fit_decay, propagate
 
@@ -106,6 +108,7 @@ __all__ = [
     "layer_norm_vjp",
     "load_pretrained",
     "num_threads",
+    "orthogonalize",
     "propagate",
     "rms_norm",
     "rms_norm_jacobian",
@@ -117,6 +120,7 @@ __all__ = [
     "softmax_jvp",
     "spectral_norm",
     "spectral_radius",
+    "steepest_descent",
     "use_backend",
     "weight_scan",
 ]

@@ -78,8 +78,13 @@ ATTENTION_KERNELS: tuple[str, ...] = (
     "attention_forward",
     "attention_backward",
 )
+#: Batched Newton–Schulz orthogonalization of gradient matrices (Muon; steepest descent
+#: under the spectral norm): products in BLAS, everything else fused around them.
+ORTHOGONALIZE_KERNELS: tuple[str, ...] = ("newton_schulz",)
 #: Every kernel id; each must have a ``numpy`` (reference) entry.
-KERNELS: tuple[str, ...] = NORM_KERNELS + SPECTRAL_KERNELS + ACTIVATION_KERNELS + ATTENTION_KERNELS
+KERNELS: tuple[str, ...] = (
+    NORM_KERNELS + SPECTRAL_KERNELS + ACTIVATION_KERNELS + ATTENTION_KERNELS + ORTHOGONALIZE_KERNELS
+)
 
 #: Backend name -> the module that registers its kernels when imported.
 _MODULES: dict[str, str] = {

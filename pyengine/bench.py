@@ -172,9 +172,21 @@ def _kernel_arrays(kernel: str, dtype: np.dtype, size: tuple[int, int]) -> dict[
 ARGUMENTS = frozenset(_kernel_arrays("layer_norm", np.dtype(np.float32), (1, 2)))
 
 
+def _newton_schulz_case(kernel: str) -> Case:
+    """Muon's 5 quintic steps on one k x k matrix, k = min(d, 1024): 2 syrk (k³) + 1 gemm (2 k³) per step."""
+    def setup(backend: str, dtype: str, size: tuple[int, int]):
+        k, fn = min(size[1], 1024), backends.resolve(kernel, backend)
+        g, cf = np.random.default_rng(0).standard_normal((1, k, k)).astype(dtype), np.array([(3.4445, -4.775, 2.0315)] * 5)
+        return (lambda: fn(g, cf, np.zeros_like(g))), 2 * g.nbytes, 5 * 4.0 * k**3
+    return Case(kernel, setup, limit="gemm", label=lambda size: f"{min(size[1], 1024)}x{min(size[1], 1024)}",
+                backends=tuple(b for b in backends.BACKENDS if backends.provides(kernel, b)))
+
+
 def _kernel_case(kernel: str) -> Case:
     if kernel in backends.ATTENTION_KERNELS:
         return _attention_case(kernel)
+    if kernel in backends.ORTHOGONALIZE_KERNELS:
+        return _newton_schulz_case(kernel)
     names = tuple(inspect.signature(backends.resolve(kernel, "numpy")).parameters)
     unknown = set(names) - ARGUMENTS
     if unknown:

@@ -396,7 +396,7 @@ def test_init_schemes():
     jit = init_weights(cfg, gamma_jitter=0.1, bias_std=0.1).weights
     assert jit["blocks.0.norm1.gamma"].std() > 0.05 and jit["blocks.0.norm1.beta"].std() > 0.05
     with pytest.raises(ValueError, match="scheme"):
-        init_weights(cfg, "orthogonal")
+        init_weights(cfg, "he_normal")
     with pytest.raises(TypeError, match="dtype"):
         init_weights(cfg, dtype=np.float16)
 

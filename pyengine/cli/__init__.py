@@ -8,6 +8,8 @@
 ``pyengine bench``  every kernel x backend, as a fraction of the machine's limits
                    measured in the same run; ``--compare`` checks for regressions.
 ``pyengine attention``  attention gradient dynamics on a sticky Markov chain (EM-style vs GD).
+``pyengine stability``  forward/backward signal propagation by init scheme, the spectral
+                   condition of a model, steepest descent under norms.
 ``pyengine backends``  which backends load, and why not.
 
 Bad arguments never end in a traceback: one line on stderr and exit status 2;
@@ -32,7 +34,7 @@ from .._progress import end_line
 __all__ = ["COMMANDS", "main", "parser"]
 
 #: The subcommand modules of this package, in the order ``pyengine --help`` lists them.
-COMMANDS = ("demo", "backends", "spectral", "recovery", "attention", "bench")
+COMMANDS = ("demo", "backends", "spectral", "recovery", "attention", "stability", "bench")
 
 #: Errors that end a run with one line and exit status 2: bad arguments or input files,
 #: a missing optional dependency, a request too large for memory.

@@ -1,0 +1,41 @@
+"""``pyengine stability``: forward/backward signal propagation by initialization scheme (with and
+without LayerNorm and residual), the spectral condition of a real model, and GD vs sign vs
+spectral descent; prints the tables and writes the figures."""
+
+from __future__ import annotations
+
+import argparse
+
+from .._progress import Progress
+from ._args import positive
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("stability", help="signal propagation by init scheme, spectral condition, steepest descent",
+                       description=__doc__.replace("``", ""))
+    p.add_argument("--schemes", default="kaiming_normal,xavier_normal,torch_default,orthogonal",
+                   help="comma-separated initialization schemes")
+    p.add_argument("--depth", type=positive, default=48)
+    p.add_argument("--width", type=positive, default=768)
+    p.add_argument("--tokens", type=positive, default=128)
+    p.add_argument("--activation", default="relu", choices=("relu", "gelu", "tanh", "linear"))
+    p.add_argument("--model", default=None, help="a load_pretrained name or path for the spectral-condition table")
+    p.add_argument("--no-demo", action="store_true", help="skip the steepest-descent comparison")
+    p.add_argument("--out", default="stability-out", help="folder for the figures and stability.json")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..experiments.stability import format_stability, stability, write_stability
+
+    schemes = tuple(s.strip() for s in args.schemes.split(",") if s.strip())
+    bar = Progress("auto")
+    rep = stability(schemes, args.depth, args.width, args.tokens, activation=args.activation, model=args.model,
+                    demo=not args.no_demo, seed=args.seed, progress=bar.step)
+    bar.step(1, 1, "done")
+    print(format_stability(rep))
+    for path in write_stability(rep, args.out):
+        print(f"wrote {path}")
+    return 0

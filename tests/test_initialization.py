@@ -1,0 +1,116 @@
+"""Initialization schemes: each measured variance against its formula, and the stack's init.
+
+Tolerances: a sample variance of N i.i.d. entries has relative standard error
+sqrt((kurtosis - 1)/N) (2/N for a normal, 0.8/N for a uniform). With N = 256 * 512,
+that is at most 0.0039; the tests allow 3 % (more than 7 standard errors).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+
+import pyengine as pe
+from pyengine.models import initialization as ini
+
+FAN_IN, FAN_OUT = 256, 512
+CASES = [
+    ("gpt2", {}),
+    ("xavier_normal", {}),
+    ("xavier_uniform", {}),
+    ("xavier", {}),
+    ("kaiming_normal", {}),
+    ("kaiming_normal", {"mode": "fan_out"}),
+    ("kaiming_normal", {"nonlinearity": "tanh"}),
+    ("kaiming_uniform", {}),
+    ("kaiming_uniform", {"nonlinearity": "leaky_relu"}),
+    ("kaiming", {}),
+    ("torch_default", {}),
+    ("orthogonal", {}),
+    ("orthogonal", {"gain": 2.0}),
+]
+
+
+@pytest.mark.parametrize("shape", [(FAN_IN, FAN_OUT), (FAN_OUT, FAN_IN)], ids=["wide", "tall"])
+@pytest.mark.parametrize(("scheme", "kw"), CASES, ids=[f"{s}-{'-'.join(map(str, k.values())) or 'default'}" for s, k in CASES])
+def test_variance_matches_the_formula(scheme, kw, shape):
+    rng = np.random.default_rng(1)
+    w = ini.init_matrix(rng, scheme, *shape, **kw)
+    assert w.shape == shape and w.dtype == np.float64
+    want = ini.init_variance(scheme, *shape, **kw)
+    assert np.mean(w * w) == pytest.approx(want, rel=0.03)
+    assert abs(np.mean(w)) < 5 * math.sqrt(want / w.size)
+
+
+def test_the_formulas_by_hand():
+    n_in, n_out = 300, 100
+    assert ini.init_variance("xavier_uniform", n_in, n_out) == pytest.approx(2 / 400)
+    assert ini.init_variance("kaiming_normal", n_in, n_out) == pytest.approx(2 / 300)
+    assert ini.init_variance("kaiming_normal", n_in, n_out, mode="fan_out") == pytest.approx(2 / 100)
+    assert ini.init_variance("torch_default", n_in, n_out) == pytest.approx(1 / 900)  # not He: 6x smaller
+    assert ini.init_variance("orthogonal", n_in, n_out) == pytest.approx(1 / 300)
+    assert ini.calculate_gain("leaky_relu", 0.2) == pytest.approx(math.sqrt(2 / 1.04))
+    assert ini.calculate_gain("tanh") == pytest.approx(5 / 3)
+    assert ini.forward_gain("kaiming_normal", n_in, n_out) == pytest.approx(2.0)
+
+
+def test_torch_default_bound_is_one_over_sqrt_fan_in():
+    w = ini.init_matrix(np.random.default_rng(0), "torch_default", 400, 50)
+    assert np.abs(w).max() <= 1 / 20 and np.abs(w).max() > 0.99 / 20
+
+
+@pytest.mark.parametrize("shape", [(64, 128), (128, 64), (300, 700)])
+def test_orthogonal_is_semi_orthogonal(shape):
+    w = ini.init_matrix(np.random.default_rng(2), "orthogonal", *shape)
+    small = min(shape)
+    gram = w.T @ w if shape[0] >= shape[1] else w @ w.T
+    np.testing.assert_allclose(gram, np.eye(small), atol=1e-12)
+    assert np.mean(w * w) == pytest.approx(ini.init_variance("orthogonal", *shape), rel=1e-12)  # exact
+
+
+@pytest.mark.parametrize("shape", [(64, 256), (300, 1200), (1200, 300), (200, 200)])  # 300: Lanczos
+def test_spectral_has_the_stated_sigma_max(shape):
+    w = ini.init_matrix(np.random.default_rng(3), "spectral", *shape)
+    s = np.linalg.svd(w, compute_uv=False)
+    assert s[0] == pytest.approx(math.sqrt(shape[1] / shape[0]), rel=1e-9)
+    # the entry variance follows from the Marchenko-Pastur edge (finite-size: within 10 %)
+    assert np.mean(w * w) == pytest.approx(ini.init_variance("spectral", *shape), rel=0.1)
+
+
+def test_reproducible_and_seeded():
+    a = ini.init_matrix(np.random.default_rng(5), "spectral", 300, 400)
+    b = ini.init_matrix(np.random.default_rng(5), "spectral", 300, 400)
+    np.testing.assert_array_equal(a, b)
+    cfg = pe.StackConfig(d_model=32, n_heads=2, n_layers=2)
+    for s in ini.SCHEMES:
+        w1 = pe.init_weights(cfg, s, seed=7).weights
+        w2 = pe.init_weights(cfg, s, seed=7).weights
+        w3 = pe.init_weights(cfg, s, seed=8).weights
+        assert all(np.array_equal(w1[k], w2[k]) for k in w1)
+        assert not np.array_equal(w1["blocks.0.mlp.w_in"], w3["blocks.0.mlp.w_in"])
+
+
+def test_init_weights_uses_the_scheme_per_matrix():
+    cfg = pe.StackConfig(d_model=64, n_heads=4, n_layers=1, d_mlp=256)
+    w = pe.init_weights(cfg, "kaiming_normal", mode="fan_out", dtype=np.float64).weights
+    win = w["blocks.0.mlp.w_in"]  # (64, 256): fan_out 256
+    assert np.mean(win**2) == pytest.approx(2 / 256, rel=0.05)
+    w = pe.init_weights(cfg, "spectral", dtype=np.float64).weights
+    assert np.linalg.norm(w["blocks.0.mlp.w_out"], 2) == pytest.approx(math.sqrt(64 / 256), rel=1e-9)
+    qkv = w["blocks.0.attn.w_qkv"]  # q, k, v are separate square matrices
+    for j in range(3):
+        assert np.linalg.norm(qkv[:, 64 * j:64 * (j + 1)], 2) == pytest.approx(1.0, rel=1e-9)
+
+
+def test_bad_arguments():
+    cfg = pe.StackConfig(d_model=16, n_heads=2, n_layers=1)
+    with pytest.raises(ValueError, match="scheme"):
+        pe.init_weights(cfg, "he")
+    with pytest.raises(ValueError, match="mode"):
+        pe.init_weights(cfg, "kaiming_normal", mode="fan")
+    with pytest.raises(ValueError, match="nonlinearity"):
+        pe.init_weights(cfg, "kaiming_normal", nonlinearity="swish")
+    with pytest.raises(ValueError, match="gain"):
+        pe.init_weights(cfg, "orthogonal", gain=-1.0)

@@ -1,0 +1,106 @@
+"""Signal propagation: the formulas against measurement, the backward pass against a directional
+derivative, weight spectra of a Stack and of a real model, the report and the CLI."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyengine as pe
+from pyengine.analysis.stability import mlp_stack, signal_propagation
+from pyengine.analysis.weight_spectra import weight_spectra
+
+
+def test_kaiming_keeps_relu_rms_within_a_factor_2_over_50_layers():
+    r = signal_propagation("kaiming_normal", 50, 1024, 32, activation="relu")
+    assert np.all(r.forward_rms < 2 * r.forward_rms[0]) and np.all(r.forward_rms > r.forward_rms[0] / 2)
+    assert np.all(r.backward_rms < 2 * r.backward_rms[-1]) and np.all(r.backward_rms > r.backward_rms[-1] / 2)
+    np.testing.assert_allclose(r.forward_pred, 1.0)  # sqrt(n_in * 2/n_in * 1/2) = 1 per layer
+
+
+def test_xavier_and_torch_default_collapse_with_relu_as_predicted():
+    for scheme, per_layer in (("xavier_normal", np.sqrt(0.5)), ("torch_default", np.sqrt(1 / 6))):
+        r = signal_propagation(scheme, 50, 512, 32, activation="relu")
+        np.testing.assert_allclose(r.forward_pred[1:] / r.forward_pred[:-1], per_layer, rtol=1e-10)
+        assert r.forward_rms[-1] < 1e-6
+        f, b = r.departure()
+        assert f < 0.5 and b < 0.5  # within a factor 1.65 over 50 layers, at width 512
+
+
+@pytest.mark.parametrize(("norm", "residual"), [("none", False), ("layernorm", False), ("rmsnorm", True),
+                                                 ("layernorm", True)])
+def test_measurement_follows_the_mean_field_prediction(norm, residual):
+    r = signal_propagation("kaiming_normal", 20, 512, 32, activation="relu", norm=norm, residual=residual)
+    f, b = r.departure()
+    assert f < 0.3 and b < 0.4
+
+
+def test_backward_is_the_exact_vjp():
+    """<dL/dh_0, δ> = d/dε <u, h_L(h_0 + ε δ)> with the same cotangent u (central difference, float64)."""
+    from pyengine.analysis import stability as st
+
+    for norm, residual in (("none", False), ("layernorm", True)):
+        depth, width, tokens = 4, 16, 5
+        layers = mlp_stack(depth, width, "kaiming_normal", residual=residual, d_mlp=24)
+        rng = np.random.default_rng([0, 1 << 30])
+        h0 = rng.standard_normal((tokens, width))
+        u = rng.standard_normal((tokens, width))
+
+        def forward(h):
+            for ws in layers:
+                a = st._phi("gelu", st._norm_fwd(norm, h) @ ws[0])
+                h = h + a @ ws[1] if residual else a
+            return h
+
+        g = h0.copy()  # recompute the backward pass by hand through signal_propagation's pieces
+        hs, pre = [h0], []
+        for ws in layers:
+            pre.append(st._norm_fwd(norm, hs[-1]) @ ws[0])
+            a = st._phi("gelu", pre[-1])
+            hs.append(hs[-1] + a @ ws[1] if residual else a)
+        g = u
+        for k in range(depth - 1, -1, -1):
+            gb = g @ layers[k][1].T if residual else g
+            gh = st._norm_vjp(norm, hs[k], (gb * st._dphi("gelu", pre[k])) @ layers[k][0].T)
+            g = g + gh if residual else gh
+        delta = np.random.default_rng(9).standard_normal(h0.shape)
+        eps = 1e-6
+        fd = (np.sum(u * forward(h0 + eps * delta)) - np.sum(u * forward(h0 - eps * delta))) / (2 * eps)
+        assert np.sum(g * delta) == pytest.approx(fd, rel=1e-6)
+        r = signal_propagation("kaiming_normal", depth, width, tokens, activation="gelu", norm=norm,
+                               residual=residual, d_mlp=24, layers=layers)
+        assert r.backward_rms[0] == pytest.approx(np.sqrt(np.mean(g * g)), rel=1e-12)
+        assert r.forward_rms[-1] == pytest.approx(np.sqrt(np.mean(hs[-1] ** 2)), rel=1e-12)
+
+
+def test_weight_spectra_of_a_stack():
+    cfg = pe.StackConfig(d_model=64, n_heads=4, n_layers=2, d_mlp=128, n_kv_heads=2, activation="silu_gated")
+    ws = weight_spectra(pe.init_weights(cfg, "spectral", dtype=np.float64))
+    assert ws.kind[:7] == ("q", "k", "v", "o", "gate", "up", "down")
+    np.testing.assert_allclose(ws.rms_to_rms, 1.0, rtol=1e-6)  # the spectral scheme meets the condition exactly
+    assert ws.d_out[1] == 32 and ws.d_in[1] == 64  # k of 2 kv heads
+    assert np.all(ws.stable_rank >= 1) and np.all(ws.stable_rank <= np.minimum(ws.d_out, ws.d_in))
+    assert "gate" in ws.to_text() and set(ws.by_kind()) == {"q", "k", "v", "o", "gate", "up", "down"}
+    with pytest.raises(TypeError, match="Stack"):
+        weight_spectra({"a": np.eye(3)})
+
+
+def test_weight_spectra_of_minilm(tmp_path):
+    try:
+        model = pe.load_pretrained("all-MiniLM-L6-v2")
+    except (OSError, ValueError, ImportError) as exc:
+        pytest.skip(f"MiniLM not installed: {exc}")
+    ws = weight_spectra(model, include_embeddings=False)
+    assert len(ws) == 6 * 6 and np.all(ws.rms_to_rms > 1)  # trained weights are far above Theta(1) = 1
+    assert ws.plot(str(tmp_path / "w.png")).endswith("w.png")
+
+
+def test_report_and_cli(tmp_path, capsys):
+    from pyengine.cli import main
+
+    assert main(["stability", "--depth", "6", "--width", "32", "--tokens", "8", "--schemes", "kaiming_normal,gpt2",
+                 "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    assert "kaiming_normal relu pre-layernorm residual" in out and "spectral" in out
+    assert (tmp_path / "stability.png").exists() and (tmp_path / "descent.png").exists()
+    assert main(["stability", "--schemes", "he", "--out", str(tmp_path), "--no-demo", "--depth", "2"]) == 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 import importlib
 import io
 import subprocess
+import tempfile
 import sys
 
 import pytest
@@ -15,7 +16,10 @@ from pyengine._progress import Progress
 
 
 def _run_module(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, "-m", "pyengine", *args], capture_output=True, text=True, timeout=120)
+    # Run outside the source tree: `python -m` puts the working directory first on sys.path,
+    # and there `pyengine/` is the source folder (no built extension), not the installed package.
+    return subprocess.run([sys.executable, "-m", "pyengine", *args], capture_output=True, text=True, timeout=120,
+                          cwd=tempfile.gettempdir())
 
 
 def test_every_subcommand_is_a_module_with_add_parser_and_run():

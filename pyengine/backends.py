@@ -192,6 +192,7 @@ def register(kernel: str, backend: str) -> Callable[[F], F]:
                     f"the reference has {_param_names(ref)}"
                 )
         _TABLE[kernel, backend] = fn
+        _RESOLVED.clear()
         return fn
 
     return deco
@@ -218,8 +219,23 @@ def check_name(backend: object) -> str:
     return backend
 
 
+#: (kernel id, backend name or "auto" after the default) -> the resolved callable: a
+#: backend's loading is decided once, so a resolution never changes (``register`` clears it).
+_RESOLVED: dict[tuple[str, str], Callable[..., Any]] = {}
+
+
 def resolve(kernel: str, backend: str = "auto") -> Callable[..., Any]:
     """Return the callable for ``kernel`` on ``backend`` (``"auto"``: fastest available)."""
+    if type(backend) is not str or type(kernel) is not str:
+        return _resolve(kernel, backend)  # the checks and their messages
+    key = (kernel, _DEFAULT.get() if backend == "auto" else backend)
+    fn = _RESOLVED.get(key)
+    if fn is None:
+        fn = _RESOLVED[key] = _resolve(kernel, backend)
+    return fn
+
+
+def _resolve(kernel: str, backend: str) -> Callable[..., Any]:
     if kernel not in KERNELS:
         raise KeyError(f"unknown kernel id {kernel!r}")
     backend = check_name(backend)

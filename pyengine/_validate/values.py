@@ -6,6 +6,7 @@ Every message names the argument, what was expected and what was given.
 
 from __future__ import annotations
 
+import math
 import numbers
 from typing import Any
 
@@ -60,10 +61,11 @@ def flag(name: str, value: Any) -> bool:
 
 def eps(value: Any) -> float:
     """eps: a finite real number >= 0."""
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
-        raise TypeError(f"eps must be a real number >= 0; got {value!r}")
-    value = float(value)
-    if not (np.isfinite(value) and value >= 0):
+    if type(value) is not float:  # the common case skips the (slow) check against numbers.Real
+        if isinstance(value, bool) or not isinstance(value, numbers.Real):
+            raise TypeError(f"eps must be a real number >= 0; got {value!r}")
+        value = float(value)
+    if not (math.isfinite(value) and value >= 0):  # math, not NumPy: a microsecond less per call
         raise ValueError(f"eps must be a finite number >= 0; got {value}")
     return value
 

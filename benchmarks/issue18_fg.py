@@ -1,0 +1,72 @@
+"""Issue 18 (helper fg) measurements, one process, for a quiet machine.
+
+    python benchmarks/issue18_fg.py        (run from outside the source tree is not needed:
+                                           it only imports the installed pyengine)
+
+Prints: per-call time of each public kernel on one d=768 float32 token (min of 7 means
+of 2000 calls); pe.layer_norm vs torch F.layer_norm at (2048, 768) float32, both
+allocating (median of 300 interleaved calls); the Numba/C++ ratio of the norm kernels
+at (8192, 4096) float32 with out= (median of 10); Lanczos ms/token over 256 tokens at
+d = 768 (median of 3).
+"""
+
+from __future__ import annotations
+
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+import pyengine as pe
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from benchmarks import bench_small_calls as b  # noqa: E402
+
+
+def main() -> None:
+    s = b.SmallCall()
+    for k in b.SmallCall.params[0]:
+        s.setup(k)
+        print(f"one token d=768 {k:16s} {s.track_us_per_call(k):6.2f} us/call")
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        print("torch not installed: layer_norm vs torch skipped")
+    else:
+        rng = np.random.default_rng(0)
+        x = rng.standard_normal((2048, 768)).astype(np.float32)
+        g = rng.uniform(0.5, 1.5, 768).astype(np.float32)
+        bb = rng.standard_normal(768).astype(np.float32)
+        tx, tg, tb = (torch.from_numpy(a) for a in (x, g, bb))
+        calls = {"pe.layer_norm": lambda: pe.layer_norm(x, g, bb),
+                 "F.layer_norm": lambda: F.layer_norm(tx, (768,), tg, tb)}
+        ts = {k: [] for k in calls}
+        for _ in range(300):
+            for k, f in calls.items():
+                t = time.perf_counter()
+                f()
+                ts[k].append(time.perf_counter() - t)
+        med = {k: statistics.median(v) for k, v in ts.items()}
+        print(f"(2048, 768) f32 pe {med['pe.layer_norm'] * 1e3:.3f} ms, torch "
+              f"{med['F.layer_norm'] * 1e3:.3f} ms, torch/pe = {med['F.layer_norm'] / med['pe.layer_norm']:.2f}")
+    n = b.NumbaVsCpp()
+    for k in b.NumbaVsCpp.params[0]:
+        n.setup(k)
+        print(f"(8192, 4096) f32 out= {k:16s} numba/cpp = {n.track_ratio(k):.2f}")
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((256, 768)).astype(np.float32)
+    g = rng.uniform(0.5, 1.5, 768).astype(np.float32)
+    pe.layer_norm_spectral_norm(x[:4], g, method="lanczos")
+    ts = []
+    for _ in range(3):
+        t = time.perf_counter()
+        pe.layer_norm_spectral_norm(x, g, method="lanczos")
+        ts.append(time.perf_counter() - t)
+    print(f"lanczos LN Jacobian d=768, 256 tokens: {statistics.median(ts) / 256 * 1e3:.2f} ms/token")
+
+
+if __name__ == "__main__":
+    main()

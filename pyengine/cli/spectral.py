@@ -169,13 +169,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--key", help="array name inside an .npz with several arrays")
     s.add_argument("--gamma", metavar="FILE", help="gamma (d,), .npy or one-array .npz (default: ones, "
                    "or the synthetic gamma)")
-    s.add_argument("--norm", choices=["layernorm", "rmsnorm"], default="layernorm")
-    s.add_argument("--method", choices=["exact", "power", "lanczos"], default="exact")
-    s.add_argument("--mode", choices=["full", "frozen_scale"], default="full")
+    s.add_argument("--norm", choices=["layernorm", "rmsnorm"], default="layernorm",
+                   help="the normalization whose Jacobian is scanned (default layernorm)")
+    s.add_argument("--method", choices=["exact", "power", "lanczos"], default="exact",
+                   help="exact (closed form), power or lanczos iteration (default exact)")
+    s.add_argument("--mode", choices=["full", "frozen_scale"], default="full",
+                   help="full Jacobian, or frozen_scale (1/sigma held fixed) (default full)")
     s.add_argument("--eps", type=non_negative_float, default=1e-5, help="normalization eps (default 1e-5)")
     s.add_argument("--tol", type=positive_float, default=1e-6, help="residual tolerance (default 1e-6)")
     s.add_argument("--max-iter", type=positive, default=1000, help="iterations cap per token (default 1000)")
-    s.add_argument("--backend", choices=["auto", *backends.BACKENDS], default="auto")
+    s.add_argument("--backend", choices=["auto", *backends.BACKENDS], default="auto",
+                   help="kernel backend (default auto: the fastest that loads)")
     s.add_argument("--tokens", type=positive, default=SPECTRAL_TOKENS,
                    help=f"synthetic tokens (default {SPECTRAL_TOKENS})")
     s.add_argument("--d", type=positive, default=SPECTRAL_D, help=f"synthetic width (default {SPECTRAL_D})")

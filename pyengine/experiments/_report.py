@@ -23,8 +23,15 @@ __all__ = ["LINEAR_TOL", "format_table", "write"]
 #: Relative disagreement of exact and linearized projections that still counts as linear.
 LINEAR_TOL = 0.10
 
+def _ci(f: DecayFit, digits: int = 3) -> str:
+    """The rate's 95 % interval, or why there is none."""
+    if not all(math.isfinite(v) for v in f.rate_ci):
+        return "[no interval: fewer than 3 layers]"
+    return f"[{f.rate_ci[0]:+.{digits}f}, {f.rate_ci[1]:+.{digits}f}]"
+
+
 def _fmt_fit(f: DecayFit) -> str:
-    return f"{f.rate:+.3f} [{f.rate_ci[0]:+.3f}, {f.rate_ci[1]:+.3f}] per layer (R^2 {f.r2:.2f}, {f.n_points} layers)"
+    return f"{f.rate:+.3f} {_ci(f)} per layer (R^2 {f.r2:.2f}, {f.n_points} layers)"
 
 
 def _solid(f: DecayFit) -> bool:
@@ -93,8 +100,10 @@ def _verdicts(r: Recovery) -> list[str]:
         head = "CHANGES THE RATE" if spread > 2 * widths + 0.02 else "NO MEASURABLE EFFECT"
         out.append(f"(3) {name}: {head} (spread {spread:.3f} per layer, intervals +-{widths:.3f}): {vals}.")
     lr = r.linear_regime
+    span = (f"only at scale {lr[0]:g} (of those tried)" if lr and lr[0] == lr[1] else
+            f"for scales {lr[0]:g} to {lr[1]:g}" if lr else "")
     out.append("linear regime: " + (f"exact and linearized delta agree within {LINEAR_TOL:.0%} (|d_ex - d_lin| / "
-                                    f"|d_lin| at the read-out, every layer) for scales {lr[0]:g} to {lr[1]:g}"
+                                    f"|d_lin| at the read-out, every layer) {span}"
                                     if lr else f"no scale tried keeps exact and linearized delta within "
                                     f"{LINEAR_TOL:.0%}") + ".")
     return out
@@ -136,9 +145,9 @@ def format_table(rep: Recovery) -> str:
     for row in rep.layer_table():
         lines.append("".join(_cell(w, f, row[key]) for key, _, w, f in _COLS))
     fe, fl = rep.fit_exact, rep.fit_linear
-    lines.append(f"decay of |projection| ({rep.read}): exact {fe.rate:+.4f}/layer [{fe.rate_ci[0]:+.4f}, "
-                 f"{fe.rate_ci[1]:+.4f}], R^2 {fe.r2:.3f}, half-life {fe.half_life:.3g} layers; linearized "
-                 f"{fl.rate:+.4f}/layer, R^2 {fl.r2:.3f}")
+    lines.append(f"decay rate of |projection| ({rep.read}; > 0 decays, < 0 grows): exact {fe.rate:+.4f}/layer "
+                 f"{_ci(fe, 4)}, R^2 {fe.r2:.3f}, {fe.timescale()}; linearized {fl.rate:+.4f}/layer, "
+                 f"R^2 {fl.r2:.3f}")
     lines.extend(rep.verdicts)
     return "\n".join(lines)
 
@@ -177,15 +186,16 @@ def write(rep: Recovery, folder: str, plots: bool = True) -> list[str]:
     p = os.path.join(folder, "metrics.csv")
     with open(p, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["run", "layer", "direction", "scale", "position", "injected",
+        w.writerow(["run", "layer", "direction", "scale", "position", "token", "injected",
                     "cosine", "projection", "norm_ratio", "delta_norm"])
         for run in (rep.exact, rep.linear):
             name = "linearized" if run.linearized else "exact"
             inj = run.position_mask("injected")
+            tok = rep.tokens if rep.tokens is not None else [""] * run.T
             for i, k in enumerate(run.layers):
                 for n in range(run.N):
                     for t in range(run.T):
-                        w.writerow([name, int(k), n // run.S, f"{run.scales[n % run.S]:g}", t, int(inj[t]),
+                        w.writerow([name, int(k), n // run.S, f"{run.scales[n % run.S]:g}", t, tok[t], int(inj[t]),
                                     f"{run.cosine[i, n, t]:.9g}", f"{run.projection[i, n, t]:.9g}",
                                     f"{run.norm_ratio[i, n, t]:.9g}", f"{run.delta_norm[i, n, t]:.9g}"])
     paths.append(p)

@@ -210,9 +210,36 @@ def _plot(rep: Recovery, path: str) -> str:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
+    fig = figure(rep)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _zeros(a: Any, x: np.ndarray, y: np.ndarray, color: Any = None) -> None:
+    """Where y is 0 (not drawable on a log axis): a hollow triangle on the bottom edge."""
+    from matplotlib.transforms import blended_transform_factory
+
+    z = np.isfinite(y) & (y <= 0)
+    if z.any():
+        a.plot(np.asarray(x)[z], np.zeros(int(z.sum())), "v", mfc="none", color=color, clip_on=False,
+               transform=blended_transform_factory(a.transData, a.transAxes), label="0 (off the log axis)")
+
+
+def _span(pos: np.ndarray) -> str:
+    if pos.size > 1 and np.all(np.diff(pos) == 1):
+        return f"{pos[0]}-{pos[-1]}"
+    return ",".join(map(str, pos[:8])) + (",..." if pos.size > 8 else "")
+
+
+def figure(rep: Recovery) -> Any:
+    """The report's figure (six panels, x always the hidden state k except the scale sweep)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     ex, li, j = rep.exact, rep.linear, rep.scale_index
     k = ex.layers
-    fig, ax = plt.subplots(2, 3, figsize=(15, 8.5), constrained_layout=True)
+    fig, ax = plt.subplots(2, 3, figsize=(15, 9), layout="constrained")
 
     def mean(p: Any, metric: str) -> np.ndarray:
         return p.view(metric, rep.read).reshape(-1, p.K, p.S)[:, :, j].mean(axis=1)
@@ -221,39 +248,46 @@ def _plot(rep: Recovery, path: str) -> str:
     for p, fit, style, lab in ((ex, rep.fit_exact, "o-", "exact"), (li, rep.fit_linear, "s--", "linearized")):
         y = mean(p, "projection")
         a.semilogy(k, np.where(y > 0, y, np.nan), style, label=f"{lab}: rate {fit.rate:+.3f}/layer")
+        color = a.lines[-1].get_color()
         if math.isfinite(fit.rate):
-            a.semilogy(k, np.exp(fit.intercept - fit.rate * k), ":", color=a.lines[-1].get_color())
-    a.set(title=f"|projection on v| ({rep.read}), scale {rep.protocol_scale:g}", xlabel="hidden state k")
-    a.legend()
-    a = ax[0, 1]
-    a.plot(k, mean(ex, "cosine"), "o-", label="exact")
-    a.plot(k, mean(li, "cosine"), "s--", label="linearized")
-    a.set(title="cos(h_injected, h_base)", xlabel="hidden state k")
-    a.legend()
-    a = ax[0, 2]
-    a.plot(k, mean(ex, "norm_ratio"), "o-", label="exact")
-    a.plot(k, mean(li, "norm_ratio"), "s--", label="linearized")
-    a.set(title="|h_injected| / |h_base|", xlabel="hidden state k")
-    a.legend()
+            a.semilogy(k, np.exp(fit.intercept - fit.rate * k), ":", color=color)
+        _zeros(a, k, y, color)
+    a.set(title=f"|projection on v| ({rep.read}), scale {rep.protocol_scale:g}", ylabel="|delta . v|")
+    a.legend(title="|p_k| ~ exp(-rate k): rate > 0 decays", fontsize=8, title_fontsize=8)
+    for a, metric, title, ylabel in ((ax[0, 1], "cosine", "cos(h_injected, h_base)", "cosine"),
+                                     (ax[0, 2], "norm_ratio", "|h_injected| / |h_base|", "norm ratio")):
+        a.plot(k, mean(ex, metric), "o-", label="exact")
+        a.plot(k, mean(li, metric), "s--", label="linearized")
+        a.set(title=title, ylabel=ylabel)
+        a.legend(fontsize=8)
     a = ax[1, 0]
     m = ex.position_mask(rep.read)
-    a.semilogy(k, mean(ex, "delta_norm"), "o-", label="|delta| exact")
-    a.semilogy(k, mean(li, "delta_norm"), "s--", label="|delta| linearized")
+    for p, style, lab in ((ex, "o-", "|delta| exact"), (li, "s--", "|delta| linearized")):
+        y = mean(p, "delta_norm")
+        a.semilogy(k, np.where(y > 0, y, np.nan), style, label=lab)
+        _zeros(a, k, y, a.lines[-1].get_color())
     a.semilogy(k, ex.base_norm[:, m].mean(axis=1), "k-", label="|h| baseline")
-    a.set(title="norms", xlabel="hidden state k")
-    a.legend()
+    a.set(title="norms", ylabel="L2 norm")
+    a.legend(fontsize=8)
     a = ax[1, 1]
-    blocks = np.arange(rep.layer, rep.layer + rep.rho.shape[0]) + 1
-    a.plot(blocks, rep.rho.max(axis=1), "o-", label="rho (spectral radius)")
-    a.plot(blocks, rep.sigma.max(axis=1), "s-", label="sigma_max")
+    ks = np.arange(rep.layer, rep.layer + rep.rho.shape[0])  # block k + 1 leaves hidden state k
+    a.plot(ks, rep.rho.max(axis=1), "o-", label="rho (spectral radius)")
+    a.plot(ks, rep.sigma.max(axis=1), "s-", label="sigma_max")
     a.axhline(1.0, color="k", lw=0.8)
-    a.set(title="diagonal Jacobian block at the read token", xlabel="block", yscale="log")
-    a.legend()
+    a.set(title="Jacobian block of block k+1 at the read token", ylabel="rho, sigma_max", yscale="log")
+    a.legend(fontsize=8)
+    for a in (*ax[0], ax[1, 0], ax[1, 1]):
+        a.set_xlabel("hidden state k")
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
     a = ax[1, 2]
-    a.loglog(ex.scales, np.maximum(rep.linear_gap, 1e-16), "o-")
-    a.axhline(0.1, color="k", lw=0.8, ls="--")
-    a.set(title="linear regime: max over layers |delta_ex - delta_lin| / |delta_lin|", xlabel="scale")
-    fig.suptitle(f"pyengine recovery: {rep.model}")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    gap = rep.linear_gap
+    a.loglog(ex.scales, np.where(gap > 0, gap, np.nan), "o-", label="gap")
+    _zeros(a, ex.scales, gap)
+    a.axhline(LINEAR_TOL, color="k", lw=0.8, ls="--", label=f"{LINEAR_TOL:.0%}")
+    a.set(title="linear regime: max over k of\n|delta_ex - delta_lin| / |delta_lin|", xlabel="scale",
+          ylabel="relative gap")
+    a.legend(fontsize=8)
+    text = rep.text if rep.text is None or len(rep.text) <= 70 else rep.text[:67] + "..."
+    fig.suptitle(f"pyengine recovery: {rep.model}; text {text!r}\ninjected at hidden state {rep.layer}, "
+                 f"positions {_span(ex.positions)} of T = {ex.T}; read-out: {rep.read}")
+    return fig

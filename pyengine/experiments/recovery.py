@@ -317,6 +317,7 @@ def recovery(
     if directions is None:
         n = _v.count("n_directions", n_directions)
         directions = np.random.default_rng(seed).standard_normal((n, cfg.d_model))
+    directions = _v.unit_rows("directions", directions, cfg.d_model)  # checked before the first stage
     j = int(np.argmin(np.abs(sc - protocol_scale)))
     seconds: dict[str, float] = {}
 

@@ -144,7 +144,8 @@ def _suggest(raw: str) -> str:
 
     low = {k.lower(): k for k in KNOWN_MODELS}
     hit = difflib.get_close_matches(raw.lower(), list(low), n=1, cutoff=0.6)
-    return f" (did you mean {low[hit[0]]!r}?)" if hit else ""
+    hit = hit or [k for k in low if raw.lower() in k][:1]  # "smollm2": a part of one name
+    return f" (did you mean {low[hit[0]]!r}?)" if hit and len(raw) >= 3 else ""
 
 
 def _locate(name: str) -> str:

@@ -133,7 +133,7 @@ def test_read_out_without_the_last_token_is_clean(tmp_path, small):
                 "--no-plots", "--progress", "never", "--out", "o", env={"PYTHONWARNINGS": "error::RuntimeWarning"})
     assert done.returncode == 0, done.stderr
     assert "Mean of empty slice" not in done.stderr and "RuntimeWarning" not in done.stderr
-    assert "half-life inf" not in done.stdout and "nan" not in done.stdout.split("decay rate")[1].split("\n")[0]
+    assert "half-life inf" not in done.stdout and "nan" not in done.stdout.split("decay of |projection|")[1].split("\n")[0]
     assert not re.search(r"scales (\S+) to \1\b", done.stdout)
     rep = json.loads((tmp_path / "o" / "recovery.json").read_text())
     if rep["fit_exact"]["rate"] < 0:  # this seeded model grows: the line says so

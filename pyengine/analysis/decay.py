@@ -54,7 +54,8 @@ class DecayFit:
 
     def to_dict(self) -> dict[str, Any]:
         return {"rate": self.rate, "rate_ci": list(self.rate_ci), "r2": self.r2,
-                "half_life": self.half_life, "doubling": self.doubling, "intercept": self.intercept, "n_points": self.n_points}
+                "half_life": self.half_life, "doubling": self.doubling, "intercept": self.intercept,
+                "n_points": self.n_points}
 
 
 def fit_decay(values: Any, layers: Any | None = None) -> DecayFit:

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["count_or_npy", "fraction", "floats", "non_negative", "non_negative_float", "positions", "positive", "positive_float"]
+__all__ = ["count_or_npy", "fraction", "floats", "non_negative", "non_negative_float", "positions", "positive",
+           "positive_float"]
 
 
 def _int(text: str, what: str, low: int) -> int:

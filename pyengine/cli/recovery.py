@@ -10,7 +10,7 @@ import os
 import numpy as np
 
 from .._progress import Progress
-from ._args import count_or_npy, floats, non_negative, positions, positive, positive_float
+from ._args import count_or_npy, floats, non_negative, positions, positive_float
 
 __all__ = ["add_parser", "load_model", "run", "write_stage"]
 

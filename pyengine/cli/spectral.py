@@ -126,7 +126,8 @@ def run(args: argparse.Namespace) -> int:
         if gamma.ndim == 2 and n_layers is None:
             raise ValueError(f"gamma in {args.gamma} has shape {gamma.shape} (one per layer), but the activations "
                              "have no layer axis: pass (L, T, d) activations or a (d,) gamma")
-        if gamma.ndim not in (1, 2) or (gamma.ndim == 2 and gamma.shape[0] != n_layers) or gamma.shape[-1] != x.shape[1]:
+        bad_layers = gamma.ndim == 2 and gamma.shape[0] != n_layers
+        if gamma.ndim not in (1, 2) or bad_layers or gamma.shape[-1] != x.shape[1]:
             want = f"(d,) or (L, d) = ({n_layers}, {x.shape[1]})" if n_layers else f"(d,) = ({x.shape[1]},)"
             raise ValueError(f"gamma in {args.gamma} must have shape {want}; got {gamma.shape}")
     if args.csv and args.csv == args.json:

@@ -145,7 +145,7 @@ def format_table(rep: Recovery) -> str:
     for row in rep.layer_table():
         lines.append("".join(_cell(w, f, row[key]) for key, _, w, f in _COLS))
     fe, fl = rep.fit_exact, rep.fit_linear
-    lines.append(f"decay rate of |projection| ({rep.read}; > 0 decays, < 0 grows): exact {fe.rate:+.4f}/layer "
+    lines.append(f"decay of |projection| ({rep.read}; rate > 0 decays, < 0 grows): exact {fe.rate:+.4f}/layer "
                  f"{_ci(fe, 4)}, R^2 {fe.r2:.3f}, {fe.timescale()}; linearized {fl.rate:+.4f}/layer, "
                  f"R^2 {fl.r2:.3f}")
     lines.extend(rep.verdicts)

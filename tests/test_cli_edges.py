@@ -124,6 +124,7 @@ def test_ctrl_c_keeps_finished_stages_and_exits_with_one_line(tmp_path):
     assert "stages" in lines[0]
     stage = json.loads(first.read_text())
     assert stage["stage"] == "exact propagation" and len(stage["propagation"]["directions"]) == 48
+    assert len(stage["tokens"]) == len(stage["ids"]) == stage["propagation"]["T"]
     assert not (tmp_path / "o" / "recovery.json").exists()
     assert not list((tmp_path / "o" / "stages").glob("*.tmp"))
 

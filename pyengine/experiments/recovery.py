@@ -330,8 +330,10 @@ def recovery(
         keep(stage, _clean({"stage": stage, "seconds": seconds[stage], **dump(out)}))
         return out
 
+    tokens = token_strings(model, ids)
+
     def prop(p: Propagation) -> dict[str, Any]:
-        return {"propagation": dataclasses.replace(p, deltas=None, delta_positions=None).to_dict(),
+        return {"ids": ids.tolist() if ids.ndim == 1 else None, "tokens": tokens, "propagation": dataclasses.replace(p, deltas=None, delta_positions=None).to_dict(),
                 "fit": p.fit(read, j).to_dict()}
 
     def sweep(name: str) -> Callable[[list[tuple[float, DecayFit]]], dict[str, Any]]:
@@ -383,7 +385,7 @@ def recovery(
         fit_exact=ex.fit(read, j), fit_linear=li.fit(read, j),
         spectral_tokens=toks, rho=rho, sigma=sig, ones_residual=one, linear_gap=gap,
         linear_regime=_regime(sc, gap), no_residual=no_res, eps_sweep=eps_sweep, gamma_sweep=gamma_sweep,
-        verdicts=[], seconds=seconds, tokens=token_strings(model, ids),
+        verdicts=[], seconds=seconds, tokens=tokens,
     )
     rep.verdicts = _verdicts(rep)
     seconds["total"] = time.perf_counter() - t_start

@@ -18,7 +18,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     b.add_argument("--compare", metavar="BASELINE", help="a --json report: exit 1 on a regression against it")
     b.add_argument("--threshold", type=fraction, default=bench.THRESHOLD,
                    help=f"allowed relative drop beyond noise, in [0, 1) (default {bench.THRESHOLD})")
-    b.add_argument("--dtype", choices=["float32", "float64", "both"], default="float32")
+    b.add_argument("--dtype", choices=["float32", "float64", "both"], default="float32",
+                   help="dtype(s) benchmarked (default float32)")
     return b
 
 

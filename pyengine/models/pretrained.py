@@ -133,6 +133,21 @@ def _search_path() -> list[str]:
     return sys.path
 
 
+def _known(raw: str) -> str | None:
+    """The known model ``raw`` names, case-insensitively ("smollm2-135m-instruct"); None if none."""
+    return next((k for k in KNOWN_MODELS if k.lower() == raw.lower()), None)
+
+
+def _suggest(raw: str) -> str:
+    """ ' (did you mean 'X'?)' for a close known model name, else ''."""
+    import difflib
+
+    low = {k.lower(): k for k in KNOWN_MODELS}
+    hit = difflib.get_close_matches(raw.lower(), list(low), n=1, cutoff=0.6)
+    hit = hit or [k for k in low if raw.lower() in k][:1]  # "smollm2": a part of one name
+    return f" (did you mean {low[hit[0]]!r}?)" if hit and len(raw) >= 3 else ""
+
+
 def _locate(name: str) -> str:
     dist_name, rel, _ = KNOWN_MODELS[name]
     dists = list(importlib.metadata.distributions(name=dist_name, path=_search_path()))
@@ -177,13 +192,14 @@ def load_pretrained(name_or_path: str | os.PathLike[str]) -> PretrainedModel:
     raw = os.fspath(name_or_path)
     if not isinstance(raw, str):
         raise TypeError(f"name_or_path must be a str or path; got {type(name_or_path).__name__}")
-    if raw in KNOWN_MODELS:
-        path, name = _locate(raw), raw
+    if raw in KNOWN_MODELS or (_known(raw) and not os.path.exists(raw)):  # case-insensitive
+        name = _known(raw)
+        path = _locate(name)
     elif os.path.exists(raw):
         path, name = os.path.abspath(raw), os.path.basename(os.path.normpath(raw))
     else:
         raise ValueError(f"{raw!r} is neither a known model ({', '.join(map(repr, KNOWN_MODELS))}) "
-                         "nor an existing folder or .gguf file")
+                         f"nor an existing folder or .gguf file{_suggest(raw)}")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
         if len(ggufs) != 1:

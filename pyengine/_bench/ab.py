@@ -64,6 +64,10 @@ class Worker:
                 self.proc.wait(timeout=30)
             except (OSError, subprocess.TimeoutExpired):
                 self.proc.kill()
+                self.proc.wait()
+        for f in (self.proc.stdin, self.proc.stdout):
+            if f is not None and not f.closed:
+                f.close()
 
 
 def _git(root: pathlib.Path, *args: str) -> str:

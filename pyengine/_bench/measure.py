@@ -83,9 +83,11 @@ def time_call(call: Callable[[], Any], repeat: int) -> tuple[float, float]:
     return med, float((max(times) - min(times)) / med)
 
 
-def calibrate(call: Callable[[], Any], target: float = _stats.SAMPLE_S) -> int:
+def calibrate(call: Callable[[], Any], target: float | None = None) -> int:
     """Loops per sample (pyperf's calibration): double until ``loops`` calls last >= ``target``.
-    The first call is a warm-up (JIT compilation) and is not timed."""
+    ``target`` defaults to :data:`pyengine._bench.stats.SAMPLE_S`, read at call time. The first call
+    is a warm-up (JIT compilation) and is not timed."""
+    target = _stats.SAMPLE_S if target is None else target
     call()
     loops = getattr(call, "multiple", 1)
     while loops < MAX_LOOPS:

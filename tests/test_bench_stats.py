@@ -166,3 +166,25 @@ def test_ab_refuses_bad_inputs_before_timing(tmp_path, monkeypatch, capsys):
     with pytest.raises(SystemExit):
         cli.main(["bench", "--rounds", "2", "--compare-rev", "HEAD"])
     assert math.isfinite(bench.AB_THRESHOLD)
+
+
+def test_compare_forgives_a_machine_wide_slowdown_but_not_one_kernel():
+    def rows(scales, seed):
+        rng = np.random.default_rng(seed)
+        out = []
+        for k, scale in scales.items():
+            for backend in ("numpy", "cpp"):
+                f = list(0.5 * scale * np.exp(0.02 * rng.standard_normal(5)))
+                out.append({"kernel": k, "backend": backend, "dtype": "float32", "size": "8x8", "time_s": 1e-3,
+                            "spread": 0.05, "fraction": float(np.median(f)), "fraction_rounds": f})
+        return {"machine": {}, "results": out}
+
+    names = ["layer_norm", "rms_norm", "softmax", "gelu"]
+    base = rows(dict.fromkeys(names, 1.0), 0)
+    busy = rows(dict.fromkeys(names, 0.5), 1)  # a neighbour halves every kernel's share of the machine
+    assert bench.compare(busy, base) == []
+    one = rows({**dict.fromkeys(names, 0.5), "softmax": 0.5 / 1.6}, 2)  # ... and softmax regressed 1.6x
+    found = bench.compare(one, base)
+    assert len(found) == 1 and found[0].startswith("softmax cpp")
+    faster = rows({**dict.fromkeys(names, 2.0), "softmax": 1.0}, 3)  # a faster machine does not sharpen it
+    assert bench.compare(faster, base) == []

@@ -7,6 +7,8 @@ import json
 import math
 from typing import Any
 
+import numpy as np
+
 from pyengine import _validate as _v
 
 from . import stats as _stats
@@ -53,12 +55,34 @@ def _rounds(name: str, i: int, row: dict[str, Any], key: str) -> list[float] | N
     return vals if len(vals) >= 2 else None
 
 
+#: Rows of one backend needed to estimate a run-wide drift of a figure.
+DRIFT_ROWS = 3
+
+
+def _drift(report, base, key_of) -> dict[tuple[str, str], float]:
+    """Per (backend, figure): the median over shared rows of now / baseline, capped at 1.
+
+    A busier machine lowers every row of a backend alike (a neighbour's load, not a code
+    change); one kernel's regression moves one row. Dividing by the run-wide median forgives
+    the common slowdown only (a machine-wide *speed-up* is not used to sharpen the check),
+    so a change that slows every kernel of a backend equally is left to the same-run A/B."""
+    ratios: dict[tuple[str, str], list[float]] = {}
+    for r in report["results"]:
+        b = base.get(key_of(r, r["backend"]), (None, None))[1]
+        for key in FIGURES:
+            if b is not None and r.get(key) and b.get(key) and r["backend"] != "numpy":
+                ratios.setdefault((r["backend"], key), []).append(r[key] / b[key])
+    return {k: min(1.0, float(np.median(v))) for k, v in ratios.items() if len(v) >= DRIFT_ROWS}
+
+
 def compare(report: dict[str, Any], baseline: dict[str, Any], threshold: float = THRESHOLD) -> list[str]:
     """Regressions of the normalized figures (fraction of limit, speed-up over NumPy).
 
     With per-round values on both sides, the figure's ratio baseline/now (a slowdown) gets a
     two-sample bootstrap interval (:func:`pyengine._bench.stats.unpaired_ratio`), so both runs'
-    spreads count; it regresses only when the whole interval lies above 1 / (1 - threshold).
+    spreads count, after a machine-wide slowdown of the backend's figure (:func:`_drift`,
+    from at least :data:`DRIFT_ROWS` rows) is divided out; it regresses only when the whole
+    interval lies above 1 / (1 - threshold).
     Rows of an older report (no rounds) fall back to: now < baseline * (1 - threshold - the
     larger spread / 2). Returns one line per regression (empty when none). ``threshold``: in
     [0, 1); ``baseline`` is checked as :func:`load_baseline` checks a file.
@@ -68,6 +92,7 @@ def compare(report: dict[str, Any], baseline: dict[str, Any], threshold: float =
     key_of = lambda r, backend: (r["kernel"], backend, r["dtype"], r["size"])  # noqa: E731
     base = {key_of(r, r["backend"]): (i, r) for i, r in enumerate(baseline["results"])}
     mine = {key_of(r, r["backend"]): r for r in report["results"]}
+    drift = _drift(report, base, key_of)
     found = []
     for j, r in enumerate(report["results"]):
         i, b = base.get(key_of(r, r["backend"]), (None, None))
@@ -78,7 +103,8 @@ def compare(report: dict[str, Any], baseline: dict[str, Any], threshold: float =
                 continue
             now, then = _rounds("report", j, r, key), _rounds("baseline", i, b, key)
             if now is not None and then is not None:
-                slow = _stats.unpaired_ratio(now, then)  # median(then) / median(now): a time ratio
+                d = drift.get((r["backend"], key), 1.0)
+                slow = _stats.unpaired_ratio([v / d for v in now], then)  # median(then) / median(now): a time ratio
                 if _stats.verdict(slow, threshold) == "regression":
                     found.append(
                         f"{r['kernel']} {r['backend']} {r['dtype']} {r['size']}: {key} {r[key]:.3g} < baseline "

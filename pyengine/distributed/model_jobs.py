@@ -30,8 +30,8 @@ FALLBACK_TEXT = (
 def corpus_text(path: str | None = None) -> str:
     """The text of a corpus file, or the built-in corpus.
 
-    The one place the built-in corpus is chosen: ``pyengine.corpus.load_corpus()`` when
-    that module exists, else :data:`FALLBACK_TEXT` (repeated by :func:`corpus_ids`).
+    The one place the built-in corpus is chosen: for now :data:`FALLBACK_TEXT` (repeated by
+    :func:`corpus_ids`); ``pyengine.corpus.load_corpus()`` once that module is merged.
     """
     if path is not None:
         try:
@@ -44,12 +44,15 @@ def corpus_text(path: str | None = None) -> str:
         if not text.strip():
             raise ValueError(f"corpus file {path} is empty")
         return text
-    try:
-        from ..corpus import load_corpus  # type: ignore[import-not-found]
-    except ImportError:
-        return FALLBACK_TEXT
-    text = load_corpus()
-    return text if isinstance(text, str) else "\n".join(text)
+    # The built-in corpus. Until pyengine/corpus.py (load_corpus()) is merged this is the
+    # repeated FALLBACK_TEXT; rewire this one line to: return _as_text(load_corpus())
+    # (with ``from ..corpus import load_corpus`` at the top of this module).
+    return FALLBACK_TEXT
+
+
+def _as_text(corpus: Any) -> str:
+    """A corpus given as one string or as a sequence of documents, as one string."""
+    return corpus if isinstance(corpus, str) else "\n".join(corpus)
 
 
 def _tokenize(model_name: str, text: str) -> np.ndarray:

@@ -171,10 +171,7 @@ def run(args: argparse.Namespace) -> int:
                    memory_budget=int(args.memory_budget * 2**20), progress=bar.count)
     finally:
         if client is not None:
-            cluster = getattr(client, "cluster", None) if not args.scheduler else None
-            client.close()
-            if cluster is not None:
-                cluster.close()
+            client.close()  # also stops a LocalCluster it started
     print(f"{len(res.points)} points ({res.computed} computed now, {len(res.points) - res.computed} stored before) "
           f"in {res.tasks} tasks, {res.seconds:.2f} s")
     _summary(load(out), out)

@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 
 import pyengine
+import pyengine.cli.scan  # noqa: F401  (registers the jobs "attention" and "stability")
 from pyengine.distributed import Store, get_job, scan
 
 NORMS = {"seeds": list(range(12)), "scales": [1.0, 3.0], "tokens": 32, "d": 48, "method": "power"}
@@ -151,6 +152,9 @@ def test_a_failing_point_is_reported_and_the_rest_complete(tmp_path):
     ("recovery", {"model": "tiny"}, r"needs 'prompts'"),
     ("recovery", {"model": "tiny", "prompts": ["a b"], "layers": [9]}, r"grid\['layers'\]"),
     ("recovery", {"model": "tiny", "prompts": ["a b"], "directions": np.zeros((2, 5))}, r"grid\['directions'\]"),
+    ("attention", {"lrs": [0.01, -1.0]}, r"grid\['lrs'\]"),
+    ("attention", {"seeds": ["x"]}, r"grid\['seeds'\]"),
+    ("stability", {"schemes": ["nope"]}, r"grid\['schemes'\]"),
 ])
 def test_a_malformed_grid_fails_before_any_task(job, grid, match):
     with pytest.raises((ValueError, TypeError), match=match):
@@ -199,3 +203,17 @@ def test_cli_bad_input_is_one_line(tmp_path):
     assert r.returncode == 2 and "prompts file not found" in r.stderr and "Traceback" not in r.stderr
     r = _cli(tmp_path, "spectral", "--model", "tiny", "--corpus", "missing.txt", "--workers", "0")
     assert r.returncode == 2 and "corpus file not found" in r.stderr
+
+
+def test_attention_and_stability_jobs_match_the_experiments():
+    from pyengine.experiments import attention_dynamics, stability
+
+    res = scan("attention", {"seeds": [1, 2], "lrs": [0.01, 0.03], "steps": 4, "T": 40})
+    ref = attention_dynamics(seeds=(2,), lr=0.03, steps=4, T=40)
+    assert res.metrics["gd.loss"].shape == (2, 2, 5)
+    assert np.array_equal(res.metrics["gd.loss"][1, 1], ref.metrics["gd"]["loss"][0])
+    assert np.array_equal(res.metrics["m_step.accuracy"][1, 1], ref.metrics["m_step"]["accuracy"][0])
+    st = scan("stability", {"schemes": ["xavier_normal", "orthogonal"], "depth": 4, "width": 32, "tokens": 16})
+    rep = stability(("orthogonal",), 4, 32, 16, demo=False)
+    assert st.metrics["forward_rms"].shape == (2, 4, 5)
+    assert np.array_equal(st.metrics["forward_rms"][1], np.stack([r.forward_rms for r in rep.runs]))

@@ -19,6 +19,7 @@ import numpy as np
 
 from .._progress import Progress
 from ..distributed import Job, load, local_client, register_job, scan
+from ..distributed.jobs import int_axis, real_axis
 from ._args import floats, non_negative, positive, positive_float
 
 __all__ = ["AttentionJob", "StabilityJob", "add_parser", "run"]
@@ -32,6 +33,12 @@ class AttentionJob(Job):
     defaults = {"seeds": (42, 2024, 1337, 7777, 9999), "lrs": (0.01,), "steps": 1000, "T": 2000, "n_symbols": 8,
                 "stay": 0.3, "value_lr_factor": 10.0, "dtype": "float32", "backend": "auto"}
     axes = ("seeds", "lrs")
+
+    def check(self, params: dict[str, Any]) -> None:
+        int_axis(params, "seeds")
+        real_axis(params, "lrs")
+        if any(v <= 0 for v in params["lrs"]):
+            raise ValueError(f"grid['lrs'] must hold positive learning rates; got {params['lrs']}")
 
     def run(self, params: dict[str, Any], point: dict[str, Any], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from ..experiments import attention_dynamics
@@ -49,6 +56,13 @@ class StabilityJob(Job):
     defaults = {"schemes": ("kaiming_normal", "xavier_normal", "torch_default", "orthogonal"), "depth": 48,
                 "width": 768, "tokens": 128, "activation": "relu", "seed": 0}
     axes = ("schemes",)
+
+    def check(self, params: dict[str, Any]) -> None:
+        from ..models.initialization import ALIASES, SCHEMES
+
+        for s in params["schemes"]:
+            if s not in SCHEMES and s not in ALIASES:
+                raise ValueError(f"grid['schemes'] must hold init schemes ({', '.join(SCHEMES)}); got {s!r}")
 
     def run(self, params: dict[str, Any], point: dict[str, Any], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
         from ..experiments import stability

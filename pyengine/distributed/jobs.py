@@ -27,7 +27,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["JOBS", "Job", "NormsJob", "get_job", "register_job", "seed_of"]
+__all__ = ["JOBS", "Job", "NormsJob", "get_job", "int_axis", "real_axis", "register_job", "seed_of"]
 
 
 def seed_of(*keys: int) -> int:
@@ -134,13 +134,15 @@ def get_job(job: str | Job) -> Job:
     raise TypeError(f"job must be a job name or a Job; got {type(job).__name__}")
 
 
-def _int_axis(params: dict[str, Any], key: str, low: int = 0) -> None:
+def int_axis(params: dict[str, Any], key: str, low: int = 0) -> None:
+    """Check that axis ``key`` of ``params`` holds integers >= ``low`` (ValueError naming it)."""
     for v in params[key]:
         if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:
             raise ValueError(f"grid[{key!r}] must hold integers >= {low}; got {v!r}")
 
 
-def _real_axis(params: dict[str, Any], key: str) -> None:
+def real_axis(params: dict[str, Any], key: str) -> None:
+    """Check that axis ``key`` of ``params`` holds finite reals (ValueError naming it)."""
     for v in params[key]:
         if isinstance(v, bool) or not isinstance(v, numbers.Real) or not np.isfinite(v):
             raise ValueError(f"grid[{key!r}] must hold finite real numbers; got {v!r}")
@@ -161,8 +163,8 @@ class NormsJob(Job):
     axes = ("seeds", "scales")
 
     def check(self, params: dict[str, Any]) -> None:
-        _int_axis(params, "seeds")
-        _real_axis(params, "scales")
+        int_axis(params, "seeds")
+        real_axis(params, "scales")
         for k, low in (("tokens", 1), ("d", 2)):
             v = params[k]
             if isinstance(v, bool) or not isinstance(v, numbers.Integral) or v < low:

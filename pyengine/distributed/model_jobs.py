@@ -12,7 +12,7 @@ from typing import Any
 
 import numpy as np
 
-from .jobs import Job, _int_axis, _real_axis, register_job, seed_of
+from .jobs import Job, int_axis, real_axis, register_job, seed_of
 from .worker import SYNTHETIC, get_model
 
 __all__ = ["FALLBACK_TEXT", "RecoveryJob", "SpectralJob", "corpus_ids", "corpus_text", "norm_sites"]
@@ -202,7 +202,7 @@ class RecoveryJob(Job):
         for p in params["prompts"]:
             if not isinstance(p, str) or not p:
                 raise ValueError(f"grid['prompts'] must hold non-empty strings; got {p!r}")
-        _int_axis(params, "layers")
+        int_axis(params, "layers")
         model = get_model(params["model"], params["dtype"])
         n, d = model.config.n_layers, model.config.d_model
         for v in params["layers"]:
@@ -211,7 +211,7 @@ class RecoveryJob(Job):
         if isinstance(params["scales"], (numbers.Real, np.number)):
             params["scales"] = [params["scales"]]
         params["scales"] = [float(s) for s in params["scales"]]
-        _real_axis(params, "scales")
+        real_axis(params, "scales")
         dirs = params["directions"]
         if isinstance(dirs, numbers.Integral) and not isinstance(dirs, bool):
             if dirs < 1:

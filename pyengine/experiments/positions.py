@@ -118,7 +118,10 @@ def positions_report(models: list[tuple[str, Stack]] | None = None, *, corpus: s
         if not isinstance(m, Stack):
             raise TypeError(f"models[{i}] must be a pyengine Stack; got {type(m).__name__}")
         L = m.config.n_layers
-        lay = np.arange(L + 1) if layers is None else _v.indices("layers", layers, L + 1)
+        try:
+            lay = np.arange(L + 1) if layers is None else _v.indices("layers", layers, L + 1)
+        except IndexError as e:  # a bad argument, reported as one (ValueError)
+            raise ValueError(str(e)) from None
         if hasattr(m, "tokenize"):
             ids = tokenized_corpus(m, length, sentences, max_contexts=max_contexts)
         else:

@@ -131,6 +131,7 @@ def block_removal(model: Stack, h: np.ndarray, *, progress: Callable[[int, int],
 
 
 def placement_profile(model: Any, inputs: Any, *, ablation_contexts: int | None = 32, chunk: int = 64,
+                      hidden: np.ndarray | None = None,
                       progress: Callable[[float, str], None] | None = None) -> PlacementProfile:
     """Norm growth, adjacent cosine, step ratio and block removal of ``model`` on ``inputs``.
 
@@ -144,6 +145,8 @@ def placement_profile(model: Any, inputs: Any, *, ablation_contexts: int | None 
         about L/2 forwards.
     chunk : int
         Contexts per batched forward.
+    hidden : ndarray (L + 1, C, T, d), optional
+        ``model.hidden_states(inputs)`` if the caller has it already (not recomputed).
     progress : callable(fraction, stage), optional
     """
     if not isinstance(model, Stack):
@@ -157,8 +160,11 @@ def placement_profile(model: Any, inputs: Any, *, ablation_contexts: int | None 
     C = x.shape[0]
     na = C if na is None else min(na, C)
     L = model.config.n_layers
-    hs = []
-    for i in range(0, C, chunk):
+    if hidden is not None:
+        if hidden.shape[:3] != (L + 1, C, x.shape[1]):
+            raise ValueError(f"hidden must have shape ({L + 1}, {C}, {x.shape[1]}, d); got {hidden.shape}")
+    hs = [] if hidden is None else [hidden]
+    for i in range(0, C if hidden is None else 0, chunk):
         hs.append(model.hidden_states(x[i:i + chunk]))
         if progress is not None:
             progress(0.4 * min(i + chunk, C) / C, f"forward {min(i + chunk, C)}/{C} contexts")

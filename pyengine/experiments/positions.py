@@ -80,9 +80,13 @@ def _one(model: Stack, name: str, ids: np.ndarray, layers: np.ndarray, k: int, f
     def sub(a: float, b: float) -> Callable[[float, str], None]:
         return lambda f, s: stage(lo + (hi - lo) * (a + (b - a) * f), f"{name}: {s}")
 
-    prof = placement_profile(model, ids, ablation_contexts=ablation_contexts, progress=sub(0.0, 0.6))
-    hs = [model.hidden_states(ids[i:i + 64])[layers] for i in range(0, ids.shape[0], 64)]
-    h = np.concatenate(hs, axis=1)  # (L', C, T, d)
+    hs = []
+    for i in range(0, ids.shape[0], 64):  # one batched forward per chunk of contexts
+        hs.append(model.hidden_states(ids[i:i + 64]))
+        sub(0.0, 0.3)(min(i + 64, ids.shape[0]) / ids.shape[0], "forward")
+    full = np.concatenate(hs, axis=1)  # (L + 1, C, T, d)
+    prof = placement_profile(model, ids, ablation_contexts=ablation_contexts, hidden=full, progress=sub(0.3, 0.65))
+    h = full[layers]  # (L', C, T, d)
     dec = positional_decomposition(h, k=min(k, *h.shape[2:]))
     probe = position_probe(h, folds=folds, progress=lambda j, n: sub(0.65, 0.9)(j / n, "position probe"))
     ctx = ids[0]

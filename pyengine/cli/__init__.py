@@ -35,7 +35,7 @@ from .._progress import end_line
 __all__ = ["COMMANDS", "main", "parser"]
 
 #: The subcommand modules of this package, in the order ``pyengine --help`` lists them.
-COMMANDS = ("demo", "backends", "spectral", "recovery", "attention", "stability", "scan", "bench")
+COMMANDS = ("demo", "backends", "spectral", "recovery", "positions", "attention", "stability", "scan", "bench")
 
 #: Errors that end a run with one line and exit status 2: bad arguments or input files,
 #: a missing optional dependency, a request too large for memory.

@@ -12,26 +12,17 @@ from typing import Any
 
 import numpy as np
 
+from ..corpus import load_corpus
 from .jobs import Job, int_axis, real_axis, register_job, seed_of
 from .worker import SYNTHETIC, get_model
 
-__all__ = ["FALLBACK_TEXT", "RecoveryJob", "SpectralJob", "corpus_ids", "corpus_text", "norm_sites"]
-
-#: The repeated text used while no corpus is available (see :func:`corpus_text`).
-FALLBACK_TEXT = (
-    "The residual stream of a transformer carries every token's representation from one block "
-    "to the next. Each block reads it through a normalization layer, computes an update with "
-    "attention or a feed-forward network, and adds the update back. Whether a small perturbation "
-    "of the stream grows or fades as it travels depends on the Jacobians of these maps, and above "
-    "all on the largest singular value of each normalization Jacobian, token by token. "
-)
-
+__all__ = ["RecoveryJob", "SpectralJob", "corpus_ids", "corpus_text", "norm_sites"]
 
 def corpus_text(path: str | None = None) -> str:
     """The text of a corpus file, or the built-in corpus.
 
-    The one place the built-in corpus is chosen: for now :data:`FALLBACK_TEXT` (repeated by
-    :func:`corpus_ids`); ``pyengine.corpus.load_corpus()`` once that module is merged.
+    The built-in corpus is :func:`pyengine.corpus.load_corpus` (310 CC0 sentences, one per
+    line), joined with newlines; :func:`corpus_ids` repeats it to the requested length.
     """
     if path is not None:
         try:
@@ -44,10 +35,7 @@ def corpus_text(path: str | None = None) -> str:
         if not text.strip():
             raise ValueError(f"corpus file {path} is empty")
         return text
-    # The built-in corpus. Until pyengine/corpus.py (load_corpus()) is merged this is the
-    # repeated FALLBACK_TEXT; rewire this one line to: return _as_text(load_corpus())
-    # (with ``from ..corpus import load_corpus`` at the top of this module).
-    return FALLBACK_TEXT
+    return _as_text(load_corpus())
 
 
 def _as_text(corpus: Any) -> str:

@@ -47,7 +47,7 @@ class Safetensors:
     def __init__(self, path: str) -> None:
         self.path = path
         where = f"weights file {path!r}"
-        size = os.path.getsize(path)
+        size = self.size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -118,6 +118,8 @@ class Safetensors:
         if kind not in ("F32", "F16", "F64", "BF16"):
             raise ValueError(f"{where}: tensor {name!r} has dtype {kind}; only F32, F16, BF16 and F64 are read")
         try:
+            if os.path.getsize(self.path) != self.size:
+                raise OSError(f"the file changed size since its header was checked ({self.size} bytes then)")
             m = self.raw(name)
             if kind == "BF16":
                 a = (m.astype(np.uint32) << 16).view(np.float32).astype(dtype, copy=False)

@@ -38,7 +38,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _families, _hf
+from . import _families, _hf, _streaming
 from ._hf import INSTALL_COMMAND
 from .config import StackConfig, _check_arrays
 from .stack import Stack
@@ -146,7 +146,8 @@ def _locate(name: str) -> str:
     return path
 
 
-def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float32) -> PretrainedModel:
+def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float32,
+                    weights: str = "load") -> PretrainedModel:
     """A real pretrained transformer as a :class:`PretrainedModel`, read offline.
 
     Parameters
@@ -162,6 +163,10 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
         F16 and BF16 tensors are read (16-bit ones widened exactly).
     dtype : float32 or float64
         Storage dtype of the weights of an HF folder (float64 keeps a float64 checkpoint exact).
+    weights : {"load", "mmap"}
+        "mmap" (HF folders of the decoder families): the files stay memory-mapped and each
+        block's weights are read and converted when that block runs, then dropped; peak
+        memory is about one block of weights plus the globals and the activations.
 
     Returns
     -------
@@ -182,6 +187,8 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
     dt = np.dtype(dtype)
     if dt not in (np.float32, np.float64):
         raise TypeError(f"dtype must be float32 or float64; got {dtype!r}")
+    if weights not in ("load", "mmap"):
+        raise ValueError(f"weights must be 'load' or 'mmap'; got {weights!r}")
     raw = os.fspath(name_or_path)
     if not isinstance(raw, str):
         raise TypeError(f"name_or_path must be a str or path; got {type(name_or_path).__name__}")
@@ -197,6 +204,8 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
         if len(ggufs) != 1:
             raise ValueError(f"folder {path!r} holds no config.json (and not exactly one .gguf file)")
         path = os.path.join(path, ggufs[0])
+    if os.path.isfile(path) and weights == "mmap":
+        raise ValueError("weights='mmap' streams HF safetensors folders; a .gguf file is dequantized whole")
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(f"{path!r}: a weights file must be a .gguf; pass the folder of safetensors weights")
@@ -213,11 +222,22 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
         raise ValueError(f"config file {cfg_path!r}: model_type {got!r} is not supported "
                          f"(only {', '.join(map(repr, supported))})")
     arch = hf["model_type"]
+    if arch == "bert" and weights == "mmap":
+        raise ValueError("weights='mmap' is available for the decoder families, not 'bert'")
     if arch == "bert":
         st_path = os.path.join(path, "model.safetensors")
         if not os.path.isfile(st_path):
             raise ValueError(f"folder {path!r} has no model.safetensors (other weight formats are not read)")
         cfg, weights = _hf.bert(hf, _hf.Safetensors(st_path), cfg_path)
+    elif weights == "mmap":
+        shards = _hf.Shards(path)
+        cfg, _ = _families.read_family(hf, shards, cfg_path, dt, layers=(), glob=False)
+        new = _streaming.streamed(PretrainedModel).__new__(_streaming.streamed(PretrainedModel))
+        new._init_streamed(cfg, hf, shards, cfg_path, dt)
+        new.name, new.source, new.architecture, new.tokenizer = name, path, arch, _tokenizer_json(path)
+        new.add_bos = new.add_eos = False
+        new.bos_token_id = new.eos_token_id = None
+        return new
     else:
         cfg, weights = _families.read_family(hf, _hf.Shards(path), cfg_path, dt)
     return _finish(cfg, weights, name, path, arch, _tokenizer_json(path))

@@ -50,6 +50,19 @@ def test_unknown_options_are_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "mamba"}))
     with pytest.raises(ValueError, match="'mamba'"):
         load_pretrained(tmp_path)
+    (tmp_path / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")
+    llama = {"model_type": "llama", "hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1,
+             "intermediate_size": 8, "vocab_size": 10}
+    for extra, match in (({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "rope_scaling type 'yarn'"),
+                         ({"mlp_bias": True}, "'mlp_bias'"), ({"hidden_act": "relu"}, "hidden_act 'relu'")):
+        (tmp_path / "config.json").write_text(json.dumps({**llama, **extra}))
+        with pytest.raises(ValueError, match=match):
+            load_pretrained(tmp_path)
+    (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", **{k: v for k, v in llama.items()
+                                                                               if k != "model_type"},
+                                                      "use_sliding_window": True}))
+    with pytest.raises(ValueError, match="'use_sliding_window'"):
+        load_pretrained(tmp_path)
 
 
 # --------------------------------------------------------------------------- against transformers

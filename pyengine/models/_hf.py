@@ -239,25 +239,6 @@ def bert(hf: dict[str, Any], st: Safetensors, where: str) -> tuple[StackConfig, 
 # --------------------------------------------------------------------------- Llama
 
 
-def hf_llama_dims(hf: dict[str, Any], where: str) -> dict[str, Any]:
-    """The Llama dimensions of an HF config.json (LlamaForCausalLM)."""
-    if hf.get("rope_scaling") not in (None, {}):
-        raise ValueError(f"{where}: rope_scaling {hf['rope_scaling']!r} is not supported")
-    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError(f"{where}: only SiLU-gated Llama without biases is supported")
-    dims = {"d": num(hf, "hidden_size", where), "H": num(hf, "num_attention_heads", where),
-            "L": num(hf, "num_hidden_layers", where), "n_mlp": num(hf, "intermediate_size", where),
-            "V": num(hf, "vocab_size", where), "eps": num(hf, "rms_norm_eps", where, real=True, default=1e-6),
-            "rope_base": num(hf, "rope_theta", where, real=True, default=10000.0),
-            "ctx": num(hf, "max_position_embeddings", where, default=2048),
-            "tied": bool(hf.get("tie_word_embeddings", False))}
-    dims["Hkv"] = num(hf, "num_key_value_heads", where, default=dims["H"])
-    head_dim = hf.get("head_dim", dims["d"] // dims["H"])
-    if head_dim * dims["H"] != dims["d"]:
-        raise ValueError(f"{where}: head_dim {head_dim} * num_attention_heads != hidden_size is not supported")
-    return dims
-
-
 def llama(dims: dict[str, Any], get: Callable[[str, tuple[int, ...]], np.ndarray], names: set[str],
            where: str) -> tuple[StackConfig, dict[str, np.ndarray]]:
     """A Llama stack from tensors in HF layout: ``get("model.layers.0.self_attn.q_proj.weight", shape)``."""

@@ -117,15 +117,16 @@ def _peak(folder, mode, T, out):
 
 
 def test_streaming_peak_memory_small(tmp_path):
-    """d = 1024, 4 blocks: float32 weights 4 x 50 MB = 200 MB. Streamed, the run adds at most 2 blocks'
-    worth to the resident peak after loading; loaded, the model holds all 4 blocks after loading."""
-    folder = write_bf16_llama(str(tmp_path / "m"), d=1024, H=8, Hkv=2, L=4, n=4096, V=64)
+    """d = 1024, 8 blocks: float32 weights 8 x 50 MB = 400 MB. Streamed, the run adds less than 2.5 blocks'
+    worth to the resident peak after loading (the block running, the next one being read and widened, and
+    the mapped bf16 pages of the file); loaded, the model holds all 8 blocks after loading."""
+    folder = write_bf16_llama(str(tmp_path / "m"), d=1024, H=8, Hkv=2, L=8, n=4096, V=64)
     block_f32 = 4 * (2 * 1024 * 1024 + 2 * 256 * 1024 + 3 * 1024 * 4096)
     lazy, _, lazy_base = _peak(folder, "mmap", 16, str(tmp_path / "a.npy"))
     full, _, full_base = _peak(folder, "load", 16, str(tmp_path / "b.npy"))
     assert np.array_equal(np.load(tmp_path / "a.npy"), np.load(tmp_path / "b.npy"))
-    assert lazy - lazy_base < 2 * block_f32, (lazy, lazy_base)
-    assert full_base - lazy_base > 3 * block_f32, (full_base, lazy_base)  # what streaming saves
+    assert lazy - lazy_base < 2.5 * block_f32, (lazy, lazy_base)
+    assert full_base - lazy_base > 6 * block_f32, (full_base, lazy_base)  # what streaming saves
 
 
 @pytest.mark.slow

@@ -15,7 +15,9 @@ and the n^3 work outgrow the Krylov method.
 
 Several operators: their matrices are formed in the calling thread (the
 operators' products are not assumed thread-safe) and the eigenproblems solved by
-a thread pool, one BLAS thread each (LAPACK releases the GIL).
+a thread pool, one BLAS thread each (LAPACK releases the GIL). One operator: one
+BLAS thread as well (threaded geev gained little, and on a busy machine a threaded
+OpenBLAS was several times slower).
 """
 
 from __future__ import annotations
@@ -78,8 +80,9 @@ def dense_radii(op: BatchedOperator, idx: np.ndarray, blas_limit) -> list[tuple[
     blas_limit() : a context manager that limits BLAS to one thread (for the pool).
     """
     idx = [int(i) for i in idx]
-    if len(idx) == 1:
-        return [dense_eigpair(dense_matrix(op.take(np.array(idx))))]
+    if len(idx) == 1:  # one BLAS thread here too: threaded geev gains little and collapses under load
+        with blas_limit():
+            return [dense_eigpair(dense_matrix(op.take(np.array(idx))))]
     workers = max(1, min(len(idx), os.cpu_count() or 1))
     out: list[tuple[complex, np.ndarray]] = []
     with blas_limit(), ThreadPoolExecutor(max_workers=workers) as pool:

@@ -312,7 +312,7 @@ std::int64_t silu_gated(const T* u, index_t n, index_t d, T* out) {
                 const float gj = g[j];
                 const float uj = up[j];
                 bad |= nonfinite(gj) | nonfinite(uj);
-                o[j] = gj * sigmoid_f(static_cast<double>(gj)) * uj;
+                o[j] = gj * sigmoid_f(gj) * uj;  // -|g| is exact in float
             }
         } else {
 #pragma omp simd reduction(| : bad)

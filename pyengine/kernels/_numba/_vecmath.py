@@ -217,6 +217,10 @@ ERFCX_COEF_F = tuple(np.float32(c) for c in (
     -0.0008149691795509706, -2.8765935882777373e-05, 0.00010122777161903319,
 ))
 _SQRT_HALF_F = np.float32(_SQRT_HALF)
+_LOG2E_F = np.float32(1.44269504088896341)
+_LN2_HI_F = np.float32(0.693359375)  # exact times n
+_LN2_LO_F = np.float32(-2.12194440e-4)
+_EXP_MIN_F32 = np.float32(EXP_MIN_F)
 
 
 @fma_inline
@@ -243,6 +247,28 @@ def _exp_neg_f(a):
     bits = (np.float32(kf).view(np.uint32) - np.uint32(_ROUND_MAGIC_F_BITS) + np.uint32(127)) << np.uint32(23)
     res = p * np.uint32(bits).view(np.float32)
     return _f32(0.0) if a < EXP_MIN_F else res
+
+
+@fma_inline
+def _exp_neg_ff(a):
+    """e^a for a float32 a <= 0 exact as given (gated SiLU's -|g|), reduced in float32 (Cody-Waite)."""
+    k = a * _LOG2E_F + _ROUND_MAGIC_F
+    n = k - _ROUND_MAGIC_F
+    r = a - n * _LN2_HI_F
+    r = r - n * _LN2_LO_F
+    p = _poly_exp_f(r)
+    bits = (np.float32(k).view(np.uint32) - np.uint32(_ROUND_MAGIC_F_BITS) + np.uint32(127)) << np.uint32(23)
+    res = p * np.uint32(bits).view(np.float32)
+    return _f32(0.0) if a < _EXP_MIN_F32 else res
+
+
+@fma_inline
+def _sigmoid_ff(y):
+    """sigmoid(y) for float32 y, all in float32."""
+    e = _exp_neg_ff(-abs(y))
+    a = _f32(1.0) / (_f32(1.0) + e)
+    b = e * a
+    return a if y >= _f32(0.0) else b
 
 
 @fma_inline
@@ -318,5 +344,5 @@ exp_term = _by_dtype(lambda x, y: _exp_neg_f(np.float64(x) - y), lambda x, y: _e
 gelu_t = _by_dtype(lambda x: _gelu1_f(x), lambda x: _gelu1(np.float64(x)), 1)
 gelu_tanh_t = _by_dtype(lambda x: _gelu_tanh1_f(x), lambda x: _gelu_tanh1(np.float64(x)), 1)
 #: silu(g) * up.
-silu_gated_t = _by_dtype(lambda x, y: x * _sigmoid_f(np.float64(x)) * y,
+silu_gated_t = _by_dtype(lambda x, y: x * _sigmoid_ff(x) * y,
                          lambda x, y: np.float64(x) * _sigmoid_pair(np.float64(x))[0] * np.float64(y), 2)

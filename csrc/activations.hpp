@@ -14,8 +14,11 @@
 // itself (x, or dx for the JVP): each element (each row, for the softmax) is read before
 // it is written. It must not overlap the input in any other way.
 //
-// Numerics: everything is computed in double, also for float input, and cast on the way
-// out, so float results are the correctly rounded double results up to a few double ulp.
+// Numerics: float64 input is computed in double. float32 input: the softmax and the
+// forward GELU (both), and gated SiLU compute in float with the float functions of
+// vmath.hpp (exp arguments formed and reduced in double, so the tails keep their relative
+// accuracy; a few float ulp, see vmath.hpp), the softmax's sum in double. The derivatives
+// and the softmax JVP compute in double and are cast on the way out (they cancel).
 // The transcendental functions (exp, Phi, sigmoid) are those of vmath.hpp, branch-free,
 // so that `omp simd` loops vectorize them (4 doubles per AVX2 register); its header
 // gives their accuracy and why they are not libm's.
@@ -51,6 +54,7 @@ inline constexpr double kTanhA = 0.044715;
 
 struct Gelu {
     static double f(double x) { return x * normal_cdf_pdf(x).cdf; }
+    static float f32(float x) { return x * normal_cdf_f(x); }
 };
 struct GeluGrad {
     static double f(double x) {
@@ -60,6 +64,10 @@ struct GeluGrad {
 };
 struct GeluTanh {
     static double f(double x) { return x * sigmoid_pair(kTwoC * x * (1.0 + kTanhA * (x * x))).pos; }
+    static float f32(float x) {
+        const double xd = static_cast<double>(x);
+        return x * sigmoid_f(kTwoC * xd * (1.0 + kTanhA * (xd * xd)));
+    }
 };
 struct GeluTanhGrad {
     static double f(double x) {
@@ -94,14 +102,53 @@ struct in_storage_type : std::false_type {};
 template <class F>
 struct in_storage_type<F, std::void_t<decltype(F::kInT)>> : std::bool_constant<F::kInT> {};
 
+// Whether F has a float32 variant f32 (vmath.hpp's float functions), used for float input.
+template <class F, class = void>
+struct has_f32 : std::false_type {};
+template <class F>
+struct has_f32<F, std::void_t<decltype(F::f32(0.0f))>> : std::true_type {};
+
 // 1 for NaN or +-Inf, else 0, for an integer OR-reduction (vectorizes without fast-math).
 template <class V>
 PYENGINE_ALWAYS_INLINE int nonfinite(V v) {
     return (v - v == V(0)) ? 0 : 1;
 }
 
+// float input: the terms in float (exp_neg_f, argument x - m formed exactly in double),
+// kept in o itself, their sum in double; the output is the term times the rounded 1/s.
+inline bool softmax_row_f32(const float* xr, index_t vis, index_t tk, float* o) {
+    float mt = -std::numeric_limits<float>::infinity();
+#pragma omp simd reduction(max : mt)
+    for (index_t j = 0; j < vis; ++j) {
+        mt = std::max(mt, xr[j]);
+    }
+    const double m = static_cast<double>(mt);
+    double s = 0.0;
+#pragma omp simd reduction(+ : s)
+    for (index_t j = 0; j < vis; ++j) {
+        const float t = exp_neg_f(static_cast<double>(xr[j]) - m);
+        o[j] = t;  // xr[j] is read before: out may be x itself
+        s += static_cast<double>(t);
+    }
+    if (!(s >= 1.0)) {
+        std::fill_n(o, tk, static_cast<float>(kNaN));
+        return true;
+    }
+    const float inv = static_cast<float>(1.0 / s);
+#pragma omp simd
+    for (index_t j = 0; j < vis; ++j) {
+        o[j] = o[j] * inv;
+    }
+    std::fill(o + vis, o + tk, 0.0f);
+    return false;
+}
+
 template <class T>
 bool softmax_row(const T* xr, index_t vis, index_t tk, double* e, T* o) {
+    if constexpr (std::is_same_v<T, float>) {
+        (void)e;
+        return softmax_row_f32(xr, vis, tk, o);
+    }
     // Pass 1: the max over the visible keys, in T (exact).
     T mt = -std::numeric_limits<T>::infinity();
 #pragma omp simd reduction(max : mt)
@@ -206,6 +253,13 @@ std::int64_t elementwise(const T* x, index_t n, index_t d, T* out) {
                 bad |= nonfinite(v);
                 o[j] = F::f(v);
             }
+        } else if constexpr (std::is_same_v<T, float> && has_f32<F>::value) {
+#pragma omp simd reduction(| : bad)
+            for (index_t j = 0; j < d; ++j) {
+                const float v = xr[j];
+                bad |= nonfinite(v);
+                o[j] = F::f32(v);
+            }
         } else {
 #pragma omp simd reduction(| : bad)
             for (index_t j = 0; j < d; ++j) {
@@ -252,12 +306,22 @@ std::int64_t silu_gated(const T* u, index_t n, index_t d, T* out) {
         const T* up = g + d;
         T* o = out + row * d;
         int bad = 0;
+        if constexpr (std::is_same_v<T, float>) {
 #pragma omp simd reduction(| : bad)
-        for (index_t j = 0; j < d; ++j) {
-            const double gj = static_cast<double>(g[j]);
-            const double uj = static_cast<double>(up[j]);
-            bad |= nonfinite(gj) | nonfinite(uj);
-            o[j] = static_cast<T>(gj * sigmoid_pair(gj).pos * uj);
+            for (index_t j = 0; j < d; ++j) {
+                const float gj = g[j];
+                const float uj = up[j];
+                bad |= nonfinite(gj) | nonfinite(uj);
+                o[j] = gj * sigmoid_f(gj) * uj;  // -|g| is exact in float
+            }
+        } else {
+#pragma omp simd reduction(| : bad)
+            for (index_t j = 0; j < d; ++j) {
+                const double gj = static_cast<double>(g[j]);
+                const double uj = static_cast<double>(up[j]);
+                bad |= nonfinite(gj) | nonfinite(uj);
+                o[j] = static_cast<T>(gj * sigmoid_pair(gj).pos * uj);
+            }
         }
         return bad != 0;
     });

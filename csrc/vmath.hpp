@@ -168,5 +168,127 @@ PYENGINE_ALWAYS_INLINE SigmoidPair sigmoid_pair(double y) {
     return {select(nonneg, a, b), select(nonneg, b, a)};
 }
 
+// ---------------------------------------------------------------------------------------
+// float32 variants, for the forward kernels on float input (8 lanes per AVX2 register
+// and polynomials of half the degree). The argument of an exponential is formed and
+// reduced in double (a float32 x has an exact square in double, and exp amplifies an
+// absolute error of its argument into the same relative error of its result: -x^2/2 or
+// y = 2C x (1 + A x^2) rounded to float would cost |y| * 6e-8, 1.2e-6 at y = -20); only
+// the reduced r (|r| <= ln2/2) is rounded to float, where its error is below 2e-8, and the
+// polynomial, the erfcx part and the products run in float. Measured against the float64
+// reference over every float32 in [-16, 16] step 2^-10 and the tails: relative error at
+// most 2.7 float eps (GELU; tests/test_vmath_f32.py asks <= 4); results below 1e-35 may
+// flush to 0 (exp_neg_f is 0 below e^-87). Derivatives stay in double: they cancel near their zeros
+// (gelu'(-0.75) = 0.2266 - 0.2259), where float terms would lose the 1e-6 relative
+// accuracy the special-value tests ask for.
+
+// Below this, exp_neg_f returns 0: e^-87 = 1.6e-38 is near the smallest normal float.
+inline constexpr double kExpMinF = -87.0;
+inline constexpr float kRoundMagicF = 12582912.0f;  // 1.5 * 2^23
+
+PYENGINE_ALWAYS_INLINE std::uint32_t to_bits(float x) {
+    std::uint32_t b;
+    std::memcpy(&b, &x, sizeof b);
+    return b;
+}
+
+PYENGINE_ALWAYS_INLINE float from_bits(std::uint32_t b) {
+    float x;
+    std::memcpy(&x, &b, sizeof x);
+    return x;
+}
+
+PYENGINE_ALWAYS_INLINE float select(bool c, float a, float b) {
+    const std::uint32_t m = 0u - static_cast<std::uint32_t>(c);
+    return from_bits((to_bits(a) & m) | (to_bits(b) & ~m));
+}
+
+// e^r = 1 + r + r^2 P(r) on |r| <= ln2/2, P of degree 5 (Cephes expf, about 1 ulp); exactly
+// 1 at r = 0.
+PYENGINE_ALWAYS_INLINE float poly_exp_f(float r) {
+    const float r2 = r * r;
+    const float r4 = r2 * r2;
+    const float p01 = 1.9875691500e-4f * r + 1.3981999507e-3f;
+    const float p23 = 8.3334519073e-3f * r + 4.1665795894e-2f;
+    const float p45 = 1.6666665459e-1f * r + 5.0000001201e-1f;
+    const float p = (p01 * r4 + p23 * r2) + p45;
+    return (1.0f + r) + r2 * p;
+}
+
+// e^a for a <= 0 given in double, as a float (about 1.5 ulp); 0 for a < kExpMinF and -inf,
+// NaN for NaN. The reduction a = n ln2 + r is done in double, the rest in float.
+PYENGINE_ALWAYS_INLINE float exp_neg_f(double a) {
+    const double k = a * kLog2e + kRoundMagic;
+    const double n = k - kRoundMagic;
+    const double r = a - n * 0.69314718055994530942;  // |r| <= ln2/2, error ~1e-16
+    const float p = poly_exp_f(static_cast<float>(r));
+    // 2^n from float exponent bits (n >= -126 for a >= kExpMinF).
+    const float kf = static_cast<float>(n) + kRoundMagicF;
+    const float scale = from_bits((to_bits(kf) - to_bits(kRoundMagicF) + 127u) << 23);
+    const float res = p * scale;
+    return select(a < kExpMinF, 0.0f, res);  // a NaN a keeps res, which is NaN
+}
+
+// e^a for a float a <= 0 that is exact as given (gated SiLU's -|g|): the reduction in float
+// (Cody-Waite, ln2 = 0.693359375 - 2.12194440e-4, the first part exact times n), about
+// 1.5 ulp; no double arithmetic, which GCC vectorizes poorly next to float.
+PYENGINE_ALWAYS_INLINE float exp_neg_f(float a) {
+    const float k = a * 1.44269504088896341f + kRoundMagicF;
+    const float n = k - kRoundMagicF;
+    float r = a - n * 0.693359375f;
+    r = r - n * -2.12194440e-4f;
+    const float p = poly_exp_f(r);
+    const float scale = from_bits((to_bits(k) - to_bits(kRoundMagicF) + 127u) << 23);
+    const float res = p * scale;
+    return select(a < static_cast<float>(kExpMinF), 0.0f, res);
+}
+
+// erfcx on z in [0, 9.4] (beyond it Phi(-|x|) underflows in float) as sum_k c_k t^k,
+// t = (z - 4)/(z + 4) in [-1, 0.45]: a degree-11 Chebyshev fit on that interval
+// (mpmath.chebyfit, 40 digits), max relative error 3e-10 before float rounding.
+inline constexpr float kErfcxCoefF[] = {
+    0.13699945762673144f,    -0.2590680494466127f,    0.21871968027274608f,
+    -0.16425777990891793f,   0.10896312064219388f,    -0.06310840903386655f,
+    0.031299594333153484f,   -0.012839561577756424f,  0.00405937153737316f,
+    -0.0008149691795509706f, -2.8765935882777373e-05f, 0.00010122777161903319f,
+};
+
+PYENGINE_ALWAYS_INLINE float poly_erfcx_f(float t) {
+    const auto& c = kErfcxCoefF;
+    const float t2 = t * t;
+    const float t4 = t2 * t2;
+    const float t8 = t4 * t4;
+    const float q0 = (c[0] + c[1] * t) + (c[2] + c[3] * t) * t2;
+    const float q1 = (c[4] + c[5] * t) + (c[6] + c[7] * t) * t2;
+    const float q2 = (c[8] + c[9] * t) + (c[10] + c[11] * t) * t2;
+    return (q0 + q1 * t4) + q2 * t8;
+}
+
+// Phi(x) for float x.
+PYENGINE_ALWAYS_INLINE float normal_cdf_f(float x) {
+    const double xd = static_cast<double>(x);
+    const float e = exp_neg_f(-0.5 * (xd * xd));  // exact square; inf for huge |x|: e = 0
+    const float z = std::fabs(x) * static_cast<float>(kSqrtHalf);
+    const float t = (z - 4.0f) / (z + 4.0f);
+    const float h = 0.5f * e * poly_erfcx_f(t);
+    return select(x > 0.0f, 1.0f - h, h);
+}
+
+// sigmoid(y) for a float y (exact as given), all in float.
+PYENGINE_ALWAYS_INLINE float sigmoid_f(float y) {
+    const float e = exp_neg_f(-std::fabs(y));
+    const float a = 1.0f / (1.0f + e);
+    const float b = e * a;
+    return select(y >= 0.0f, a, b);
+}
+
+// sigmoid(y) for y given in double, as a float.
+PYENGINE_ALWAYS_INLINE float sigmoid_f(double y) {
+    const float e = exp_neg_f(-std::fabs(y));
+    const float a = 1.0f / (1.0f + e);  // sigmoid(|y|)
+    const float b = e * a;              // sigmoid(-|y|)
+    return select(y >= 0.0, a, b);
+}
+
 }  // namespace vmath
 }  // namespace pyengine

@@ -9,7 +9,8 @@ classes; its docstring states what the results mean. Here:
   reorthogonalization (:func:`_orthogonalize`) and thick restarts (sigma_max);
 * :func:`_radius` -- batched power iteration on A (spectral radius), with
   :func:`_arnoldi` (ARPACK through :func:`scipy.sparse.linalg.eigs`) for the
-  operators it cannot settle.
+  operators it cannot settle, or, for n in [128, 2048], the dense eigenvalues
+  (:mod:`._dense_radius`).
 
 Each works on a :class:`~pyengine.linalg.operators.BatchedOperator` through its products
 (``matvec``, ``rmatvec``) and ``take`` (to drop the operators that have finished),
@@ -22,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ._dense_radius import dense_radii, use_dense
 from .operators import BatchedOperator
 
 # -- the solvers' tolerances, caps and sizes: every one of them lives here ---------------
@@ -404,9 +406,14 @@ def _radius(op: BatchedOperator, V: np.ndarray, tol: float, max_iter: int) -> di
             sel = np.flatnonzero(keep)
             act, ids, Vw = act.take(sel), ids[sel], np.ascontiguousarray(Vw[sel])
     fallback |= ~converged
-    for i in np.flatnonzero(fallback):
+    todo = np.flatnonzero(fallback)
+    pairs = dict(zip(todo.tolist(), dense_radii(op, todo, _one_blas_thread))) if use_dense(n) and len(todo) else {}
+    for i in todo:
         one = op.take(np.array([i]))
-        if n < 3:  # ARPACK needs n >= 3: the dense eigenvalues of a tiny operator
+        if i in pairs:  # moderate n: the formed matrix and LAPACK (see _dense_radius)
+            (val, x), used, name = pairs[i], n, "dense"
+            ok = True
+        elif n < 3:  # ARPACK needs n >= 3: the dense eigenvalues of a tiny operator
             dense = one.matvec(np.eye(n)).T.astype(np.float64)
             ev, vecs = np.linalg.eig(dense)
             top = int(np.argmax(np.abs(ev)))

@@ -25,9 +25,12 @@ from __future__ import annotations
 
 import math
 
+import numba
 import numpy as np
+from numba import types
+from numba.extending import overload
 
-from ._jit import fma_inline
+from ._jit import CONTRACT, fma_inline
 
 __all__ = ["ERFCX_COEF", "EXP_COEF", "EXP_MIN"]
 
@@ -187,3 +190,159 @@ def _relu1(x):
 @fma_inline
 def _relu_grad1(x):
     return 1.0 if x > 0.0 else 0.0
+
+
+# --------------------------------------------------------------------------- #
+# float32 variants (the forward kernels on float32 input), as csrc/vmath.hpp:
+# the exp argument is formed and reduced in float64, the polynomials and products
+# run in float32 (8 lanes, half the degree). A few float32 ulp; the derivatives
+# stay in float64 (they cancel near their zeros).
+# --------------------------------------------------------------------------- #
+
+_f32 = np.float32
+EXP_MIN_F = -87.0  # e^-87 = 1.6e-38 is near the smallest normal float32
+_LN2 = 0.69314718055994530942
+_ROUND_MAGIC_F = np.float32(12582912.0)  # 1.5 * 2^23
+_ROUND_MAGIC_F_BITS = int(np.float32(12582912.0).view(np.uint32))
+#: e^r = 1 + r + r^2 P(r), P of degree 5 (Cephes expf), highest degree first.
+EXP_COEF_F = tuple(np.float32(c) for c in (1.9875691500e-4, 1.3981999507e-3, 8.3334519073e-3,
+                                           4.1665795894e-2, 1.6666665459e-1, 5.0000001201e-1))
+#: erfcx(z) for z in [0, 9.4] as sum_k c_k t^k, t = (z - 4)/(z + 4) in [-1, 0.45], lowest
+#: degree first: a degree-11 Chebyshev fit on that interval (mpmath.chebyfit), relative
+#: error 3e-10 before float32 rounding. Identical to ``kErfcxCoefF`` in csrc/vmath.hpp.
+ERFCX_COEF_F = tuple(np.float32(c) for c in (
+    0.13699945762673144, -0.2590680494466127, 0.21871968027274608,
+    -0.16425777990891793, 0.10896312064219388, -0.06310840903386655,
+    0.031299594333153484, -0.012839561577756424, 0.00405937153737316,
+    -0.0008149691795509706, -2.8765935882777373e-05, 0.00010122777161903319,
+))
+_SQRT_HALF_F = np.float32(_SQRT_HALF)
+_LOG2E_F = np.float32(1.44269504088896341)
+_LN2_HI_F = np.float32(0.693359375)  # exact times n
+_LN2_LO_F = np.float32(-2.12194440e-4)
+_EXP_MIN_F32 = np.float32(EXP_MIN_F)
+
+
+@fma_inline
+def _poly_exp_f(r):
+    """e^r on |r| <= ln2/2 for float32 r (about 1 ulp, exactly 1 at r = 0)."""
+    c = EXP_COEF_F
+    r2 = r * r
+    r4 = r2 * r2
+    p01 = c[0] * r + c[1]
+    p23 = c[2] * r + c[3]
+    p45 = c[4] * r + c[5]
+    p = (p01 * r4 + p23 * r2) + p45
+    return (_f32(1.0) + r) + r2 * p
+
+
+@fma_inline
+def _exp_neg_f(a):
+    """e^a for float64 a <= 0, as float32 (about 1.5 ulp); 0 below EXP_MIN_F and -inf."""
+    k = a * _LOG2E + _ROUND_MAGIC
+    n = k - _ROUND_MAGIC
+    r = a - n * _LN2
+    p = _poly_exp_f(_f32(r))
+    kf = _f32(n) + _ROUND_MAGIC_F
+    bits = (np.float32(kf).view(np.uint32) - np.uint32(_ROUND_MAGIC_F_BITS) + np.uint32(127)) << np.uint32(23)
+    res = p * np.uint32(bits).view(np.float32)
+    return _f32(0.0) if a < EXP_MIN_F else res
+
+
+@fma_inline
+def _exp_neg_ff(a):
+    """e^a for a float32 a <= 0 exact as given (gated SiLU's -|g|), reduced in float32 (Cody-Waite)."""
+    k = a * _LOG2E_F + _ROUND_MAGIC_F
+    n = k - _ROUND_MAGIC_F
+    r = a - n * _LN2_HI_F
+    r = r - n * _LN2_LO_F
+    p = _poly_exp_f(r)
+    bits = (np.float32(k).view(np.uint32) - np.uint32(_ROUND_MAGIC_F_BITS) + np.uint32(127)) << np.uint32(23)
+    res = p * np.uint32(bits).view(np.float32)
+    return _f32(0.0) if a < _EXP_MIN_F32 else res
+
+
+@fma_inline
+def _sigmoid_ff(y):
+    """sigmoid(y) for float32 y, all in float32."""
+    e = _exp_neg_ff(-abs(y))
+    a = _f32(1.0) / (_f32(1.0) + e)
+    b = e * a
+    return a if y >= _f32(0.0) else b
+
+
+@fma_inline
+def _poly_erfcx_f(t):
+    c = ERFCX_COEF_F
+    t2 = t * t
+    t4 = t2 * t2
+    t8 = t4 * t4
+    q0 = (c[0] + c[1] * t) + (c[2] + c[3] * t) * t2
+    q1 = (c[4] + c[5] * t) + (c[6] + c[7] * t) * t2
+    q2 = (c[8] + c[9] * t) + (c[10] + c[11] * t) * t2
+    return (q0 + q1 * t4) + q2 * t8
+
+
+@fma_inline
+def _normal_cdf_f(x):
+    """Phi(x) for float32 x."""
+    xd = np.float64(x)
+    e = _exp_neg_f(-0.5 * (xd * xd))
+    z = abs(x) * _SQRT_HALF_F
+    t = (z - _f32(4.0)) / (z + _f32(4.0))
+    h = _f32(0.5) * e * _poly_erfcx_f(t)
+    return (_f32(1.0) - h) if x > _f32(0.0) else h
+
+
+@fma_inline
+def _sigmoid_f(y):
+    """sigmoid(y) for float64 y, as float32."""
+    e = _exp_neg_f(-abs(y))
+    a = _f32(1.0) / (_f32(1.0) + e)
+    b = e * a
+    return a if y >= 0.0 else b
+
+
+@fma_inline
+def _gelu1_f(x):
+    return x * _normal_cdf_f(x)
+
+
+@fma_inline
+def _gelu_tanh1_f(x):
+    xd = np.float64(x)
+    return x * _sigmoid_f(_TWO_C * xd * (1.0 + _TANH_A * (xd * xd)))
+
+
+# --------------------------------------------------------------------------- #
+# Dtype dispatch at compile time: the float32 cores for float32 elements, the
+# float64 ones otherwise (overloads, inlined like the cores).
+# --------------------------------------------------------------------------- #
+
+
+def _by_dtype(f32_impl, f64_impl, nargs):
+    """A function whose Numba overload picks ``f32_impl`` when its first argument is float32."""
+    if nargs == 1:
+        def dispatch(x):  # plain Python under NUMBA_DISABLE_JIT=1
+            return (f32_impl if isinstance(x, np.float32) else f64_impl)(x)
+
+        def _ov(x):
+            return f32_impl if x == types.float32 else f64_impl
+    else:
+        def dispatch(x, y):
+            return (f32_impl if isinstance(x, np.float32) else f64_impl)(x, y)
+
+        def _ov(x, y):
+            return f32_impl if x == types.float32 else f64_impl
+    if not numba.config.DISABLE_JIT:
+        overload(dispatch, inline="always", jit_options={"fastmath": CONTRACT})(_ov)
+    return dispatch
+
+
+#: e^(x - m) (x an element, m the float64 row max), in x's precision.
+exp_term = _by_dtype(lambda x, y: _exp_neg_f(np.float64(x) - y), lambda x, y: _exp_neg(np.float64(x) - y), 2)
+gelu_t = _by_dtype(lambda x: _gelu1_f(x), lambda x: _gelu1(np.float64(x)), 1)
+gelu_tanh_t = _by_dtype(lambda x: _gelu_tanh1_f(x), lambda x: _gelu_tanh1(np.float64(x)), 1)
+#: silu(g) * up.
+silu_gated_t = _by_dtype(lambda x, y: x * _sigmoid_ff(x) * y,
+                         lambda x, y: np.float64(x) * _sigmoid_pair(np.float64(x))[0] * np.float64(y), 2)

@@ -6,8 +6,10 @@ input itself, the number of bad rows returned); the formulas are in its docstrin
 
 Every batch kernel runs ``prange`` over rows only, so each row is computed by one
 thread in an order fixed by the source and results do not depend on the number of
-threads. Everything is computed in float64 and cast to the dtype of the output on
-the store. The transcendental functions are the branch-free cores of
+threads. float64 input is computed in float64; float32 input of the forward GELUs
+and gated SiLU in float32 by the ``*_f`` cores of :mod:`._vecmath` (dispatched on
+the dtype at compile time: ``gelu_t`` ...), everything else in float64 and cast to
+the dtype of the output on the store. The transcendental functions are the branch-free cores of
 :mod:`._vecmath`, inlined, so the elementwise loops vectorize as they are. The
 bad-row flag is an integer OR over the row, which LLVM vectorizes without
 reassociation. Numba options: :mod:`._jit` (``fma_pjit``: fast-math ``contract`` only,
@@ -22,14 +24,15 @@ from numba import prange
 from ...backends import register
 from ._jit import fma_pjit
 from ._vecmath import (
-    _gelu1,
     _gelu_grad1,
-    _gelu_tanh1,
     _gelu_tanh_grad1,
     _nonfinite,
     _relu1,
     _relu_grad1,
     _sigmoid_pair,
+    gelu_t,
+    gelu_tanh_t,
+    silu_gated_t,
 )
 
 __all__ = [
@@ -60,9 +63,9 @@ def gelu(x, out):
         xr, o = x[r], out[r]
         bad = 0
         for j in range(xr.size):
-            v = _f64(xr[j])
+            v = xr[j]
             bad |= _nonfinite(v)
-            o[j] = _gelu1(v)
+            o[j] = gelu_t(v)
         nbad += bad
     return nbad
 
@@ -92,9 +95,9 @@ def gelu_tanh(x, out):
         xr, o = x[r], out[r]
         bad = 0
         for j in range(xr.size):
-            v = _f64(xr[j])
+            v = xr[j]
             bad |= _nonfinite(v)
-            o[j] = _gelu_tanh1(v)
+            o[j] = gelu_tanh_t(v)
         nbad += bad
     return nbad
 
@@ -157,10 +160,10 @@ def silu_gated(u, out):
         ur, o = u[r], out[r]
         bad = 0
         for j in range(n):
-            g = _f64(ur[j])
-            up = _f64(ur[n + j])
+            g = ur[j]
+            up = ur[n + j]
             bad |= _nonfinite(g) | _nonfinite(up)
-            o[j] = g * _sigmoid_pair(g)[0] * up
+            o[j] = silu_gated_t(g, up)
         nbad += bad
     return nbad
 

@@ -7,7 +7,8 @@ input itself, the number of bad rows returned); the formulas are in its docstrin
 Every batch kernel runs ``prange`` over rows only, so each row is computed by one
 thread in an order fixed by the source and results do not depend on the number of
 threads. Everything is computed in float64 and cast to the dtype of the output on
-the store. The exponential is :func:`._vecmath._exp_neg` (vectorizable). Without
+the store, except the softmax's exponential of float32 scores, which is
+:func:`._vecmath._exp_neg_f` (float32, vectorizable; :func:`._vecmath._exp_neg` for float64). Without
 ``reassoc`` LLVM keeps float sums in source order, so the reductions (the softmax's
 max and sum, the JVP's dot product) use ``LANES`` partial results in a scratch
 array, as :mod:`pyengine.kernels._numba.layernorm` does. Numba options: :mod:`._jit`
@@ -22,7 +23,7 @@ from numba import prange
 from ...backends import register
 from ._jit import fma_jit, fma_pjit, jit
 from ._reduce import LANES, _fold
-from ._vecmath import _exp_neg
+from ._vecmath import exp_term
 
 __all__ = ["LANES", "softmax", "softmax_jvp"]
 
@@ -97,7 +98,7 @@ def _softmax_row(x, vis, out, e, acc):
     """out[:vis] = softmax of x[:vis], out[vis:] = 0; True for a bad row. e : (Tk,) float64."""
     m = _max(x, vis, acc)
     for j in range(vis):
-        e[j] = _exp_neg(_f64(x[j]) - m)
+        e[j] = exp_term(x[j], m)  # float32 x: the float32 exp
     # NaN or +inf among x[:vis], or all of it -inf, make s NaN; a good row has s >= 1.
     s = _sum(e, vis, acc)
     if not s >= 1.0:

@@ -1,0 +1,77 @@
+"""spectral_radius's dense path (linalg/_dense_radius.py): operators of moderate size that
+power iteration cannot settle are formed and solved by LAPACK, exactly."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyengine as pe
+from pyengine.linalg import _dense_radius as dr
+
+
+def block(d, batch, seed=0):
+    rng = np.random.default_rng(seed)
+    x = rng.standard_normal((batch, d))
+    g = rng.uniform(0.5, 1.5, d)
+    W = rng.standard_normal((d, d)) / np.sqrt(d)
+    op = pe.Identity(d) + pe.DenseOperator(W) @ pe.LayerNormJacobian(x, g)
+    dense = np.eye(d)[None] + W[None] @ pe.layer_norm_jacobian(x, g)
+    return op, dense
+
+
+def with_complex_pair(n, seed):
+    """A real n x n matrix whose dominant eigenvalues are the pair 1.2 +- 1.1i (power iteration stalls)."""
+    rng = np.random.default_rng(seed)
+    D = np.diag(rng.uniform(-0.9, 0.9, n))
+    D[:2, :2] = [[1.2, -1.1], [1.1, 1.2]]
+    S = rng.standard_normal((n, n)) + 3 * np.eye(n)
+    return S @ D @ np.linalg.inv(S)
+
+
+def test_complex_pair_goes_dense_and_is_exact():
+    n = dr.DENSE_RADIUS_MIN
+    A = np.stack([with_complex_pair(n, s) for s in range(3)])
+    res = pe.spectral_radius(A, tol=1e-9)
+    assert res.method.tolist() == ["dense"] * 3
+    assert res.all_converged and (res.residual <= 1e-9).all()
+    np.testing.assert_allclose(res.rho, np.hypot(1.2, 1.1), rtol=1e-10)
+    assert (np.abs(res.eigenvalue.imag) > 1.0).all()  # found as the complex pair
+    assert (res.iterations >= n).all()  # the n products that formed each matrix are counted
+    for i in range(3):  # the thread pool (3 operators) and the single-operator path agree
+        one = pe.spectral_radius(A[i], tol=1e-9)
+        assert one.method[0] == "dense"
+        np.testing.assert_allclose(one.rho[0], res.rho[i], rtol=1e-13)
+
+
+@pytest.mark.slow
+def test_random_pre_ln_block_at_d768_is_exact():
+    """The issue-18 case: I + W J_LN, random W, d = 768 (ARPACK needed ~1000 products)."""
+    op, dense = block(768, 2, seed=1)
+    res = pe.spectral_radius(op, tol=1e-8)
+    exact = np.abs(np.linalg.eigvals(dense)).max(-1)
+    assert res.all_converged and (res.residual <= 1e-8).all()
+    assert set(res.method.tolist()) <= {"power", "dense"}
+    np.testing.assert_allclose(res.rho, exact, rtol=1e-10)
+    assert (res.rho >= 1.0 - 1e-12).all()  # DESIGN: rho(A_L) >= 1
+
+
+def test_dense_eigpair_is_an_eigenpair():
+    rng = np.random.default_rng(3)
+    A = rng.standard_normal((200, 200))
+    lam, x = dr.dense_eigpair(A)
+    assert abs(abs(lam) - np.abs(np.linalg.eigvals(A)).max()) <= 1e-12 * abs(lam)
+    assert np.linalg.norm(A @ x - lam * x) <= 1e-10 * abs(lam)
+    assert abs(np.linalg.norm(x) - 1.0) <= 1e-12
+
+
+def test_non_finite_matrix_gives_nan():
+    A = np.eye(5)
+    A[1, 2] = np.nan
+    lam, x = dr.dense_eigpair(A)
+    assert np.isnan(lam) and not x.any()
+
+
+def test_size_range():
+    assert not dr.use_dense(dr.DENSE_RADIUS_MIN - 1) and dr.use_dense(dr.DENSE_RADIUS_MIN)
+    assert dr.use_dense(dr.DENSE_RADIUS_MAX) and not dr.use_dense(dr.DENSE_RADIUS_MAX + 1)

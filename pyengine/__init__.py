@@ -48,6 +48,7 @@ from .linalg.steepest import steepest_descent
 from .models import PretrainedModel, Stack, StackConfig, init_weights, load_pretrained
 from .models import Intervention, TokenizedText, ablate_head  # issue 12: sites and interventions
 from .analysis import BlockJacobian, DecayFit, Propagation, block_jacobian_norm, fit_decay, propagate
+from .distributed import scan  # pyengine.scan(job, grid, ...); pyengine.scan.load(out)
 
 __version__ = "0.1.0"
 
@@ -119,6 +120,7 @@ __all__ = [
     "rms_norm_jvp",
     "rms_norm_spectral_norm",
     "rms_norm_vjp",
+    "scan",
     "set_num_threads",
     "softmax",
     "softmax_jvp",

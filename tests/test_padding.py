@@ -11,6 +11,9 @@ CONFIGS = {
     "bert_like": dict(placement="post", causal=False, final_norm=False, embed_norm=True, positions="learned"),
     "gpt2_like": dict(positions="learned", causal=True),
     "sinusoidal_parallel": dict(positions="sinusoidal", layout="parallel", causal=True),
+    "neox_like": dict(layout="parallel2", positions="rotary", rotary_dim=2, causal=True),
+    "llama3_rope": dict(norm="rmsnorm", positions="rotary", rope_scaling="llama3", rope_factor=8.0,
+                        rope_original_max_len=16, bias=False),
 }
 
 

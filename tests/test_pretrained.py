@@ -578,8 +578,8 @@ def test_bad_paths(tmp_path):
         pe.load_pretrained(tmp_path / "w.bin")
     with pytest.raises(ValueError, match="no config.json"):
         pe.load_pretrained(tmp_path)
-    (tmp_path / "config.json").write_text('{"model_type": "gpt2"}')
-    with pytest.raises(ValueError, match="model_type 'gpt2' is not supported"):
+    (tmp_path / "config.json").write_text('{"model_type": "mamba"}')
+    with pytest.raises(ValueError, match="model_type 'mamba' is not supported"):
         pe.load_pretrained(tmp_path)
 
 

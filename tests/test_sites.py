@@ -10,6 +10,7 @@ CONFIGS = {
     "pre_ln": dict(),
     "post_ln": dict(placement="post", causal=False, final_norm=False),
     "parallel": dict(layout="parallel"),
+    "parallel2": dict(layout="parallel2", positions="rotary", rotary_dim=2, activation="gelu_tanh_gated"),
 }
 
 
@@ -58,9 +59,13 @@ def test_sites_equal_forward(name):
         np.testing.assert_allclose(ho.reshape(T, H * dh) @ w["attn.w_o"] + w.get("attn.b_o", 0), g("attn.out"),
                                    atol=1e-13)
         np.testing.assert_allclose(g("mlp.hidden") @ w["mlp.w_out"] + w.get("mlp.b_out", 0), g("mlp.out"), atol=1e-13)
-        if cfg.layout == "parallel":
+        if cfg.layout.startswith("parallel"):
             assert f"blocks.{k}.resid_mid" not in c
             np.testing.assert_allclose(g("resid_pre") + g("attn.out") + g("mlp.out"), g("resid_post"), atol=1e-13)
+            if cfg.layout == "parallel2":
+                np.testing.assert_array_equal(g("norm2.input"), g("resid_pre"))
+                np.testing.assert_allclose(g("norm2.output"), naive_norm(s, g("resid_pre"), w["norm2.gamma"],
+                                                                           w.get("norm2.beta", 0)), atol=1e-12)
         elif cfg.placement == "pre":
             np.testing.assert_array_equal(g("norm1.input"), g("resid_pre"))
             np.testing.assert_array_equal(g("norm2.input"), g("resid_mid"))

@@ -22,7 +22,8 @@ class DecayFit:
 
     ``rate`` > 0 is decay, < 0 growth. ``rate_ci`` is the 95 % interval of the
     slope (Student t, n - 2 degrees of freedom; NaN with fewer than 3 points);
-    ``half_life`` = ln 2 / rate layers (inf when the rate is <= 0); ``intercept``
+    ``half_life`` = ln 2 / rate layers (inf when the rate is <= 0: see :attr:`doubling`
+    and :meth:`timescale` for growth); ``intercept``
     log |p| extrapolated to layer 0 (absolute index); ``r2`` the
     coefficient of determination of the log-linear fit; ``n_points`` the layers used
     (those with |p_k| > 0 and finite).
@@ -35,9 +36,26 @@ class DecayFit:
     intercept: float
     n_points: int
 
+    @property
+    def doubling(self) -> float:
+        """ln 2 / -rate layers for a growing magnitude (rate < 0); inf otherwise."""
+        return math.log(2) / -self.rate if self.rate < 0 else math.inf
+
+    def timescale(self) -> str:
+        """In words: "half-life 3.2 layers" (decay), "doubles every 3.2 layers" (growth),
+        "constant" (rate 0) or "no fit" (NaN rate): never "half-life inf"."""
+        if not math.isfinite(self.rate):
+            return "no fit"
+        if self.rate > 0:
+            return f"half-life {self.half_life:.3g} layers"
+        if self.rate < 0:
+            return f"doubles every {self.doubling:.3g} layers"
+        return "constant"
+
     def to_dict(self) -> dict[str, Any]:
         return {"rate": self.rate, "rate_ci": list(self.rate_ci), "r2": self.r2,
-                "half_life": self.half_life, "intercept": self.intercept, "n_points": self.n_points}
+                "half_life": self.half_life, "doubling": self.doubling, "intercept": self.intercept,
+                "n_points": self.n_points}
 
 
 def fit_decay(values: Any, layers: Any | None = None) -> DecayFit:

@@ -96,19 +96,39 @@ class Propagation:
         tokens before the span move too: read them with "all"."""
         return position_mask(where, self.positions, self.T)
 
-    def view(self, metric: str, where: str = "last") -> np.ndarray:
-        """(L', N): a metric's mean over the positions ``where`` selects (see :meth:`position_mask`).
+    def view(self, metric: str, where: str = "last", reduce: str | None = "mean") -> np.ndarray:
+        """A metric at the positions ``where`` selects (see :meth:`position_mask`).
 
-        ``projection`` and ``delta_norm`` average magnitudes (|projection|); the
-        result is NaN where the selection is empty (e.g. nothing downstream).
+        ``reduce="mean"`` (default): (L', N), the mean over the selected positions;
+        ``projection`` is averaged as a magnitude (|projection|) there, and the result is
+        NaN where the selection is empty (e.g. nothing downstream). ``reduce=None``:
+        (L', N, P), the signed values at the P selected positions, nothing averaged
+        (``view("projection", "last", reduce=None)[..., 0]`` is the signed last-token
+        projection).
         """
         _v.choice("metric", metric, ("cosine", "projection", "norm_ratio", "delta_norm"))
+        if reduce is not None:
+            _v.choice("reduce", reduce, ("mean",))
         a = getattr(self, metric)
         m = self.position_mask(where)
+        if reduce is None:
+            return a[..., m].copy()
         if not m.any():
             return np.full(a.shape[:2], np.nan)
         a = a[..., m]
         return (np.abs(a) if metric == "projection" else a).mean(axis=-1)
+
+    def __repr__(self) -> str:
+        kind = f"linearized ({self.mode})" if self.linearized else "exact"
+        pos = self.positions
+        span = (f"{pos[0]}..{pos[-1]}" if pos.size > 1 and np.all(np.diff(pos) == 1) else
+                ",".join(map(str, pos[:8])) + (",..." if pos.size > 8 else ""))
+        sc = ", ".join(f"{v:g}" for v in self.scales[:6]) + (", ..." if self.S > 6 else "")
+        p = np.abs(self.projection[:, :, -1]).mean(axis=1)
+        return (f"Propagation({kind}, injected at hidden state {self.layer} on {pos.size} of T = {self.T} "
+                f"positions ({span}), K = {self.K} directions x S = {self.S} scales [{sc}], hidden states "
+                f"{int(self.layers[0])}..{int(self.layers[-1])}, mean |projection| at the last token "
+                f"{p[0]:.3g} -> {p[-1]:.3g}{', deltas kept' if self.deltas is not None else ''})")
 
     def per_direction(self, metric: str) -> np.ndarray:
         """(L', K, S, T): a metric with the perturbation axis split into direction x scale."""

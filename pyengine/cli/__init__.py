@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import re
 import sys
 from collections.abc import Sequence
 from types import ModuleType
@@ -34,7 +35,7 @@ from .._progress import end_line
 __all__ = ["COMMANDS", "main", "parser"]
 
 #: The subcommand modules of this package, in the order ``pyengine --help`` lists them.
-COMMANDS = ("demo", "backends", "spectral", "recovery", "attention", "stability", "bench")
+COMMANDS = ("demo", "backends", "spectral", "recovery", "positions", "attention", "stability", "scan", "bench")
 
 #: Errors that end a run with one line and exit status 2: bad arguments or input files,
 #: a missing optional dependency, a request too large for memory.
@@ -47,21 +48,51 @@ def _commands() -> dict[str, ModuleType]:
 
 def parser() -> argparse.ArgumentParser:
     """The argument parser of the ``pyengine`` command, with every subcommand of :data:`COMMANDS`."""
-    p = argparse.ArgumentParser(prog="pyengine", description=__doc__.split("\n\n")[0].replace("``", ""))
+    p = argparse.ArgumentParser(prog="pyengine", description=_plain(__doc__.split("\n\n")[0]),
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                epilog=_plain(__doc__.split("\n\n")[2]))
     sub = p.add_subparsers(dest="command", required=True)
     for module in _commands().values():
         module.add_parser(sub)
     return p
 
 
+def _plain(text: str) -> str:
+    """Docstring text as help text: no reStructuredText markup (``literal``, :role:`target`)."""
+    text = re.sub(r":\w+:`~?([^`]+)`", r"\1", text)
+    return text.replace("``", "")
+
+
+#: Options whose value may start with "-" ("-3:", "-1"): argparse would read it as an option.
+DASH_VALUES = ("--positions", "--spectral-tokens")
+
+
+def _join_dash_values(argv: Sequence[str]) -> list[str]:
+    """``--positions -3:`` -> ``--positions=-3:`` for the options of :data:`DASH_VALUES`."""
+    out, it = [], iter(argv)
+    for a in it:
+        if a in DASH_VALUES:
+            nxt = next(it, None)
+            if nxt is None:
+                out.append(a)
+            elif nxt.startswith("-") and len(nxt) > 1 and (nxt[1].isdigit() or nxt[1] == ":"):
+                out.append(f"{a}={nxt}")
+            else:
+                out.extend((a, nxt))
+        else:
+            out.append(a)
+    return out
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``pyengine`` command with ``argv`` (default: ``sys.argv[1:]``); the exit status."""
-    args = parser().parse_args(argv)
+    argv = sys.argv[1:] if argv is None else argv
+    args = parser().parse_args(_join_dash_values(argv))
     try:
         return _commands()[args.command].run(args)
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as exc:  # a subcommand may say what it kept: KeyboardInterrupt("...")
         end_line()
-        print("pyengine: interrupted", file=sys.stderr)
+        print(f"pyengine: interrupted{'; ' + str(exc.args[0]) if exc.args else ''}", file=sys.stderr)
         return 130
     except ERRORS as exc:
         end_line()

@@ -10,7 +10,8 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["fraction", "floats", "non_negative", "non_negative_float", "positions", "positive", "positive_float"]
+__all__ = ["count_or_npy", "fraction", "floats", "non_negative", "non_negative_float", "positions", "positive",
+           "positive_float"]
 
 
 def _int(text: str, what: str, low: int) -> int:
@@ -82,3 +83,26 @@ def positions(text: str):
         return [int(v) for v in text.split(",")]
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be all, last, a:b or i,j,k; got {text}") from None
+
+
+def count_or_npy(text: str):
+    """A positive integer (a count of random directions), or a ``.npy`` file of directions
+    (d,) or (K, d), float; read here, so a bad file stops before any work."""
+    try:
+        return positive(text)
+    except argparse.ArgumentTypeError:
+        if not text.endswith(".npy"):
+            raise argparse.ArgumentTypeError(f"must be a positive integer or a .npy file of directions; got {text}") \
+                from None
+    import numpy as np
+
+    try:
+        arr = np.load(text, allow_pickle=False)
+    except FileNotFoundError:
+        raise argparse.ArgumentTypeError(f"file not found: {text}") from None
+    except (OSError, ValueError, EOFError) as exc:
+        raise argparse.ArgumentTypeError(f"cannot read {text} as .npy: {exc}") from None
+    if arr.dtype.kind not in "fiu" or arr.ndim not in (1, 2) or arr.size == 0:
+        raise argparse.ArgumentTypeError(f"{text} must hold real directions of shape (d,) or (K, d); "
+                                         f"got {arr.dtype} {arr.shape}")
+    return arr

@@ -23,7 +23,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     d = subparsers.add_parser("demo", help="kernels x backends: agreement with the reference and throughput")
     d.add_argument("--tokens", type=positive, default=4096, help="tokens in the batch (default 4096)")
     d.add_argument("--d", type=positive, default=768, help="model width d >= 2 (default 768)")
-    d.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    d.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                   help="dtype of the batch (default float32)")
     d.add_argument("--repeat", type=positive, default=10, help="timed runs per kernel (default 10)")
     return d
 

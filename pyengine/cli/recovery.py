@@ -5,11 +5,14 @@ measure its decay, exact and linearized, with spectra and ablations
 from __future__ import annotations
 
 import argparse
+import os
+
+import numpy as np
 
 from .._progress import Progress
-from ._args import floats, non_negative, positions, positive, positive_float
+from ._args import count_or_npy, floats, non_negative, positions, positive_float
 
-__all__ = ["add_parser", "load_model", "run"]
+__all__ = ["add_parser", "load_model", "run", "write_stage"]
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -23,13 +26,17 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="the protocol scale: fits and the table use it (default 6)")
     r.add_argument("--scales", type=floats, default=None,
                    help="comma-separated scales of the sweep (default 0.01,0.03,...,30)")
-    r.add_argument("--directions", type=positive, default=4, help="random unit directions (default 4)")
-    r.add_argument("--positions", type=positions, default="all", help="all, last, a:b or i,j,k (default all)")
+    r.add_argument("--directions", type=count_or_npy, default=4,
+                   help="how many random unit directions (default 4), or a .npy file of directions (d,) or (K, d)")
+    r.add_argument("--positions", type=positions, default="all",
+                   help="injected positions: all, last, a:b or i,j,k, negative from the end (-3: the last "
+                        "three) (default all)")
     r.add_argument("--read", choices=["last", "injected", "downstream", "all"], default="last",
                    help="positions whose |projection| is fitted (default last: the published protocol)")
     r.add_argument("--spectral-tokens", type=positions, default="last",
                    help="tokens whose Jacobian blocks are formed (default last)")
-    r.add_argument("--dtype", choices=["float32", "float64"], default="float32")
+    r.add_argument("--dtype", choices=["float32", "float64"], default="float32",
+                   help="compute dtype of the propagations (default float32)")
     r.add_argument("--seed", type=non_negative, default=0,
                    help="seeds the directions and the default model's weights (default 0)")
     r.add_argument("--out", default="recovery-out", help="output folder (default ./recovery-out)")
@@ -56,6 +63,21 @@ def load_model(name: str, seed: int = 0):
     return model, getattr(model, "name", name)
 
 
+def write_stage(folder: str, index: int, stage: str, result: dict) -> str:
+    """Write one finished stage of the experiment to ``folder/stages/NN-<stage>.json`` (so an
+    interrupted run keeps it); return the path. Written to a temporary name and renamed:
+    never a half-written file, even on Ctrl-C."""
+    import json
+
+    slug = "-".join("".join(c if c.isalnum() else " " for c in stage.lower()).split())
+    os.makedirs(os.path.join(folder, "stages"), exist_ok=True)
+    path = os.path.join(folder, "stages", f"{index:02d}-{slug}.json")
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, allow_nan=False)
+    os.replace(path + ".tmp", path)
+    return path
+
+
 def run(args: argparse.Namespace) -> int:
     from ..experiments import format_table, recovery, write_report
 
@@ -64,13 +86,25 @@ def run(args: argparse.Namespace) -> int:
         from ..experiments.recovery import DEFAULT_SCALES
 
         scales = list(DEFAULT_SCALES)
+    given = isinstance(args.directions, np.ndarray)
+    done: list[str] = []
+
+    def stage(name: str, result: dict) -> None:  # each finished stage is on disk at once
+        done.append(write_stage(args.out, len(done) + 1, name, result))
+
     model, name = load_model(args.model, args.seed)
     print(f"pyengine recovery: model {name or 'default (seeded GPT-2-small-shaped pre-LN stack)'}; "
           f"output folder {args.out}", flush=True)
-    rep = recovery(model, text=args.text, layer=args.layer, scales=scales, protocol_scale=args.scale,
-                   n_directions=args.directions, positions=args.positions, read=args.read,
-                   spectral_tokens=args.spectral_tokens, seed=args.seed, dtype=args.dtype, name=name,
-                   progress=Progress(args.progress, lines=True).stage)
+    try:
+        rep = recovery(model, text=args.text, layer=args.layer, scales=scales, protocol_scale=args.scale,
+                       n_directions=4 if given else args.directions, directions=args.directions if given else None,
+                       positions=args.positions, read=args.read,
+                       spectral_tokens=args.spectral_tokens, seed=args.seed, dtype=args.dtype, name=name,
+                       progress=Progress(args.progress, lines=True).stage, on_stage=stage)
+    except KeyboardInterrupt:
+        kept = (f"the {len(done)} finished stage(s) are in {os.path.join(args.out, 'stages')}" if done else
+                "no stage had finished")
+        raise KeyboardInterrupt(kept) from None
     print(format_table(rep))
     paths = write_report(rep, args.out, plots=not args.no_plots)
     print(f"time: {rep.seconds['total']:.1f} s; wrote {', '.join(paths)}")

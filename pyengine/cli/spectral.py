@@ -84,6 +84,23 @@ def _finite_or_none(a: np.ndarray) -> list:
     return [float(v) if np.isfinite(v) else None for v in np.asarray(a, np.float64).ravel()]
 
 
+def _scan(fn, x: np.ndarray, gamma, n_layers: int | None, args: argparse.Namespace, chunk, bar: Progress):
+    """``fn`` over all tokens; with a layer axis, one call per layer with that layer's gamma
+    ((L, d) gamma) and the results concatenated in layer order."""
+    kw = dict(tol=args.tol, max_iter=args.max_iter, seed=args.seed, backend=args.backend, chunk_size=chunk)
+    if not n_layers or gamma is None or np.ndim(gamma) == 1:
+        return fn(x, gamma, args.eps, args.mode, args.method, callback=bar.count, **kw)
+    import types
+
+    per = x.shape[0] // n_layers
+    parts = []
+    for k in range(n_layers):
+        parts.append(fn(x[k * per:(k + 1) * per], gamma[k], args.eps, args.mode, args.method,
+                        callback=lambda d, t, k=k: bar.count(k * per + d, n_layers * per), **kw))
+    fields = ("sigma", "lower", "upper", "residual", "iterations", "converged")
+    return types.SimpleNamespace(**{f: np.concatenate([np.ravel(getattr(p, f)) for p in parts]) for f in fields})
+
+
 def run(args: argparse.Namespace) -> int:
     """Per-token sigma_max of LayerNorm/RMSNorm Jacobians: summary, histogram, JSON/CSV."""
     import json
@@ -93,7 +110,8 @@ def run(args: argparse.Namespace) -> int:
     if args.input is not None:
         x = _load_array(args.input, args.key, "activations")
         if x.ndim < 2:
-            raise ValueError(f"activations in {args.input} must have shape (N, d); got {x.shape}")
+            raise ValueError(f"activations in {args.input} must have shape (N, d) or (L, T, d); got {x.shape}")
+        n_layers = x.shape[0] if x.ndim >= 3 else None  # (L, T, d): the layer axis is kept
         x = x.reshape(-1, x.shape[-1])
         gamma, source = None, args.input
     else:
@@ -102,12 +120,16 @@ def run(args: argparse.Namespace) -> int:
         if args.d < 2:
             raise ValueError(f"--d must be at least 2; got {args.d}")
         x, gamma = _synthetic(args.tokens, args.d, args.seed)
-        source = f"synthetic, seed {args.seed}"
+        source, n_layers = f"synthetic, seed {args.seed}", None
     if args.gamma is not None:
-        gamma = _load_array(args.gamma, None, "gamma")
-        if gamma.ndim != 1:
-            raise ValueError(f"gamma in {args.gamma} must have shape (d,); got {gamma.shape}")
-        gamma = np.asarray(gamma)
+        gamma = np.asarray(_load_array(args.gamma, None, "gamma"))
+        if gamma.ndim == 2 and n_layers is None:
+            raise ValueError(f"gamma in {args.gamma} has shape {gamma.shape} (one per layer), but the activations "
+                             "have no layer axis: pass (L, T, d) activations or a (d,) gamma")
+        bad_layers = gamma.ndim == 2 and gamma.shape[0] != n_layers
+        if gamma.ndim not in (1, 2) or bad_layers or gamma.shape[-1] != x.shape[1]:
+            want = f"(d,) or (L, d) = ({n_layers}, {x.shape[1]})" if n_layers else f"(d,) = ({x.shape[1]},)"
+            raise ValueError(f"gamma in {args.gamma} must have shape {want}; got {gamma.shape}")
     if args.csv and args.csv == args.json:
         raise ValueError("--csv and --json must be different files")
     n, d = x.shape
@@ -118,10 +140,9 @@ def run(args: argparse.Namespace) -> int:
     print(f"pyengine spectral: {n} tokens x d={d} ({source}), {args.norm}, mode {args.mode}, "
           f"method {args.method}, backend {args.backend}")
     t0 = time.perf_counter()
-    res = fn(x, gamma, args.eps, args.mode, args.method, tol=args.tol, max_iter=args.max_iter,
-             seed=args.seed, backend=args.backend, chunk_size=chunk,
-             callback=bar.count)
+    res = _scan(fn, x, gamma, n_layers, args, chunk, bar)
     elapsed = time.perf_counter() - t0
+    layer = np.repeat(np.arange(n_layers), n // n_layers) if n_layers else None
     sigma = res.sigma.ravel()
     below = int((sigma < 1).sum())
     conv = int(res.converged.sum())
@@ -134,6 +155,12 @@ def run(args: argparse.Namespace) -> int:
         note = "" if conv == n else "  (the others report a lower bound only)"
         print(f"  converged (residual <= {args.tol:g}): {conv} of {n}{note}")
         print(f"  iterations: mean {res.iterations.mean():.1f}  max {res.iterations.max(initial=0)}")
+    if n_layers:
+        print("per layer (index along the first axis of the input):")
+        print(f"  {'layer':>5} {'min':>10} {'median':>10} {'max':>10} {'< 1':>8}")
+        for k in range(n_layers):
+            v = sigma[layer == k]
+            print(f"  {k:>5} {v.min():>10.6g} {np.median(v):>10.6g} {v.max():>10.6g} {int((v < 1).sum()):>8}")
     print(f"histogram ({args.bins} bins):")
     print("\n".join(lines))
     print(f"time: {elapsed:.3f} s ({1e6 * elapsed / max(n, 1):.2f} us/token)")
@@ -146,6 +173,11 @@ def run(args: argparse.Namespace) -> int:
                 "max": float(sigma.max()) if n else None, "below_one": below, "converged": conv,
             },
             "histogram": {"edges": edges.tolist(), "counts": counts.tolist()},
+            "layers": n_layers, "layer": None if layer is None else layer.tolist(),
+            "per_layer": None if layer is None else [
+                {"layer": k, "min": float(sigma[layer == k].min()), "median": float(np.median(sigma[layer == k])),
+                 "max": float(sigma[layer == k].max()), "below_one": int((sigma[layer == k] < 1).sum())}
+                for k in range(n_layers)],
             "sigma": _finite_or_none(res.sigma), "lower": _finite_or_none(res.lower),
             "upper": _finite_or_none(res.upper), "residual": _finite_or_none(res.residual),
             "iterations": res.iterations.ravel().tolist(), "converged": res.converged.ravel().tolist(),
@@ -154,28 +186,36 @@ def run(args: argparse.Namespace) -> int:
             json.dump(doc, fh)
         print(f"wrote {args.json}")
     if args.csv:
-        table = np.column_stack([np.arange(n), sigma, res.lower.ravel(), res.upper.ravel(),
-                                 res.residual.ravel(), res.iterations.ravel(), res.converged.ravel()])
-        np.savetxt(args.csv, table, delimiter=",", comments="",
-                   header="token,sigma,lower,upper,residual,iterations,converged",
-                   fmt=["%d", "%.17g", "%.17g", "%.17g", "%.6g", "%d", "%d"])
+        token = np.arange(n) % (n // n_layers) if n_layers else np.arange(n)
+        cols = [token, sigma, res.lower.ravel(), res.upper.ravel(), res.residual.ravel(), res.iterations.ravel(),
+                res.converged.ravel()]
+        header, fmt = "token,sigma,lower,upper,residual,iterations,converged", ["%d", "%.17g", "%.17g", "%.17g",
+                                                                               "%.6g", "%d", "%d"]
+        if n_layers:
+            cols, header, fmt = [layer, *cols], "layer," + header, ["%d", *fmt]
+        np.savetxt(args.csv, np.column_stack(cols), delimiter=",", comments="", header=header, fmt=fmt)
         print(f"wrote {args.csv}")
     return 0
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
     s = subparsers.add_parser("spectral", help="per-token sigma_max of LayerNorm/RMSNorm Jacobians")
-    s.add_argument("--input", metavar="FILE", help="activations (N, d), .npy or .npz (default: synthetic)")
+    s.add_argument("--input", metavar="FILE", help="activations (N, d), or (L, T, d) with a layer axis that is "
+                   "kept (per-layer summary, a layer column), .npy or .npz (default: synthetic)")
     s.add_argument("--key", help="array name inside an .npz with several arrays")
-    s.add_argument("--gamma", metavar="FILE", help="gamma (d,), .npy or one-array .npz (default: ones, "
-                   "or the synthetic gamma)")
-    s.add_argument("--norm", choices=["layernorm", "rmsnorm"], default="layernorm")
-    s.add_argument("--method", choices=["exact", "power", "lanczos"], default="exact")
-    s.add_argument("--mode", choices=["full", "frozen_scale"], default="full")
+    s.add_argument("--gamma", metavar="FILE", help="gamma (d,), or (L, d) one per layer of an (L, T, d) input, .npy or one-array .npz "
+                   "(default: ones, or the synthetic gamma)")
+    s.add_argument("--norm", choices=["layernorm", "rmsnorm"], default="layernorm",
+                   help="the normalization whose Jacobian is scanned (default layernorm)")
+    s.add_argument("--method", choices=["exact", "power", "lanczos"], default="exact",
+                   help="exact (closed form), power or lanczos iteration (default exact)")
+    s.add_argument("--mode", choices=["full", "frozen_scale"], default="full",
+                   help="full Jacobian, or frozen_scale (1/sigma held fixed) (default full)")
     s.add_argument("--eps", type=non_negative_float, default=1e-5, help="normalization eps (default 1e-5)")
     s.add_argument("--tol", type=positive_float, default=1e-6, help="residual tolerance (default 1e-6)")
     s.add_argument("--max-iter", type=positive, default=1000, help="iterations cap per token (default 1000)")
-    s.add_argument("--backend", choices=["auto", *backends.BACKENDS], default="auto")
+    s.add_argument("--backend", choices=["auto", *backends.BACKENDS], default="auto",
+                   help="kernel backend (default auto: the fastest that loads)")
     s.add_argument("--tokens", type=positive, default=SPECTRAL_TOKENS,
                    help=f"synthetic tokens (default {SPECTRAL_TOKENS})")
     s.add_argument("--d", type=positive, default=SPECTRAL_D, help=f"synthetic width (default {SPECTRAL_D})")

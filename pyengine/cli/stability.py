@@ -17,14 +17,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                        description=__doc__.replace("``", ""))
     p.add_argument("--schemes", default="kaiming_normal,xavier_normal,torch_default,orthogonal",
                    help="comma-separated initialization schemes")
-    p.add_argument("--depth", type=positive, default=48)
-    p.add_argument("--width", type=positive, default=768)
-    p.add_argument("--tokens", type=positive, default=128)
-    p.add_argument("--activation", default="relu", choices=("relu", "gelu", "tanh", "linear"))
+    p.add_argument("--depth", type=positive, default=48, help="layers of the signal-propagation stacks (default 48)")
+    p.add_argument("--width", type=positive, default=768, help="width of the stacks (default 768)")
+    p.add_argument("--tokens", type=positive, default=128, help="tokens of the input batch (default 128)")
+    p.add_argument("--activation", default="relu", choices=("relu", "gelu", "tanh", "linear"),
+                   help="activation of the MLP stacks (default relu)")
     p.add_argument("--model", default=None, help="a load_pretrained name or path for the spectral-condition table")
     p.add_argument("--no-demo", action="store_true", help="skip the steepest-descent comparison")
     p.add_argument("--out", default="stability-out", help="folder for the figures and stability.json")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (default 0)")
 
 
 def run(args: argparse.Namespace) -> int:

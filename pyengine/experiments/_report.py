@@ -23,8 +23,15 @@ __all__ = ["LINEAR_TOL", "format_table", "write"]
 #: Relative disagreement of exact and linearized projections that still counts as linear.
 LINEAR_TOL = 0.10
 
+def _ci(f: DecayFit, digits: int = 3) -> str:
+    """The rate's 95 % interval, or why there is none."""
+    if not all(math.isfinite(v) for v in f.rate_ci):
+        return "[no interval: fewer than 3 layers]"
+    return f"[{f.rate_ci[0]:+.{digits}f}, {f.rate_ci[1]:+.{digits}f}]"
+
+
 def _fmt_fit(f: DecayFit) -> str:
-    return f"{f.rate:+.3f} [{f.rate_ci[0]:+.3f}, {f.rate_ci[1]:+.3f}] per layer (R^2 {f.r2:.2f}, {f.n_points} layers)"
+    return f"{f.rate:+.3f} {_ci(f)} per layer (R^2 {f.r2:.2f}, {f.n_points} layers)"
 
 
 def _solid(f: DecayFit) -> bool:
@@ -93,8 +100,10 @@ def _verdicts(r: Recovery) -> list[str]:
         head = "CHANGES THE RATE" if spread > 2 * widths + 0.02 else "NO MEASURABLE EFFECT"
         out.append(f"(3) {name}: {head} (spread {spread:.3f} per layer, intervals +-{widths:.3f}): {vals}.")
     lr = r.linear_regime
+    span = (f"only at scale {lr[0]:g} (of those tried)" if lr and lr[0] == lr[1] else
+            f"for scales {lr[0]:g} to {lr[1]:g}" if lr else "")
     out.append("linear regime: " + (f"exact and linearized delta agree within {LINEAR_TOL:.0%} (|d_ex - d_lin| / "
-                                    f"|d_lin| at the read-out, every layer) for scales {lr[0]:g} to {lr[1]:g}"
+                                    f"|d_lin| at the read-out, every layer) {span}"
                                     if lr else f"no scale tried keeps exact and linearized delta within "
                                     f"{LINEAR_TOL:.0%}") + ".")
     return out
@@ -136,9 +145,9 @@ def format_table(rep: Recovery) -> str:
     for row in rep.layer_table():
         lines.append("".join(_cell(w, f, row[key]) for key, _, w, f in _COLS))
     fe, fl = rep.fit_exact, rep.fit_linear
-    lines.append(f"decay of |projection| ({rep.read}): exact {fe.rate:+.4f}/layer [{fe.rate_ci[0]:+.4f}, "
-                 f"{fe.rate_ci[1]:+.4f}], R^2 {fe.r2:.3f}, half-life {fe.half_life:.3g} layers; linearized "
-                 f"{fl.rate:+.4f}/layer, R^2 {fl.r2:.3f}")
+    lines.append(f"decay of |projection| ({rep.read}; rate > 0 decays, < 0 grows): exact {fe.rate:+.4f}/layer "
+                 f"{_ci(fe, 4)}, R^2 {fe.r2:.3f}, {fe.timescale()}; linearized {fl.rate:+.4f}/layer, "
+                 f"R^2 {fl.r2:.3f}")
     lines.extend(rep.verdicts)
     return "\n".join(lines)
 
@@ -177,15 +186,16 @@ def write(rep: Recovery, folder: str, plots: bool = True) -> list[str]:
     p = os.path.join(folder, "metrics.csv")
     with open(p, "w", newline="") as f:
         w = csv.writer(f)
-        w.writerow(["run", "layer", "direction", "scale", "position", "injected",
+        w.writerow(["run", "layer", "direction", "scale", "position", "token", "injected",
                     "cosine", "projection", "norm_ratio", "delta_norm"])
         for run in (rep.exact, rep.linear):
             name = "linearized" if run.linearized else "exact"
             inj = run.position_mask("injected")
+            tok = rep.tokens if rep.tokens is not None else [""] * run.T
             for i, k in enumerate(run.layers):
                 for n in range(run.N):
                     for t in range(run.T):
-                        w.writerow([name, int(k), n // run.S, f"{run.scales[n % run.S]:g}", t, int(inj[t]),
+                        w.writerow([name, int(k), n // run.S, f"{run.scales[n % run.S]:g}", t, tok[t], int(inj[t]),
                                     f"{run.cosine[i, n, t]:.9g}", f"{run.projection[i, n, t]:.9g}",
                                     f"{run.norm_ratio[i, n, t]:.9g}", f"{run.delta_norm[i, n, t]:.9g}"])
     paths.append(p)
@@ -200,9 +210,36 @@ def _plot(rep: Recovery, path: str) -> str:
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
 
+    fig = figure(rep)
+    fig.savefig(path, dpi=90)
+    plt.close(fig)
+    return path
+
+
+def _zeros(a: Any, x: np.ndarray, y: np.ndarray, color: Any = None) -> None:
+    """Where y is 0 (not drawable on a log axis): a hollow triangle on the bottom edge."""
+    from matplotlib.transforms import blended_transform_factory
+
+    z = np.isfinite(y) & (y <= 0)
+    if z.any():
+        a.plot(np.asarray(x)[z], np.zeros(int(z.sum())), "v", mfc="none", color=color, clip_on=False,
+               transform=blended_transform_factory(a.transData, a.transAxes), label="0 (off the log axis)")
+
+
+def _span(pos: np.ndarray) -> str:
+    if pos.size > 1 and np.all(np.diff(pos) == 1):
+        return f"{pos[0]}-{pos[-1]}"
+    return ",".join(map(str, pos[:8])) + (",..." if pos.size > 8 else "")
+
+
+def figure(rep: Recovery) -> Any:
+    """The report's figure (six panels, x always the hidden state k except the scale sweep)."""
+    import matplotlib.pyplot as plt
+    from matplotlib.ticker import MaxNLocator
+
     ex, li, j = rep.exact, rep.linear, rep.scale_index
     k = ex.layers
-    fig, ax = plt.subplots(2, 3, figsize=(15, 8.5), constrained_layout=True)
+    fig, ax = plt.subplots(2, 3, figsize=(15, 9), layout="constrained")
 
     def mean(p: Any, metric: str) -> np.ndarray:
         return p.view(metric, rep.read).reshape(-1, p.K, p.S)[:, :, j].mean(axis=1)
@@ -211,39 +248,46 @@ def _plot(rep: Recovery, path: str) -> str:
     for p, fit, style, lab in ((ex, rep.fit_exact, "o-", "exact"), (li, rep.fit_linear, "s--", "linearized")):
         y = mean(p, "projection")
         a.semilogy(k, np.where(y > 0, y, np.nan), style, label=f"{lab}: rate {fit.rate:+.3f}/layer")
+        color = a.lines[-1].get_color()
         if math.isfinite(fit.rate):
-            a.semilogy(k, np.exp(fit.intercept - fit.rate * k), ":", color=a.lines[-1].get_color())
-    a.set(title=f"|projection on v| ({rep.read}), scale {rep.protocol_scale:g}", xlabel="hidden state k")
-    a.legend()
-    a = ax[0, 1]
-    a.plot(k, mean(ex, "cosine"), "o-", label="exact")
-    a.plot(k, mean(li, "cosine"), "s--", label="linearized")
-    a.set(title="cos(h_injected, h_base)", xlabel="hidden state k")
-    a.legend()
-    a = ax[0, 2]
-    a.plot(k, mean(ex, "norm_ratio"), "o-", label="exact")
-    a.plot(k, mean(li, "norm_ratio"), "s--", label="linearized")
-    a.set(title="|h_injected| / |h_base|", xlabel="hidden state k")
-    a.legend()
+            a.semilogy(k, np.exp(fit.intercept - fit.rate * k), ":", color=color)
+        _zeros(a, k, y, color)
+    a.set(title=f"|projection on v| ({rep.read}), scale {rep.protocol_scale:g}", ylabel="|delta . v|")
+    a.legend(title="|p_k| ~ exp(-rate k): rate > 0 decays", fontsize=8, title_fontsize=8)
+    for a, metric, title, ylabel in ((ax[0, 1], "cosine", "cos(h_injected, h_base)", "cosine"),
+                                     (ax[0, 2], "norm_ratio", "|h_injected| / |h_base|", "norm ratio")):
+        a.plot(k, mean(ex, metric), "o-", label="exact")
+        a.plot(k, mean(li, metric), "s--", label="linearized")
+        a.set(title=title, ylabel=ylabel)
+        a.legend(fontsize=8)
     a = ax[1, 0]
     m = ex.position_mask(rep.read)
-    a.semilogy(k, mean(ex, "delta_norm"), "o-", label="|delta| exact")
-    a.semilogy(k, mean(li, "delta_norm"), "s--", label="|delta| linearized")
+    for p, style, lab in ((ex, "o-", "|delta| exact"), (li, "s--", "|delta| linearized")):
+        y = mean(p, "delta_norm")
+        a.semilogy(k, np.where(y > 0, y, np.nan), style, label=lab)
+        _zeros(a, k, y, a.lines[-1].get_color())
     a.semilogy(k, ex.base_norm[:, m].mean(axis=1), "k-", label="|h| baseline")
-    a.set(title="norms", xlabel="hidden state k")
-    a.legend()
+    a.set(title="norms", ylabel="L2 norm")
+    a.legend(fontsize=8)
     a = ax[1, 1]
-    blocks = np.arange(rep.layer, rep.layer + rep.rho.shape[0]) + 1
-    a.plot(blocks, rep.rho.max(axis=1), "o-", label="rho (spectral radius)")
-    a.plot(blocks, rep.sigma.max(axis=1), "s-", label="sigma_max")
+    ks = np.arange(rep.layer, rep.layer + rep.rho.shape[0])  # block k + 1 leaves hidden state k
+    a.plot(ks, rep.rho.max(axis=1), "o-", label="rho (spectral radius)")
+    a.plot(ks, rep.sigma.max(axis=1), "s-", label="sigma_max")
     a.axhline(1.0, color="k", lw=0.8)
-    a.set(title="diagonal Jacobian block at the read token", xlabel="block", yscale="log")
-    a.legend()
+    a.set(title="Jacobian block of block k+1 at the read token", ylabel="rho, sigma_max", yscale="log")
+    a.legend(fontsize=8)
+    for a in (*ax[0], ax[1, 0], ax[1, 1]):
+        a.set_xlabel("hidden state k")
+        a.xaxis.set_major_locator(MaxNLocator(integer=True))
     a = ax[1, 2]
-    a.loglog(ex.scales, np.maximum(rep.linear_gap, 1e-16), "o-")
-    a.axhline(0.1, color="k", lw=0.8, ls="--")
-    a.set(title="linear regime: max over layers |delta_ex - delta_lin| / |delta_lin|", xlabel="scale")
-    fig.suptitle(f"pyengine recovery: {rep.model}")
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+    gap = rep.linear_gap
+    a.loglog(ex.scales, np.where(gap > 0, gap, np.nan), "o-", label="gap")
+    _zeros(a, ex.scales, gap)
+    a.axhline(LINEAR_TOL, color="k", lw=0.8, ls="--", label=f"{LINEAR_TOL:.0%}")
+    a.set(title="linear regime: max over k of\n|delta_ex - delta_lin| / |delta_lin|", xlabel="scale",
+          ylabel="relative gap")
+    a.legend(fontsize=8)
+    text = rep.text if rep.text is None or len(rep.text) <= 70 else rep.text[:67] + "..."
+    fig.suptitle(f"pyengine recovery: {rep.model}; text {text!r}\ninjected at hidden state {rep.layer}, "
+                 f"positions {_span(ex.positions)} of T = {ex.T}; read-out: {rep.read}")
+    return fig

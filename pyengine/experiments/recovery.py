@@ -33,9 +33,9 @@ import numpy as np
 from .. import _validate as _v
 from ..models import Stack, StackConfig, init_weights
 from ..analysis import DecayFit, Propagation, position_mask, propagate, resolve_positions, token_jacobians
-from ._report import LINEAR_TOL, _verdicts
+from ._report import LINEAR_TOL, _clean, _verdicts
 
-__all__ = ["DEFAULT_TEXT", "Recovery", "byte_ids", "default_model", "recovery"]
+__all__ = ["DEFAULT_TEXT", "Recovery", "byte_ids", "default_model", "recovery", "token_strings"]
 
 DEFAULT_TEXT = "The residual stream carries a small push forward through every layer until the last token reads it."
 DEFAULT_SCALES = (0.01, 0.03, 0.1, 0.3, 1.0, 3.0, 6.0, 10.0, 30.0)
@@ -101,6 +101,7 @@ class Recovery:
     gamma_sweep: list[tuple[float, DecayFit]]
     verdicts: list[str]
     seconds: dict[str, float]
+    tokens: list[str] | None = None  # the text of each token id (the model's detokenize, or the bytes)
 
     @property
     def scale_index(self) -> int:
@@ -113,8 +114,8 @@ class Recovery:
         li = self.linear
         g = np.abs(li.gain[..., li.position_mask(self.read)])
         with np.errstate(divide="ignore", invalid="ignore"):
-            g = np.nanmean(np.where(np.isfinite(g), g, np.nan), axis=-1).reshape(-1, li.K, li.S)[:, :, 0]
-            return np.exp(np.nanmean(np.log(g), axis=1))
+            g = _finite_mean(g, axis=-1).reshape(-1, li.K, li.S)[:, :, 0]
+            return np.exp(_finite_mean(np.log(g), axis=1))
 
     def layer_table(self) -> list[dict[str, float]]:
         """One row per hidden state k >= layer: the protocol read-out, mean over directions."""
@@ -148,7 +149,7 @@ class Recovery:
         """JSON-ready: settings, table, fits, spectra, ablations, verdicts and both runs."""
         return {
             "model": self.model, "config": dataclasses.asdict(self.config), "text": self.text,
-            "ids": self.ids.tolist(), "layer": self.layer, "read": self.read,
+            "ids": self.ids.tolist(), "tokens": self.tokens, "layer": self.layer, "read": self.read,
             "protocol_scale": self.protocol_scale, "table": self.layer_table(),
             "fit_exact": self.fit_exact.to_dict(), "fit_linear": self.fit_linear.to_dict(),
             "spectral": {"blocks": list(range(self.layer, self.layer + self.rho.shape[0])),
@@ -162,6 +163,29 @@ class Recovery:
             "verdicts": self.verdicts, "seconds": self.seconds,
             "exact": self.exact.to_dict(), "linear": self.linear.to_dict(),
         }
+
+
+def _finite_mean(a: np.ndarray, axis: int) -> np.ndarray:
+    """The mean of the finite entries along ``axis``; NaN (silently) where there are none
+    (a read-out token that was not injected has no gain at the injected state)."""
+    ok = np.isfinite(a)
+    n = ok.sum(axis=axis)
+    total = np.where(ok, a, 0.0).sum(axis=axis)
+    with np.errstate(divide="ignore", invalid="ignore"):
+        return np.where(n > 0, total / np.maximum(n, 1), np.nan)
+
+
+def token_strings(model: Any, ids: np.ndarray) -> list[str] | None:
+    """The text of each token id: ``model.detokenize([id])`` when the model has a tokenizer,
+    the byte (``\\xNN`` when not ASCII) for the default byte-level model, None for a float
+    stream input or a model without either."""
+    if ids.dtype.kind not in "iu":
+        return None
+    if hasattr(model, "detokenize") and getattr(model, "tokenizer", None) is not None:
+        return [model.detokenize([int(i)]) for i in ids]
+    if model.config.vocab_size == 256 and ids.size and 0 <= ids.min() and ids.max() < 256:
+        return [bytes([int(i)]).decode("ascii", errors="backslashreplace") for i in ids]
+    return None
 
 
 def _linear_gap(ex: Propagation, li: Propagation) -> np.ndarray:
@@ -212,6 +236,7 @@ def recovery(
     dtype: Any = np.float32,
     name: str | None = None,
     progress: Progress | None = None,
+    on_stage: Callable[[str, dict[str, Any]], None] | None = None,
 ) -> Recovery:
     """Run the residual-recovery experiment (see the module docstring).
 
@@ -243,11 +268,16 @@ def recovery(
     dtype : float32 or float64
         Compute dtype of the propagations.
     progress : callable(fraction, stage), optional
+    on_stage : callable(stage, result), optional
+        Called when a stage has finished, with its name and its result as plain JSON-ready
+        values, NaN and inf as None (``pyengine recovery`` writes each to the output folder at once, so an
+        interrupted run keeps every stage already done).
     """
     t_start = time.perf_counter()
     # Every argument is checked here, before the first (expensive) propagation.
     seed = _v.int_seed(seed)
     say = _v.callback(progress, "progress") or (lambda f, s: None)
+    keep = _v.callback(on_stage, "on_stage") or (lambda stage, result: None)
     protocol_scale = _v.real("protocol_scale", protocol_scale, low=0, low_open=True)
     scales = _v.as_array("scales", scales, np.float64)
     if scales.ndim != 1 or not np.isfinite(scales).all():
@@ -287,22 +317,34 @@ def recovery(
     if directions is None:
         n = _v.count("n_directions", n_directions)
         directions = np.random.default_rng(seed).standard_normal((n, cfg.d_model))
+    directions = _v.unit_rows("directions", directions, cfg.d_model)  # checked before the first stage
     j = int(np.argmin(np.abs(sc - protocol_scale)))
     seconds: dict[str, float] = {}
 
-    def timed(stage: str, frac0: float, frac1: float, fn: Callable[[Callable[[int, int], None]], Any]) -> Any:
+    def timed(stage: str, frac0: float, frac1: float, fn: Callable[[Callable[[int, int], None]], Any],
+              dump: Callable[[Any], dict[str, Any]] = lambda out: {}) -> Any:
         t0 = time.perf_counter()
         say(frac0, stage)
         out = fn(lambda d, t: say(frac0 + (frac1 - frac0) * d / max(t, 1), stage))
         seconds[stage] = time.perf_counter() - t0
+        keep(stage, _clean({"stage": stage, "seconds": seconds[stage], **dump(out)}))
         return out
+
+    tokens = token_strings(model, ids)
+
+    def prop(p: Propagation) -> dict[str, Any]:
+        return {"ids": ids.tolist() if ids.ndim == 1 else None, "tokens": tokens, "propagation": dataclasses.replace(p, deltas=None, delta_positions=None).to_dict(),
+                "fit": p.fit(read, j).to_dict()}
+
+    def sweep(name: str) -> Callable[[list[tuple[float, DecayFit]]], dict[str, Any]]:
+        return lambda out: {"sweep": [{name: v, **f.to_dict()} for v, f in out]}
 
     run = dict(positions=positions, dtype=dtype)
     ex = timed("exact propagation", 0.0, 0.35,
-               lambda cb: propagate(model, ids, directions, sc, layer, return_deltas=read_at, progress=cb, **run))
+               lambda cb: propagate(model, ids, directions, sc, layer, return_deltas=read_at, progress=cb, **run), prop)
     li = timed("linearized propagation", 0.35, 0.45,
                lambda cb: propagate(model, ids, directions, sc, layer, linearized=True, return_deltas=read_at,
-                                    progress=cb, **run))
+                                    progress=cb, **run), prop)
 
     def spectra(cb: Callable[[int, int], None]) -> tuple[np.ndarray, ...]:
         h = model.hidden_states(ids, dtype=np.float64)
@@ -317,19 +359,24 @@ def recovery(
             cb(i + 1, n)
         return rho, sig, one
 
-    rho, sig, one = timed("block Jacobian spectra", 0.45, 0.7, spectra)
+    rho, sig, one = timed("block Jacobian spectra", 0.45, 0.7, spectra,
+                          lambda out: {"blocks": list(range(layer + 1, cfg.n_layers + 1)), "tokens": toks.tolist(),
+                                       "rho": out[0].tolist(), "sigma_max": out[1].tolist(),
+                                       "ones_residual": out[2].tolist()})
 
     def fit_of(m: Stack) -> DecayFit:
         return propagate(m, ids, directions, sc[j], layer, **run).fit(read)
 
-    no_res = timed("ablation: no residual", 0.7, 0.75, lambda cb: fit_of(model.replace(residual=False)))
+    no_res = timed("ablation: no residual", 0.7, 0.75, lambda cb: fit_of(model.replace(residual=False)),
+                   lambda out: {"fit": out.to_dict()})
     if eps_values is None:  # the model's eps, and eps comparable to the stream's mean square
         ms = float(np.median(ex.base_norm**2)) / cfg.d_model
         eps_values = sorted({cfg.eps, 1e-2 * ms, 1e-1 * ms, ms})
     eps_sweep = timed("sweep: norm eps", 0.75, 0.9,
-                      lambda cb: [(float(e), fit_of(model.replace(eps=float(e)))) for e in eps_values])
+                      lambda cb: [(float(e), fit_of(model.replace(eps=float(e)))) for e in eps_values], sweep("eps"))
     gamma_sweep = timed("sweep: gamma scale", 0.9, 1.0,
-                        lambda cb: [(float(g), fit_of(model.replace(gamma_scale=float(g)))) for g in gamma_values])
+                        lambda cb: [(float(g), fit_of(model.replace(gamma_scale=float(g)))) for g in gamma_values],
+                        sweep("gamma_scale"))
     gap = _linear_gap(ex, li)
     rep = Recovery(
         model=name or type(model).__name__, config=cfg, text=text, ids=ids, layer=ex.layer, read=read,
@@ -338,7 +385,7 @@ def recovery(
         fit_exact=ex.fit(read, j), fit_linear=li.fit(read, j),
         spectral_tokens=toks, rho=rho, sigma=sig, ones_residual=one, linear_gap=gap,
         linear_regime=_regime(sc, gap), no_residual=no_res, eps_sweep=eps_sweep, gamma_sweep=gamma_sweep,
-        verdicts=[], seconds=seconds,
+        verdicts=[], seconds=seconds, tokens=tokens,
     )
     rep.verdicts = _verdicts(rep)
     seconds["total"] = time.perf_counter() - t_start

@@ -70,7 +70,7 @@ def make_context(cfg: Any, T: int, dtype: np.dtype, start: int = 0) -> Context:
         raise ValueError("only a causal stack can skip the rows before a span (start > 0)")
     rope_q = rope_k = None
     if cfg.positions == "rotary":
-        cos, sin = rope_tables(T, cfg.head_dim, cfg.rope_base, dtype)
+        cos, sin = rope_tables(T, inv_freq(cfg), dtype)
         cos, sin = cos[start:], sin[start:]
         scale = 1.0 / math.sqrt(cfg.head_dim)
         rope_q, rope_k = (cos * scale, sin * scale), (cos, sin)
@@ -125,11 +125,35 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def inv_freq(cfg: Any) -> tuple[float, ...]:
+    """Rotary frequency of each of the head_dim/2 half-split pairs (i, i + dh/2), float64.
+
+    base**(-2i/r) for i < r/2 with r = ``rotary_dim`` (0: head_dim); 0 (no rotation) for
+    the pairs beyond (partial rotary: the loader orders the head's features so that the
+    rotated ones are pairs 0..r/2-1). ``rope_scaling="llama3"`` rescales them as HF's
+    ``_compute_llama3_parameters`` does.
+    """
+    dh = cfg.head_dim
+    r = cfg.rotary_dim or dh
+    f = np.zeros(dh // 2)
+    f[: r // 2] = cfg.rope_base ** (-np.arange(0, r, 2, dtype=np.float64) / r)
+    if cfg.rope_scaling == "llama3":
+        fac, lo, hi, old = cfg.rope_factor, cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, \
+            cfg.rope_original_max_len
+        g = f[: r // 2]
+        wavelen = 2 * math.pi / g
+        scaled = np.where(wavelen > old / lo, g / fac, g)
+        smooth = (old / wavelen - lo) / (hi - lo)
+        smoothed = (1 - smooth) * scaled / fac + smooth * scaled
+        medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
+        f[: r // 2] = np.where(medium, smoothed, scaled)
+    return tuple(float(x) for x in f)
+
+
 @functools.lru_cache(maxsize=64)
-def rope_tables(T: int, head_dim: int, base: float, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of the rotary angles pos * base**(-2i/head_dim), each (T, head_dim/2)."""
-    inv_freq = base ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
-    ang = np.arange(T, dtype=np.float64)[:, None] * inv_freq[None, :]
+def rope_tables(T: int, freqs: tuple[float, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of the rotary angles pos * freqs[i] (see :func:`inv_freq`), each (T, head_dim/2)."""
+    ang = np.arange(T, dtype=np.float64)[:, None] * np.asarray(freqs, dtype=np.float64)[None, :]
     return _readonly(np.cos(ang).astype(dtype)), _readonly(np.sin(ang).astype(dtype))
 
 
@@ -199,6 +223,11 @@ def _norm_jvp(w: Weights, cfg: Any, name: str, dx: np.ndarray, cache: Cache, mod
 
 def _act(name: str, u: np.ndarray, n: int) -> np.ndarray:
     """Activation of the (N, n_in) pre-activations u (C-contiguous): (N, n_in), or (N, n) if gated."""
+    if name == "gelu_tanh_gated":  # GeGLU: gelu_tanh(gate) * up
+        y = np.empty((u.shape[0], n), u.dtype)
+        check(kernel("gelu_tanh")(np.ascontiguousarray(u[:, :n]), y), "MLP pre-activations")
+        y *= u[:, n:]
+        return y
     y = np.empty((u.shape[0], n if name == "silu_gated" else u.shape[1]), u.dtype)
     check(kernel(name)(u, y), "MLP pre-activations")
     return y
@@ -206,6 +235,13 @@ def _act(name: str, u: np.ndarray, n: int) -> np.ndarray:
 
 def _act_coef(name: str, u: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
     """Coefficients of the activation's JVP at u: dz = c * du, or A dgate + B dup if gated."""
+    if name == "gelu_tanh_gated":  # d(g(x) y) = g'(x) y dx + g(x) dy
+        gate = np.ascontiguousarray(u[:, :n])
+        a, b = np.empty_like(gate), np.empty_like(gate)
+        check(kernel("gelu_tanh_grad")(gate, a), "MLP pre-activations")
+        a *= u[:, n:]
+        check(kernel("gelu_tanh")(gate, b), "MLP pre-activations")
+        return a, b
     if name == "silu_gated":
         a, b = np.empty((u.shape[0], n), u.dtype), np.empty((u.shape[0], n), u.dtype)
         check(kernel("silu_gated_grad")(u, a, b), "MLP pre-activations")
@@ -296,6 +332,14 @@ def block_forward(w: Weights, ctx: Context, h: np.ndarray, cache: Cache) -> np.n
     if cfg.layout == "sequential":
         h1 = site(ctx, "resid_mid", _sublayer(w, ctx, h, "attn", "norm1", cache))
         return _sublayer(w, ctx, h1, "mlp", "norm2", cache)
+    if cfg.layout == "parallel2":  # GPT-NeoX: h + Attn(N1(h)) + MLP(N2(h))
+        a1 = site(ctx, "norm1.output", _norm(w, cfg, "norm1", site(ctx, "norm1.input", h), cache))
+        y = site(ctx, "attn.out", attn(w, ctx, a1, cache))
+        a2 = site(ctx, "norm2.output", _norm(w, cfg, "norm2", site(ctx, "norm2.input", h), cache))
+        y += site(ctx, "mlp.out", mlp(w, ctx, a2, cache))
+        if cfg.residual:
+            y += h
+        return y
     # parallel (GPT-J): both branches read the same input; one norm
     if cfg.placement == "pre":
         a = site(ctx, "norm1.output", _norm(w, cfg, "norm1", site(ctx, "norm1.input", h), cache))
@@ -316,6 +360,12 @@ def block_jvp(w: Weights, ctx: Context, dh: np.ndarray, cache: Cache, mode: str)
     if cfg.layout == "sequential":
         dh1 = _sublayer_jvp(w, ctx, dh, "attn", "norm1", cache, mode)
         return _sublayer_jvp(w, ctx, dh1, "mlp", "norm2", cache, mode)
+    if cfg.layout == "parallel2":
+        dy = attn_jvp(w, ctx, _norm_jvp(w, cfg, "norm1", dh, cache, mode), cache)
+        dy += mlp_jvp(w, ctx, _norm_jvp(w, cfg, "norm2", dh, cache, mode), cache)
+        if cfg.residual:
+            dy += dh
+        return dy
     da = _norm_jvp(w, cfg, "norm1", dh, cache, mode) if cfg.placement == "pre" else dh
     dy = attn_jvp(w, ctx, da, cache)
     dy += mlp_jvp(w, ctx, da, cache)

@@ -98,6 +98,12 @@ def block_vjp(w: Weights, ctx: Context, g: np.ndarray, cache: Cache, mode: str, 
     if cfg.layout == "sequential":
         g1 = _sublayer_vjp(w, ctx, g, "mlp", "norm2", cache, mode, grads)
         return _sublayer_vjp(w, ctx, g1, "attn", "norm1", cache, mode, grads)
+    if cfg.layout == "parallel2":  # h + Attn(N1(h)) + MLP(N2(h))
+        gh = _norm_vjp(w, cfg, "norm1", attn_vjp(w, ctx, g, cache, grads), cache, mode, grads)
+        gh += _norm_vjp(w, cfg, "norm2", mlp_vjp(w, ctx, g, cache, grads), cache, mode, grads)
+        if cfg.residual:
+            gh += g
+        return gh
     gy = g if cfg.placement == "pre" else _norm_vjp(w, cfg, "norm1", g, cache, mode, grads)
     ga = attn_vjp(w, ctx, gy, cache, grads)
     ga += mlp_vjp(w, ctx, gy, cache, grads)

@@ -47,7 +47,7 @@ class Safetensors:
     def __init__(self, path: str) -> None:
         self.path = path
         where = f"weights file {path!r}"
-        size = os.path.getsize(path)
+        size = self.size = os.path.getsize(path)
         with open(path, "rb") as f:
             head = f.read(8)
             if len(head) < 8:
@@ -64,6 +64,7 @@ class Safetensors:
         header.pop("__metadata__", None)
         data = size - 8 - n
         self.info: dict[str, tuple[str, tuple[int, ...]]] = {}
+        self.offsets: dict[str, tuple[int, int]] = {}
         spans = []
         for name, t in header.items():
             try:
@@ -82,6 +83,7 @@ class Safetensors:
                                  "(truncated or corrupt)")
             spans.append((a, b, name))
             self.info[name] = (dtype, shape)
+            self.offsets[name] = (a, b)
         spans.sort()
         for (_, b0, n0), (a1, _, n1) in itertools.pairwise(spans):
             if a1 < b0:
@@ -91,27 +93,89 @@ class Safetensors:
     def names(self) -> set[str]:
         return set(self.info)
 
-    def get(self, name: str, shape: tuple[int, ...]) -> np.ndarray:
-        """Tensor ``name`` as a new float32 array, checked for shape and finiteness."""
+    def raw(self, name: str) -> np.ndarray:
+        """Tensor ``name`` as a read-only memory map of the file's bytes (BF16 as uint16)."""
+        dtype, shape = self.info[name]
+        npd = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "BF16": "<u2"}[dtype]
+        with open(self.path, "rb") as f:
+            (n,) = struct.unpack("<Q", f.read(8))
+        a, _ = self.offsets[name]
+        if math.prod(shape) == 0:
+            return np.zeros(shape, npd)
+        return np.memmap(self.path, dtype=npd, mode="r", offset=8 + n + a, shape=shape)
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+        """Tensor ``name`` as a new array of ``dtype``, checked for shape and finiteness.
+
+        F16 and BF16 are widened exactly (BF16: its 16 bits are the top half of a float32).
+        """
         where = f"weights file {self.path!r}"
         if name not in self.info:
             raise ValueError(f"{where} lacks tensor {name!r}")
-        dtype, have = self.info[name]
+        kind, have = self.info[name]
         if have != tuple(shape):
             raise ValueError(f"{where}: tensor {name!r} must have shape {tuple(shape)}; got {have}")
-        if dtype not in ("F32", "F16", "F64"):
-            raise ValueError(f"{where}: tensor {name!r} has dtype {dtype}; only F32, F16 and F64 are read")
-        safetensors = need("safetensors")
+        if kind not in ("F32", "F16", "F64", "BF16"):
+            raise ValueError(f"{where}: tensor {name!r} has dtype {kind}; only F32, F16, BF16 and F64 are read")
         try:
-            with safetensors.safe_open(self.path, framework="np") as f:
-                a = f.get_tensor(name)
-        except Exception as exc:  # SafetensorError, or what the reader raises on a file damaged since the check
+            if os.path.getsize(self.path) != self.size:
+                raise OSError(f"the file changed size since its header was checked ({self.size} bytes then)")
+            m = self.raw(name)
+            if kind == "BF16":
+                a = (m.astype(np.uint32) << 16).view(np.float32).astype(dtype, copy=False)
+            else:
+                a = np.array(m, dtype=dtype)
+        except (OSError, ValueError) as exc:  # a file damaged since the check
             raise ValueError(f"{where}: tensor {name!r} cannot be read ({type(exc).__name__}: {exc})") from None
-        a = np.array(a, dtype=np.float32)
-        if a.shape != tuple(shape):
-            raise ValueError(f"{where}: tensor {name!r} reads with shape {a.shape}, not {tuple(shape)}")
         _v.finite(f"{where}: tensor {name!r}", a)
         return a
+
+
+class Shards:
+    """The safetensors weights of an HF folder: ``model.safetensors`` or shards named by an index file."""
+
+    def __init__(self, folder: str) -> None:
+        single = os.path.join(folder, "model.safetensors")
+        index = os.path.join(folder, "model.safetensors.index.json")
+        self.where = folder
+        if os.path.isfile(single):
+            self.files = {"model.safetensors": Safetensors(single)}
+            self.owner = {n: "model.safetensors" for n in self.files["model.safetensors"].info}
+            return
+        if not os.path.isfile(index):
+            raise ValueError(f"folder {folder!r} has no model.safetensors nor model.safetensors.index.json "
+                             "(other weight formats are not read)")
+        try:
+            with open(index, encoding="utf-8") as f:
+                wmap = json.load(f)["weight_map"]
+            ok = isinstance(wmap, dict) and all(isinstance(v, str) for v in wmap.values())
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError, KeyError, TypeError):
+            ok = False
+        if not ok:
+            raise ValueError(f"index file {index!r} is not JSON with a 'weight_map' of tensor -> file names")
+        self.files = {}
+        for fname in sorted(set(wmap.values())):
+            path = os.path.join(folder, fname)
+            if os.path.basename(fname) != fname or not os.path.isfile(path):
+                raise ValueError(f"index file {index!r} names shard {fname!r}, which is not a file in the folder")
+            self.files[fname] = Safetensors(path)
+        self.owner = {}
+        for name, fname in wmap.items():
+            if name not in self.files[fname].info:
+                raise ValueError(f"index file {index!r}: shard {fname!r} lacks tensor {name!r}")
+            self.owner[name] = fname
+
+    @property
+    def names(self) -> set[str]:
+        return set(self.owner)
+
+    def info(self, name: str) -> tuple[str, tuple[int, ...]] | None:
+        return self.files[self.owner[name]].info[name] if name in self.owner else None
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+        if name not in self.owner:
+            raise ValueError(f"weights in {self.where!r} lack tensor {name!r}")
+        return self.files[self.owner[name]].get(name, shape, dtype)
 
 
 def num(src: dict[str, Any], key: str, where: str, real: bool = False, default: Any = None) -> Any:
@@ -173,25 +237,6 @@ def bert(hf: dict[str, Any], st: Safetensors, where: str) -> tuple[StackConfig, 
 
 
 # --------------------------------------------------------------------------- Llama
-
-
-def hf_llama_dims(hf: dict[str, Any], where: str) -> dict[str, Any]:
-    """The Llama dimensions of an HF config.json (LlamaForCausalLM)."""
-    if hf.get("rope_scaling") not in (None, {}):
-        raise ValueError(f"{where}: rope_scaling {hf['rope_scaling']!r} is not supported")
-    if hf.get("hidden_act", "silu") != "silu" or hf.get("attention_bias") or hf.get("mlp_bias"):
-        raise ValueError(f"{where}: only SiLU-gated Llama without biases is supported")
-    dims = {"d": num(hf, "hidden_size", where), "H": num(hf, "num_attention_heads", where),
-            "L": num(hf, "num_hidden_layers", where), "n_mlp": num(hf, "intermediate_size", where),
-            "V": num(hf, "vocab_size", where), "eps": num(hf, "rms_norm_eps", where, real=True, default=1e-6),
-            "rope_base": num(hf, "rope_theta", where, real=True, default=10000.0),
-            "ctx": num(hf, "max_position_embeddings", where, default=2048),
-            "tied": bool(hf.get("tie_word_embeddings", False))}
-    dims["Hkv"] = num(hf, "num_key_value_heads", where, default=dims["H"])
-    head_dim = hf.get("head_dim", dims["d"] // dims["H"])
-    if head_dim * dims["H"] != dims["d"]:
-        raise ValueError(f"{where}: head_dim {head_dim} * num_attention_heads != hidden_size is not supported")
-    return dims
 
 
 def llama(dims: dict[str, Any], get: Callable[[str, tuple[int, ...]], np.ndarray], names: set[str],

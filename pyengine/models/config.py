@@ -45,12 +45,16 @@ __all__ = ["StackConfig", "expected_arrays"]
 _CHOICES = {
     "norm": ("layernorm", "rmsnorm"),
     "placement": ("pre", "post"),
-    "layout": ("sequential", "parallel"),
-    "activation": ("gelu", "gelu_tanh", "relu", "silu_gated"),
+    "layout": ("sequential", "parallel", "parallel2"),
+    "activation": ("gelu", "gelu_tanh", "relu", "silu_gated", "gelu_tanh_gated"),
     "positions": ("learned", "sinusoidal", "rotary", "none"),
     "lm_head": ("none", "tied", "separate"),
+    "rope_scaling": ("none", "llama3"),
 }
-_INTS = {"d_model": 2, "n_heads": 1, "n_kv_heads": 1, "d_mlp": 1, "n_layers": 1, "max_seq_len": 1, "vocab_size": 0}
+#: Activations whose ``mlp.w_in`` is [gate | up] (width 2 d_mlp).
+GATED = ("silu_gated", "gelu_tanh_gated")
+_INTS = {"d_model": 2, "n_heads": 1, "n_kv_heads": 1, "d_mlp": 1, "n_layers": 1, "max_seq_len": 1, "vocab_size": 0,
+         "rotary_dim": 0, "rope_original_max_len": 1}
 _BOOLS = ("residual", "causal", "final_norm", "bias", "embed_norm")
 
 
@@ -75,9 +79,11 @@ class StackConfig:
     layout : {"sequential", "parallel"}
         sequential (GPT-2, BERT): attention then MLP, each with its own norm;
         parallel (GPT-J): ``h + Attn(N(h)) + MLP(N(h))`` with one shared norm
-        (post: ``N(h + Attn(h) + MLP(h))``).
-    activation : {"gelu", "gelu_tanh", "relu", "silu_gated"}
-        "silu_gated" is Llama's SwiGLU: ``W_down(silu(W_gate x) * W_up x)``.
+        (post: ``N(h + Attn(h) + MLP(h))``); "parallel2" (GPT-NeoX/Pythia, pre only):
+        ``h + Attn(N1(h)) + MLP(N2(h))`` with two norms.
+    activation : {"gelu", "gelu_tanh", "relu", "silu_gated", "gelu_tanh_gated"}
+        "silu_gated" is Llama's SwiGLU: ``W_down(silu(W_gate x) * W_up x)``;
+        "gelu_tanh_gated" Gemma's GeGLU (tanh-approximate GELU on the gate).
     causal : bool
     positions : {"learned", "sinusoidal", "rotary", "none"}
         learned/sinusoidal are added to the stream before block 0; rotary rotates
@@ -100,6 +106,13 @@ class StackConfig:
     lm_head : {"none", "tied", "separate"}
         Language-model read-out of :meth:`Stack.logits`: none, the token embedding
         (tied; needs vocab_size > 0) or its own ``lm_head.weight`` (vocab_size, d).
+    rotary_dim : int >= 0
+        Rotary on the first ``rotary_dim`` features of each head only (GPT-NeoX's
+        partial rotary, half-split within them); 0 means the whole head.
+    rope_scaling : {"none", "llama3"}
+        "llama3": Llama 3.1's frequency rescaling with ``rope_factor``,
+        ``rope_low_freq_factor``, ``rope_high_freq_factor`` and
+        ``rope_original_max_len`` (HF's ``rope_scaling`` dict; ignored for "none").
     """
 
     d_model: int
@@ -123,6 +136,12 @@ class StackConfig:
     rope_base: float = 10000.0
     embed_norm: bool = False
     lm_head: str = "none"
+    rotary_dim: int = 0
+    rope_scaling: str = "none"
+    rope_factor: float = 1.0
+    rope_low_freq_factor: float = 1.0
+    rope_high_freq_factor: float = 4.0
+    rope_original_max_len: int = 8192
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -145,7 +164,8 @@ class StackConfig:
             put(name, bool(getattr(self, name)))
         for name, allowed in _CHOICES.items():
             _v.choice(f"StackConfig.{name}", getattr(self, name), allowed)
-        for name, positive in (("eps", False), ("gamma_scale", None), ("rope_base", True)):
+        for name, positive in (("eps", False), ("gamma_scale", None), ("rope_base", True), ("rope_factor", True),
+                               ("rope_low_freq_factor", True), ("rope_high_freq_factor", True)):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, numbers.Real) or not math.isfinite(val):
                 raise TypeError(f"StackConfig.{name} must be a finite real number; got {val!r}")
@@ -162,6 +182,14 @@ class StackConfig:
             raise ValueError(
                 f"StackConfig.positions = 'rotary' needs an even head dim d_model/n_heads; got {self.head_dim}"
             )
+
+        if self.rotary_dim and (self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
+            raise ValueError(f"StackConfig.rotary_dim = {self.rotary_dim} must be even and <= the head dim "
+                             f"{self.head_dim} (0: the whole head)")
+        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
+            raise ValueError("StackConfig.rope_high_freq_factor must exceed rope_low_freq_factor for 'llama3'")
+        if self.layout == "parallel2" and self.placement != "pre":
+            raise ValueError("StackConfig.layout = 'parallel2' (two norms, GPT-NeoX) needs placement = 'pre'")
 
     @property
     def head_dim(self) -> int:
@@ -196,7 +224,7 @@ def expected_arrays(config: StackConfig) -> dict[str, tuple[int, ...]]:
     c = config
     d, dh = c.d_model, c.head_dim
     n_qkv = (c.n_heads + 2 * c.n_kv_heads) * dh
-    n_in = 2 * c.d_mlp if c.activation == "silu_gated" else c.d_mlp
+    n_in = 2 * c.d_mlp if c.activation in GATED else c.d_mlp
     out: dict[str, tuple[int, ...]] = {}
     if c.vocab_size:
         out["embed.tokens"] = (c.vocab_size, d)
@@ -214,7 +242,7 @@ def expected_arrays(config: StackConfig) -> dict[str, tuple[int, ...]]:
     for k in range(c.n_layers):
         p = f"blocks.{k}."
         norm(p + "norm1")
-        if c.layout == "sequential":
+        if c.layout != "parallel":
             norm(p + "norm2")
         out[p + "attn.w_qkv"] = (d, n_qkv)
         out[p + "attn.w_o"] = (c.n_heads * dh, d)

@@ -41,7 +41,7 @@ import warnings
 
 import numpy as np
 
-from . import _hf
+from . import _families, _hf, _streaming
 from ._hf import INSTALL_COMMAND
 from .config import StackConfig, _check_arrays
 from .stack import Stack
@@ -226,6 +226,21 @@ def _search_path() -> list[str]:
     return sys.path
 
 
+def _known(raw: str) -> str | None:
+    """The known model ``raw`` names, case-insensitively ("smollm2-135m-instruct"); None if none."""
+    return next((k for k in KNOWN_MODELS if k.lower() == raw.lower()), None)
+
+
+def _suggest(raw: str) -> str:
+    """ ' (did you mean 'X'?)' for a close known model name, else ''."""
+    import difflib
+
+    low = {k.lower(): k for k in KNOWN_MODELS}
+    hit = difflib.get_close_matches(raw.lower(), list(low), n=1, cutoff=0.6)
+    hit = hit or [k for k in low if raw.lower() in k][:1]  # "smollm2": a part of one name
+    return f" (did you mean {low[hit[0]]!r}?)" if hit and len(raw) >= 3 else ""
+
+
 def _locate(name: str) -> str:
     dist_name, rel, _ = KNOWN_MODELS[name]
     dists = list(importlib.metadata.distributions(name=dist_name, path=_search_path()))
@@ -239,7 +254,8 @@ def _locate(name: str) -> str:
     return path
 
 
-def load_pretrained(name_or_path: str | os.PathLike[str]) -> PretrainedModel:
+def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float32,
+                    weights: str = "load") -> PretrainedModel:
     """A real pretrained transformer as a :class:`PretrainedModel`, read offline.
 
     Parameters
@@ -249,7 +265,16 @@ def load_pretrained(name_or_path: str | os.PathLike[str]) -> PretrainedModel:
         (Llama, 30 layers, d = 576; Q4_1 weights dequantized), read from the installed
         packages; or a folder holding ``config.json`` and ``model.safetensors`` (BERT or
         Llama; a ``tokenizer.json`` beside them is used if present); or a ``.gguf``
-        file (Llama; its tokenizer is built from the metadata).
+        file (Llama; its tokenizer is built from the metadata). HF folders may also hold
+        GPT-2, GPT-NeoX/Pythia, Qwen2 or Gemma models (``model_type``), in one
+        safetensors file or shards listed by ``model.safetensors.index.json``; F32, F64,
+        F16 and BF16 tensors are read (16-bit ones widened exactly).
+    dtype : float32 or float64
+        Storage dtype of the weights of an HF folder (float64 keeps a float64 checkpoint exact).
+    weights : {"load", "mmap"}
+        "mmap" (HF folders of the decoder families): the files stay memory-mapped and each
+        block's weights are read and converted when that block runs, then dropped; peak
+        memory is about one block of weights plus the globals and the activations.
 
     Returns
     -------
@@ -267,21 +292,29 @@ def load_pretrained(name_or_path: str | os.PathLike[str]) -> PretrainedModel:
         Unknown name, unsupported architecture, or a damaged or inconsistent file
         (the message names the file and the tensor).
     """
+    dt = np.dtype(dtype)
+    if dt not in (np.float32, np.float64):
+        raise TypeError(f"dtype must be float32 or float64; got {dtype!r}")
+    if weights not in ("load", "mmap"):
+        raise ValueError(f"weights must be 'load' or 'mmap'; got {weights!r}")
     raw = os.fspath(name_or_path)
     if not isinstance(raw, str):
         raise TypeError(f"name_or_path must be a str or path; got {type(name_or_path).__name__}")
-    if raw in KNOWN_MODELS:
-        path, name = _locate(raw), raw
+    if raw in KNOWN_MODELS or (_known(raw) and not os.path.exists(raw)):  # case-insensitive
+        name = _known(raw)
+        path = _locate(name)
     elif os.path.exists(raw):
         path, name = os.path.abspath(raw), os.path.basename(os.path.normpath(raw))
     else:
         raise ValueError(f"{raw!r} is neither a known model ({', '.join(map(repr, KNOWN_MODELS))}) "
-                         "nor an existing folder or .gguf file")
+                         f"nor an existing folder or .gguf file{_suggest(raw)}")
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
         if len(ggufs) != 1:
             raise ValueError(f"folder {path!r} holds no config.json (and not exactly one .gguf file)")
         path = os.path.join(path, ggufs[0])
+    if os.path.isfile(path) and weights == "mmap":
+        raise ValueError("weights='mmap' streams HF safetensors folders; a .gguf file is dequantized whole")
     if os.path.isfile(path):
         if not path.endswith(".gguf"):
             raise ValueError(f"{path!r}: a weights file must be a .gguf; pass the folder of safetensors weights")
@@ -292,16 +325,30 @@ def load_pretrained(name_or_path: str | os.PathLike[str]) -> PretrainedModel:
             hf = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"config file {cfg_path!r} is not readable JSON ({exc})") from None
-    if not isinstance(hf, dict) or hf.get("model_type") not in ("bert", "llama"):
+    supported = ("bert", *_families.FAMILIES)
+    if not isinstance(hf, dict) or hf.get("model_type") not in supported:
         got = hf.get("model_type") if isinstance(hf, dict) else hf
-        raise ValueError(f"config file {cfg_path!r}: model_type {got!r} is not supported (only 'bert', 'llama')")
-    st_path = os.path.join(path, "model.safetensors")
-    if not os.path.isfile(st_path):
-        raise ValueError(f"folder {path!r} has no model.safetensors (other weight formats are not read)")
-    st = _hf.Safetensors(st_path)
+        raise ValueError(f"config file {cfg_path!r}: model_type {got!r} is not supported "
+                         f"(only {', '.join(map(repr, supported))})")
     arch = hf["model_type"]
-    cfg, weights = _hf.bert(hf, st, cfg_path) if arch == "bert" else _hf.llama(_hf.hf_llama_dims(hf, cfg_path), st.get,
-                                                                        st.names, st_path)
+    if arch == "bert" and weights == "mmap":
+        raise ValueError("weights='mmap' is available for the decoder families, not 'bert'")
+    if arch == "bert":
+        st_path = os.path.join(path, "model.safetensors")
+        if not os.path.isfile(st_path):
+            raise ValueError(f"folder {path!r} has no model.safetensors (other weight formats are not read)")
+        cfg, weights = _hf.bert(hf, _hf.Safetensors(st_path), cfg_path)
+    elif weights == "mmap":
+        shards = _hf.Shards(path)
+        cfg, _ = _families.read_family(hf, shards, cfg_path, dt, layers=(), glob=False)
+        new = _streaming.streamed(PretrainedModel).__new__(_streaming.streamed(PretrainedModel))
+        new._init_streamed(cfg, hf, shards, cfg_path, dt)
+        new.name, new.source, new.architecture, new.tokenizer = name, path, arch, _tokenizer_json(path)
+        new.add_bos = new.add_eos = False
+        new.bos_token_id = new.eos_token_id = None
+        return new
+    else:
+        cfg, weights = _families.read_family(hf, _hf.Shards(path), cfg_path, dt)
     return _finish(cfg, weights, name, path, arch, _tokenizer_json(path))
 
 

@@ -17,7 +17,7 @@ site                                  shape                what it is
 ``blocks.k.attn.head_out``            (B, T, H, dh)        per-head outputs P V (input of w_o)
 ``blocks.k.attn.out``                 (B, T, d)            attention sublayer output (after w_o, bias)
 ``blocks.k.resid_mid``                (B, T, d)            between the sublayers (sequential layout only)
-``blocks.k.norm2.input|scale|output``                      the second norm (sequential layout only)
+``blocks.k.norm2.input|scale|output``                      the second norm (sequential and parallel2 layouts)
 ``blocks.k.mlp.hidden``               (B, T, d_mlp)        MLP activation (gated: act(gate) * up)
 ``blocks.k.mlp.out``                  (B, T, d)            MLP sublayer output (after w_out, bias)
 ``blocks.k.resid_post``               (B, T, d)            output of block k = ``hidden_states()[k + 1]``
@@ -68,6 +68,8 @@ def block_site_names(cfg: Any) -> tuple[str, ...]:
     """The per-block site names (without ``blocks.<k>.``) of a config."""
     if cfg.layout == "sequential":
         return _BLOCK
+    if cfg.layout == "parallel2":  # GPT-NeoX: two norms of the same input, no stream between sublayers
+        return tuple(n for n in _BLOCK if n != "resid_mid")
     return tuple(n for n in _BLOCK if n != "resid_mid" and not n.startswith("norm2"))
 
 
@@ -227,7 +229,7 @@ class Sites:
         if mask is not None:
             ctx = ctx._replace(key_mask=~mask[:, None, None, None, :])
             if cfg.positions == "rotary":
-                cos, sin = (t[pos][:, None] for t in _blocks.rope_tables(T, cfg.head_dim, cfg.rope_base, h.dtype))
+                cos, sin = (t[pos][:, None] for t in _blocks.rope_tables(T, _blocks.inv_freq(cfg), h.dtype))
                 scale = 1.0 / math.sqrt(cfg.head_dim)
                 ctx = ctx._replace(rope_q=(cos * scale, sin * scale), rope_k=(cos, sin))
         kept: list[dict[str, Any]] = []

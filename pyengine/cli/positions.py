@@ -1,0 +1,57 @@
+"""``pyengine positions``: positional signal by layer and pre- against post-LN placement
+(decomposition, probe, propagation, norm growth, cosine against block removal); prints
+the tables and findings and writes JSON, CSV and PNG figures."""
+
+from __future__ import annotations
+
+import argparse
+
+from .._progress import Progress
+from ._args import positive
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser("positions", help="positional signal by layer; pre- vs post-LN; cosine vs block removal",
+                       description=__doc__)
+    p.add_argument("--model", action="append", default=None,
+                   help="a load_pretrained name or path (repeatable); default the synthetic pre/post pair")
+    p.add_argument("--corpus", default=None, help="a text file, one sentence per line (default the built-in corpus)")
+    p.add_argument("--layers", default=None, help="hidden-state indices for the positional analyses, e.g. 0,2,4 "
+                   "(default all)")
+    p.add_argument("--length", type=positive, default=12, help="tokens per context (shorter sentences are dropped)")
+    p.add_argument("--contexts", type=positive, default=256, help="at most this many contexts")
+    p.add_argument("--ablation-contexts", type=positive, default=32, help="contexts used for the block removals")
+    p.add_argument("--folds", type=positive, default=3, help="cross-validation folds of the position probe")
+    p.add_argument("--out", default="positions-out", help="folder for positions.json, positions.csv and the figures")
+    p.add_argument("--seed", type=int, default=0)
+
+
+def _layers(text: str | None) -> list[int] | None:
+    if text is None:
+        return None
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise ValueError(f"--layers must be comma-separated integers; got {text!r}") from None
+
+
+def run(args: argparse.Namespace) -> int:
+    from ..experiments.positions import format_positions, positions_report, write_positions
+
+    layers = _layers(args.layers)
+    models = None
+    if args.model:
+        from ..models import load_pretrained
+
+        models = [(m, load_pretrained(m)) for m in args.model]
+    bar = Progress("auto")
+    rep = positions_report(models, corpus=args.corpus, length=args.length, max_contexts=args.contexts, layers=layers,
+                           folds=args.folds, ablation_contexts=args.ablation_contexts, seed=args.seed,
+                           progress=bar.stage)
+    bar.stage(1.0, "done")
+    print(format_positions(rep))
+    for path in write_positions(rep, args.out):
+        print(f"wrote {path}")
+    return 0

@@ -1,0 +1,241 @@
+"""``pyengine scan``: a sweep on Dask (a 127.0.0.1 ``LocalCluster`` of ``--workers``, or an
+existing cluster by ``--scheduler``) into a resumable store, with a progress bar fed by
+task completions, a summary table and, for spectral scans, a plot of sigma_max per layer.
+
+``pyengine scan spectral --model NAME --corpus FILE --workers 2``,
+``pyengine scan recovery --prompts FILE ...``, ``pyengine scan attention ...``,
+``pyengine scan stability ...``, ``pyengine scan norms ...`` (the synthetic benchmark job).
+``--workers 0`` runs in this process. The jobs ``attention`` and ``stability`` wrap the
+layer-4 experiments, so they are defined here, above both experiments and distributed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+from typing import Any
+
+import numpy as np
+
+from .._progress import Progress
+from ..distributed import Job, load, local_client, register_job, scan
+from ..distributed.jobs import int_axis, real_axis
+from ._args import floats, non_negative, positive, positive_float
+
+__all__ = ["AttentionJob", "StabilityJob", "add_parser", "run"]
+
+
+class AttentionJob(Job):
+    """``"attention"``: :func:`pyengine.experiments.attention_dynamics` over ``seeds`` x ``lrs``.
+    Metrics ``<arm>.<metric>`` of shape (seeds, lrs, steps + 1)."""
+
+    name = "attention"
+    defaults = {"seeds": (42, 2024, 1337, 7777, 9999), "lrs": (0.01,), "steps": 1000, "T": 2000, "n_symbols": 8,
+                "stay": 0.3, "value_lr_factor": 10.0, "dtype": "float32", "backend": "auto"}
+    axes = ("seeds", "lrs")
+
+    def check(self, params: dict[str, Any]) -> None:
+        int_axis(params, "seeds")
+        real_axis(params, "lrs")
+        if any(v <= 0 for v in params["lrs"]):
+            raise ValueError(f"grid['lrs'] must hold positive learning rates; got {params['lrs']}")
+
+    def run(self, params: dict[str, Any], point: dict[str, Any], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from ..experiments import attention_dynamics
+
+        keys = ("steps", "T", "n_symbols", "stay", "value_lr_factor", "dtype", "backend")
+        rep = attention_dynamics(seeds=(point["seeds"],), lr=point["lrs"], **{k: params[k] for k in keys})
+        return {f"{arm}.{m}": np.asarray(v[0], np.float64) for arm, ms in rep.metrics.items() for m, v in ms.items()}
+
+
+class StabilityJob(Job):
+    """``"stability"``: the signal-propagation report of :func:`pyengine.experiments.stability` per
+    scheme of ``schemes``. Metrics (schemes, settings, depth + 1): forward/backward RMS and predictions."""
+
+    name = "stability"
+    defaults = {"schemes": ("kaiming_normal", "xavier_normal", "torch_default", "orthogonal"), "depth": 48,
+                "width": 768, "tokens": 128, "activation": "relu", "seed": 0}
+    axes = ("schemes",)
+
+    def check(self, params: dict[str, Any]) -> None:
+        from ..models.initialization import ALIASES, SCHEMES
+
+        for s in params["schemes"]:
+            if s not in SCHEMES and s not in ALIASES:
+                raise ValueError(f"grid['schemes'] must hold init schemes ({', '.join(SCHEMES)}); got {s!r}")
+
+    def run(self, params: dict[str, Any], point: dict[str, Any], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        from ..experiments import stability
+
+        rep = stability((point["schemes"],), params["depth"], params["width"], params["tokens"],
+                        activation=params["activation"], demo=False, seed=params["seed"])
+        return {k: np.stack([getattr(r, k) for r in rep.runs])
+                for k in ("forward_rms", "backward_rms", "forward_pred", "backward_pred")}
+
+
+register_job(AttentionJob())
+register_job(StabilityJob())
+
+
+# --------------------------------------------------------------------------- summaries
+
+def _spectral_summary(res: Any, out: str | None) -> None:
+    sigma, sites = res.metrics["sigma"], res.params["sites"]
+    print(f"sigma_max per norm layer over {sigma.shape[1]} tokens:")
+    print(f"  {'layer':<18} {'min':>9} {'median':>9} {'p99':>9} {'max':>9} {'<1':>7}")
+    for name, row in zip(sites, sigma):
+        row = row[np.isfinite(row)]
+        if row.size:
+            q = np.percentile(row, [0, 50, 99, 100])
+            print(f"  {name:<18} {q[0]:9.4g} {q[1]:9.4g} {q[2]:9.4g} {q[3]:9.4g} {100 * (row < 1).mean():6.1f}%")
+    if out is None:
+        return
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(sites)), 4))
+    data = [r[np.isfinite(r)] for r in sigma]
+    ax.boxplot([d if d.size else [np.nan] for d in data], showfliers=False)
+    ax.set_xticks(range(1, len(sites) + 1), [s.replace("blocks.", "") for s in sites], rotation=60, fontsize=7)
+    ax.set_yscale("log")
+    ax.set_ylabel("sigma_max of the norm Jacobian")
+    ax.set_title(f"{res.params['model']}: {sigma.shape[1]} tokens")
+    fig.tight_layout()
+    path = os.path.join(out, "sigma_max.png")
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def _summary(res: Any, out: str | None) -> None:
+    m, p = res.metrics, res.params
+    if not m:
+        return
+    if res.job == "spectral":
+        _spectral_summary(res, out)
+    elif res.job == "recovery":
+        proj = m["projection"]  # (prompts, layers, n_layers + 1, K, S)
+        print("projection at the last hidden state / scale (mean over prompts and directions):")
+        print(f"  {'layer':>5} " + " ".join(f"{s:>10g}" for s in p["scales"]))
+        for i, layer in enumerate(p["layers"]):
+            gain = np.nanmean(proj[:, i, -1], axis=(0, 1)) / np.asarray(p["scales"])
+            print(f"  {layer:>5} " + " ".join(f"{g:10.4g}" for g in gain))
+    elif res.job == "attention":
+        print("final loss (mean over seeds) per learning rate:")
+        arms = sorted({k.split(".")[0] for k in m})
+        print(f"  {'lr':>8} " + " ".join(f"{a:>10}" for a in arms))
+        for i, lr in enumerate(p["lrs"]):
+            print(f"  {lr:>8g} " + " ".join(f"{np.nanmean(m[a + '.loss'][:, i, -1]):10.4g}" for a in arms))
+    elif res.job == "stability":
+        print("forward RMS at the last layer (per setting):")
+        for i, s in enumerate(p["schemes"]):
+            print(f"  {s:<16} " + " ".join(f"{v:10.4g}" for v in m["forward_rms"][i, :, -1]))
+    else:
+        for k, v in m.items():
+            print(f"  {k}: shape {v.shape}, mean {np.nanmean(v):.6g}")
+
+
+# --------------------------------------------------------------------------- the command
+
+def _lines(path: str) -> list[str]:
+    try:
+        with open(path, encoding="utf-8") as fh:
+            out = [ln.strip() for ln in fh if ln.strip()]
+    except FileNotFoundError:
+        raise OSError(f"prompts file not found: {path}") from None
+    if not out:
+        raise ValueError(f"prompts file {path} has no non-empty lines")
+    return out
+
+
+def _ints(text: str) -> list[int]:
+    return [non_negative(t) for t in text.split(",") if t.strip()]
+
+
+def _grid(args: argparse.Namespace) -> dict[str, Any]:
+    if args.job == "spectral":
+        return {"model": args.model, "corpus": args.corpus, "tokens": args.tokens, "seq_len": args.seq_len,
+                "method": args.method, "seed": args.seed}
+    if args.job == "recovery":
+        prompts = _lines(args.prompts) if args.prompts else ["The quick brown fox jumps over the lazy dog."]
+        return {"model": args.model, "prompts": prompts, "layers": args.layers, "directions": args.directions,
+                "scales": args.scales, "linearized": args.linearized, "seed": args.seed}
+    if args.job == "attention":
+        return {"seeds": args.seeds, "lrs": args.lrs, "steps": args.steps, "T": args.T}
+    if args.job == "stability":
+        return {"schemes": args.schemes.split(","), "depth": args.depth, "width": args.width, "seed": args.seed}
+    return {"seeds": list(range(args.points)), "tokens": args.tokens, "d": args.d}
+
+
+def run(args: argparse.Namespace) -> int:
+    out = args.out or f"scan-{args.job}"
+    grid = _grid(args)
+    if args.workers < 0:
+        raise ValueError(f"--workers must be >= 0; got {args.workers}")
+    bar = Progress(args.progress, label=f"scan {args.job}", unit="points")
+    client = None
+    try:
+        if args.scheduler or args.workers:
+            client = local_client(args.workers or 1, scheduler=args.scheduler)
+        where = args.scheduler or (f"LocalCluster of {args.workers} workers on 127.0.0.1" if client else "in-process")
+        print(f"pyengine scan {args.job}: {where}, out {out}")
+        res = scan(args.job, grid, client=client, out=out, chunk=args.chunk, resume=args.resume,
+                   memory_budget=int(args.memory_budget * 2**20), progress=bar.count)
+    finally:
+        if client is not None:
+            client.close()  # also stops a LocalCluster it started
+    print(f"{len(res.points)} points ({res.computed} computed now, {len(res.points) - res.computed} stored before) "
+          f"in {res.tasks} tasks, {res.seconds:.2f} s")
+    _summary(load(out), out)
+    for e in res.errors[:10]:
+        print(f"failed point {e['index']} {e['point']}: {e['error']}")
+    if res.errors:
+        print(f"{len(res.errors)} point(s) failed (listed in {os.path.join(out, 'errors.json')})")
+        return 1
+    return 0
+
+
+def add_parser(subparsers) -> argparse.ArgumentParser:
+    s = subparsers.add_parser("scan", help="a sweep on Dask (local cluster or --scheduler), resumable")
+    jobs = s.add_subparsers(dest="job", required=True)
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--workers", type=int, default=2, help="LocalCluster worker processes on 127.0.0.1 "
+                        "(default 2; 0: in this process)")
+    common.add_argument("--scheduler", metavar="tcp://HOST:PORT", help="an existing Dask cluster instead "
+                        "(--out must then be on a file system its workers share)")
+    common.add_argument("--out", metavar="DIR", help="store folder (default scan-<job>)")
+    common.add_argument("--resume", action="store_true", help="continue the sweep stored in --out")
+    common.add_argument("--chunk", type=positive, default=None, help="grid points per task (default: automatic)")
+    common.add_argument("--memory-budget", type=positive_float, default=256.0, metavar="MIB",
+                        help="MiB one task may hold at a time (default 256)")
+    common.add_argument("--seed", type=non_negative, default=0)
+    common.add_argument("--progress", choices=["auto", "always", "never"], default="auto")
+    sp = jobs.add_parser("spectral", parents=[common], help="sigma_max of every norm layer over a corpus")
+    sp.add_argument("--model", default="all-MiniLM-L6-v2", help="load_pretrained name or path (default MiniLM)")
+    sp.add_argument("--corpus", metavar="FILE", help="UTF-8 text (default: the built-in corpus)")
+    sp.add_argument("--tokens", type=positive, default=100_000)
+    sp.add_argument("--seq-len", type=positive, default=128, help="tokens per window / grid point (default 128)")
+    sp.add_argument("--method", choices=["exact", "power", "lanczos"], default="exact")
+    rc = jobs.add_parser("recovery", parents=[common], help="propagation over prompts x layers (x directions x scales)")
+    rc.add_argument("--model", default="default", help="load_pretrained name/path, 'default' or 'tiny' (synthetic)")
+    rc.add_argument("--prompts", metavar="FILE", help="one prompt per line")
+    rc.add_argument("--layers", type=_ints, default=[2], help="comma-separated injection layers (default 2)")
+    rc.add_argument("--directions", type=positive, default=4, help="seeded random directions (default 4)")
+    rc.add_argument("--scales", type=floats, default=[1.0, 4.0, 16.0])
+    rc.add_argument("--linearized", action="store_true")
+    at = jobs.add_parser("attention", parents=[common], help="attention dynamics over seeds x learning rates")
+    at.add_argument("--seeds", type=_ints, default=[42, 2024, 1337, 7777, 9999])
+    at.add_argument("--lrs", type=floats, default=[0.01])
+    at.add_argument("--steps", type=positive, default=1000)
+    at.add_argument("--T", type=positive, default=2000)
+    st = jobs.add_parser("stability", parents=[common], help="signal propagation over init schemes")
+    st.add_argument("--schemes", default="kaiming_normal,xavier_normal,torch_default,orthogonal")
+    st.add_argument("--depth", type=positive, default=48)
+    st.add_argument("--width", type=positive, default=768)
+    nm = jobs.add_parser("norms", parents=[common], help="synthetic small tasks (benchmark of the machinery)")
+    nm.add_argument("--points", type=positive, default=1000)
+    nm.add_argument("--tokens", type=positive, default=64)
+    nm.add_argument("--d", type=positive, default=64)
+    return s

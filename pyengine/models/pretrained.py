@@ -117,7 +117,7 @@ class PretrainedModel(Stack):
         self.add_bos, self.add_eos = add_bos, add_eos
         self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
 
-    #: BERT's token-type table (n_types, d_model), float32, read-only; None otherwise.
+    #: BERT's token-type table (n_types, d_model), in the weights' dtype, read-only; None otherwise.
     token_type_embeddings: np.ndarray | None = None
 
     def __repr__(self) -> str:
@@ -358,7 +358,7 @@ def _finish(cfg: StackConfig, weights: dict[str, np.ndarray], name: str, source:
     new = PretrainedModel.__new__(PretrainedModel)
     types = weights.pop("embed.token_types", None)
     if types is not None:
-        types = np.array(types, dtype=np.float32)
+        types = np.array(types, dtype=weights["embed.tokens"].dtype)
         types.flags.writeable = False
         new.token_type_embeddings = types
     new._init(cfg, _check_arrays(cfg, weights, f"weights from {source!r}", copy=False))

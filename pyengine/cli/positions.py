@@ -1,4 +1,4 @@
-"""``pyengine positions``: positional signal by layer and pre- against post-LN placement
+"""pyengine positions: positional signal by layer and pre- against post-LN placement
 (decomposition, probe, propagation, norm growth, cosine against block removal); prints
 the tables and findings and writes JSON, CSV and PNG figures."""
 
@@ -25,7 +25,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ablation-contexts", type=positive, default=32, help="contexts used for the block removals")
     p.add_argument("--folds", type=positive, default=3, help="cross-validation folds of the position probe")
     p.add_argument("--out", default="positions-out", help="folder for positions.json, positions.csv and the figures")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int, default=0,
+                   help="seed of the synthetic pair's weights, of random ids for models without a tokenizer, and of the probe's folds (default 0)")
 
 
 def _layers(text: str | None) -> list[int] | None:

@@ -234,6 +234,24 @@ class _Metrics:
         self.delta_norm[i, n, s:] = np.sqrt(dd)
 
 
+def _site_layer(layer: Any, n_layers: int) -> Any:
+    """A site name ``blocks.k.resid_pre|resid_post`` as the hidden-state index k or k + 1."""
+    if not isinstance(layer, str):
+        return layer
+    parts = layer.split(".")
+    if len(parts) == 3 and parts[0] == "blocks" and parts[1].lstrip("-").isdigit():
+        k = int(parts[1]) + (n_layers if int(parts[1]) < 0 else 0)
+        if parts[2] == "resid_pre":
+            return k
+        if parts[2] == "resid_post":
+            return k + 1
+        if parts[2] == "resid_mid":
+            raise ValueError(f"layer {layer!r}: propagate injects at hidden states (resid_pre / resid_post); "
+                             "for resid_mid use model.run(ids, [pyengine.Intervention(site, 'add', delta)])")
+    raise ValueError(f"layer must be a hidden-state index or a site 'blocks.k.resid_pre' / "
+                     f"'blocks.k.resid_post'; got {layer!r}")
+
+
 def propagate(
     model: Any,
     input_ids: Any,
@@ -248,6 +266,7 @@ def propagate(
     batch_size: int | None = None,
     return_deltas: Any = False,
     progress: Callable[[int, int], None] | None = None,
+    attention_mask: Any = None,
 ) -> Propagation:
     """Inject scale * v/|v| into hidden state ``layer`` and propagate it to the last block.
 
@@ -261,8 +280,11 @@ def propagate(
         Directions v (normalized here; the zero vector is an error).
     scale : float or array_like (S,)
         The perturbation is delta = scale * v/|v| (absolute, in the stream's units).
-    layer : int in [0, n_layers - 1]
-        Hidden-state index of the injection (the input of block layer + 1).
+    layer : int in [0, n_layers - 1], or a site name
+        Hidden-state index of the injection (the input of block layer + 1), or the
+        site ``"blocks.k.resid_pre"`` (= k) / ``"blocks.k.resid_post"`` (= k + 1).
+        ``resid_mid`` (between a block's sublayers) is not supported here: use
+        ``model.run(ids, [pe.Intervention("blocks.k.resid_mid", "add", ...)])``.
     positions : "all", "last", int, slice or sequence of ints
         Token positions that receive delta (negative count from the end).
     linearized : bool
@@ -281,14 +303,27 @@ def propagate(
         only those, (L', N, P, d_model).
     progress : callable(done, total), optional
         Called after every block of every batch.
+    attention_mask : array_like (T,) or (B, T), optional
+        Padding of ``input_ids`` (see :meth:`Stack.hidden_states`): the padding is
+        stripped and each sequence propagated on its own (positions count real tokens);
+        a batch (B, T) returns a list of B Propagations.
 
     Returns
     -------
-    Propagation
+    Propagation (a list of them for a padded batch)
     """
     if not isinstance(model, Stack):
         raise TypeError(f"model must be a pyengine Stack or pretrained model; got {type(model).__name__}")
     cfg = model.config
+    layer = _site_layer(layer, cfg.n_layers)
+    if attention_mask is not None:
+        ids, m = np.asarray(input_ids), np.asarray(attention_mask)
+        one = ids.ndim == (1 if ids.dtype.kind in "iu" else 2)
+        rows = model.unpad(ids[None] if one else ids, m[None] if m.ndim == 1 else m)
+        kw = dict(linearized=linearized, mode=mode, dtype=dtype, batch_size=batch_size, return_deltas=return_deltas,
+                  progress=progress)
+        out = [propagate(model, r, direction, scale, layer, positions, **kw) for r in rows]
+        return out[0] if one else out
     layer = _v.index_of("layer", layer, cfg.n_layers, "a hidden-state index: the input of a block")
     V = _v.unit_rows("direction", direction, cfg.d_model)
     S = _v.reals("scale", scale)

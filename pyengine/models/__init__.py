@@ -3,5 +3,7 @@
 from .config import StackConfig, expected_arrays
 from .initialization import init_weights
 from .linearization import BlockCache
-from .pretrained import PretrainedModel, load_pretrained
+from .interventions import Intervention, ablate_head
+from .pretrained import PretrainedModel, TokenizedText, load_pretrained
+from .sites import as_input
 from .stack import Stack

@@ -94,9 +94,18 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
     if s:
         past = cache.pop("attn.past")
         k5, v5 = (_prepend(p[..., :s, :], x) for p, x in zip((past["attn.k"], past["attn.v"]), (k5, v5)))
-    p = _softmax_(np.matmul(q5, k5.swapaxes(-1, -2)), ctx)
+    sc = np.matmul(q5, k5.swapaxes(-1, -2))
+    if ctx.hook is not None:  # sites (models/sites.py) see scores and pattern as (B, H, T, Tk)
+        sc = np.ascontiguousarray(ctx.hook("attn.scores", sc.reshape(B, H, T, -1))).reshape(sc.shape)
+    if ctx.key_mask is not None:  # padding keys: exp underflows to exactly 0 (uniform if all are padding)
+        np.copyto(sc, np.finfo(sc.dtype).min / 2, where=ctx.key_mask)
+    p = _softmax_(sc, ctx)
+    if ctx.hook is not None:
+        p = np.ascontiguousarray(ctx.hook("attn.pattern", p.reshape(B, H, T, -1))).reshape(p.shape)
     buf, view = _heads_out(B, T, cfg, a.dtype)
     np.matmul(p, v5, out=view)
+    if ctx.hook is not None:  # (B, T, H, dh)
+        buf = np.ascontiguousarray(ctx.hook("attn.head_out", buf))
     out = buf.reshape(B * T, H * cfg.head_dim) @ w["attn.w_o"]
     if cfg.bias:
         out += w["attn.b_o"]

@@ -53,6 +53,16 @@ class Context(NamedTuple):
     rope_k: tuple[np.ndarray, np.ndarray] | None
     start: int = 0
     rows: np.ndarray | None = None
+    #: Forward only (``models/sites.py``): ``hook(site, x) -> x`` at every named site of
+    #: the block (x itself, or a fresh array that replaces it), and the padding mask of
+    #: the keys, bool (B, 1, 1, 1, Tk), True where a key is padding.
+    hook: Any = None
+    key_mask: np.ndarray | None = None
+
+
+def site(ctx: Context, name: str, x: np.ndarray) -> np.ndarray:
+    """``x`` at the named site of a block: the context's hook sees it (and may replace it)."""
+    return x if ctx.hook is None else ctx.hook(name, x)
 
 
 def make_context(cfg: Any, T: int, dtype: np.dtype, start: int = 0) -> Context:
@@ -248,7 +258,10 @@ def mlp(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
     u = a.reshape(B * T, d) @ w["mlp.w_in"]
     if cfg.bias:
         u += w["mlp.b_in"]
-    y = _act(cfg.activation, u, cfg.d_mlp) @ w["mlp.w_out"]
+    z = _act(cfg.activation, u, cfg.d_mlp)
+    if ctx.hook is not None:
+        z = site(ctx, "mlp.hidden", z.reshape(B, T, -1)).reshape(B * T, -1)
+    y = z @ w["mlp.w_out"]
     if cfg.bias:
         y += w["mlp.b_out"]
     cache["mlp.u"], cache["mlp.in"] = u, a
@@ -287,14 +300,15 @@ _SUB = {"attn": (attn, attn_jvp), "mlp": (mlp, mlp_jvp)}
 def _sublayer(w: Weights, ctx: Context, h: np.ndarray, sub: str, nname: str, cache: Cache) -> np.ndarray:
     cfg, f = ctx.cfg, _SUB[sub][0]
     if cfg.placement == "pre":  # h + F(N(h))
-        y = f(w, ctx, _norm(w, cfg, nname, h, cache), cache)
+        a = site(ctx, nname + ".output", _norm(w, cfg, nname, site(ctx, nname + ".input", h), cache))
+        y = site(ctx, sub + ".out", f(w, ctx, a, cache))
         if cfg.residual:
             y += h
         return y
-    y = f(w, ctx, h, cache)  # N(h + F(h))
+    y = site(ctx, sub + ".out", f(w, ctx, h, cache))  # N(h + F(h))
     if cfg.residual:
         y += h
-    return _norm(w, cfg, nname, y, cache)
+    return site(ctx, nname + ".output", _norm(w, cfg, nname, site(ctx, nname + ".input", y), cache))
 
 
 def _sublayer_jvp(
@@ -316,21 +330,28 @@ def block_forward(w: Weights, ctx: Context, h: np.ndarray, cache: Cache) -> np.n
     """One block on h (B, T, d) -> (B, T, d); fills ``cache`` with what the JVP needs."""
     cfg = ctx.cfg
     if cfg.layout == "sequential":
-        h1 = _sublayer(w, ctx, h, "attn", "norm1", cache)
+        h1 = site(ctx, "resid_mid", _sublayer(w, ctx, h, "attn", "norm1", cache))
         return _sublayer(w, ctx, h1, "mlp", "norm2", cache)
     if cfg.layout == "parallel2":  # GPT-NeoX: h + Attn(N1(h)) + MLP(N2(h))
-        y = attn(w, ctx, _norm(w, cfg, "norm1", h, cache), cache)
-        y += mlp(w, ctx, _norm(w, cfg, "norm2", h, cache), cache)
+        a1 = site(ctx, "norm1.output", _norm(w, cfg, "norm1", site(ctx, "norm1.input", h), cache))
+        y = site(ctx, "attn.out", attn(w, ctx, a1, cache))
+        a2 = site(ctx, "norm2.output", _norm(w, cfg, "norm2", site(ctx, "norm2.input", h), cache))
+        y += site(ctx, "mlp.out", mlp(w, ctx, a2, cache))
         if cfg.residual:
             y += h
         return y
     # parallel (GPT-J): both branches read the same input; one norm
-    a = _norm(w, cfg, "norm1", h, cache) if cfg.placement == "pre" else h
-    y = attn(w, ctx, a, cache)
-    y += mlp(w, ctx, a, cache)
+    if cfg.placement == "pre":
+        a = site(ctx, "norm1.output", _norm(w, cfg, "norm1", site(ctx, "norm1.input", h), cache))
+    else:
+        a = h
+    y = site(ctx, "attn.out", attn(w, ctx, a, cache))
+    y += site(ctx, "mlp.out", mlp(w, ctx, a, cache))
     if cfg.residual:
         y += h
-    return y if cfg.placement == "pre" else _norm(w, cfg, "norm1", y, cache)
+    if cfg.placement == "pre":
+        return y
+    return site(ctx, "norm1.output", _norm(w, cfg, "norm1", site(ctx, "norm1.input", y), cache))
 
 
 def block_jvp(w: Weights, ctx: Context, dh: np.ndarray, cache: Cache, mode: str) -> np.ndarray:

@@ -214,8 +214,8 @@ def bert(hf: dict[str, Any], st: Safetensors, where: str) -> tuple[StackConfig, 
     w = {"embed.tokens": get("embeddings.word_embeddings.weight", V, d)}
     pos = get("embeddings.position_embeddings.weight", P, d)
     types = pre + "embeddings.token_type_embeddings.weight"
-    if types in st.info:  # token type 0 folded into the positions: exact for single-segment input
-        pos += st.get(types, (st.info[types][1][0], d))[0]
+    if types in st.info:  # kept apart (pretrained.py pops it): word + type + position in the compute dtype
+        w["embed.token_types"] = st.get(types, (st.info[types][1][0], d))
     w["embed.positions"] = pos
     w["embed.norm.gamma"] = get("embeddings.LayerNorm.weight", d)
     w["embed.norm.beta"] = get("embeddings.LayerNorm.bias", d)

@@ -13,9 +13,9 @@ does not need.) Supported architectures and how they map onto a Stack:
 - **BERT** (a folder with ``config.json`` and ``model.safetensors``; e.g.
   all-MiniLM-L6-v2): post-LN, LayerNorm, learned positions, non-causal, biases,
   an embedding LayerNorm (``embed_norm``), no final norm, no LM head. The
-  token-type embedding of type 0 is added into the position table at load time:
-  exact for single-segment input, which is all :meth:`PretrainedModel.tokenize`
-  produces. The pooler is not loaded.
+  token-type table is kept apart (``token_type_embeddings``; ``token_type_ids=``,
+  default 0) and summed word + type + position in the compute dtype, as HF does:
+  float64 runs are float64 from the first sum. The pooler is not loaded.
 - **Llama** (a ``.gguf`` file, e.g. SmolLM2-135M-Instruct, or an HF folder with
   ``config.json`` and ``model.safetensors``): pre-RMSNorm, SwiGLU, rotary
   (half-split, base from the metadata), grouped-query attention, no biases, final
@@ -36,6 +36,9 @@ import os
 import sys
 from typing import Any
 
+import dataclasses
+import warnings
+
 import numpy as np
 
 from . import _families, _hf, _streaming
@@ -43,7 +46,45 @@ from ._hf import INSTALL_COMMAND
 from .config import StackConfig, _check_arrays
 from .stack import Stack
 
-__all__ = ["KNOWN_MODELS", "PretrainedModel", "load_pretrained"]
+__all__ = ["KNOWN_MODELS", "PretrainedModel", "TokenizedText", "load_pretrained"]
+
+
+@dataclasses.dataclass(frozen=True, eq=False)
+class TokenizedText:
+    """Text and its tokens: ``ids`` int64 (T,), ``tokens`` (their strings), ``offsets``
+    int64 (T, 2) character [start, end) of each token in ``text`` (special tokens: (0, 0))."""
+
+    text: str
+    ids: np.ndarray
+    tokens: list[str]
+    offsets: np.ndarray
+    special: np.ndarray  # bool (T,): a special token ([CLS], [SEP], BOS, EOS)
+
+    def __len__(self) -> int:
+        return int(self.ids.size)
+
+    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
+        return self.ids if dtype is None else self.ids.astype(dtype)
+
+    def span(self, substring: str, occurrence: int = 0) -> slice:
+        """Token indices (a slice) covering the ``occurrence``-th ``substring`` of the text.
+
+        Every token that overlaps the substring's characters is in the span. ValueError
+        if the substring is not in the text (or only inside special tokens).
+        """
+        if not isinstance(substring, str) or not substring:
+            raise TypeError(f"substring must be a non-empty str; got {substring!r}")
+        at = -1
+        for _ in range(int(occurrence) + 1):
+            at = self.text.find(substring, at + 1)
+            if at < 0:
+                raise ValueError(f"substring {substring!r} (occurrence {occurrence}) is not in the text")
+        end = at + len(substring)
+        s, e = self.offsets[:, 0], self.offsets[:, 1]
+        hit = np.flatnonzero(~self.special & (s < end) & (e > at))
+        if hit.size == 0:
+            raise ValueError(f"substring {substring!r} covers no token")
+        return slice(int(hit[0]), int(hit[-1]) + 1)
 
 #: name -> (distribution, path of the weights inside it, kind).
 KNOWN_MODELS: dict[str, tuple[str, str, str]] = {
@@ -76,6 +117,9 @@ class PretrainedModel(Stack):
         self.add_bos, self.add_eos = add_bos, add_eos
         self.bos_token_id, self.eos_token_id = bos_token_id, eos_token_id
 
+    #: BERT's token-type table (n_types, d_model), in the weights' dtype, read-only; None otherwise.
+    token_type_embeddings: np.ndarray | None = None
+
     def __repr__(self) -> str:
         c = self.config
         return (f"PretrainedModel({self.name!r}, {self.architecture}, n_layers={c.n_layers}, d_model={c.d_model}, "
@@ -86,29 +130,78 @@ class PretrainedModel(Stack):
         """Not available: a ``.npz`` holds no tokenizer. Use :func:`load_pretrained` or ``Stack.load``."""
         raise TypeError("PretrainedModel.load is not available; use pyengine.load_pretrained or Stack.load")
 
-    def _encode_one(self, text: str) -> np.ndarray:
-        if self.architecture == "bert":
-            ids = self.tokenizer.encode(text, add_special_tokens=True).ids
-        else:
-            ids = self.tokenizer.encode(text, add_special_tokens=False).ids
-            ids = [self.bos_token_id] * self.add_bos + ids + [self.eos_token_id] * self.add_eos
-        return np.array(ids, dtype=np.int64)
+    def _encode_one(self, text: str) -> TokenizedText:
+        if not isinstance(text, str):
+            raise TypeError(f"text must be a str or a list of str; got {type(text).__name__}")
+        enc = self.tokenizer.encode(text, add_special_tokens=self.architecture == "bert")
+        ids, toks, offs = list(enc.ids), list(enc.tokens), [tuple(o) for o in enc.offsets]
+        spec = [bool(m) for m in enc.special_tokens_mask]
+        if self.architecture != "bert":
+            for flag, tid, front in ((self.add_bos, self.bos_token_id, True), (self.add_eos, self.eos_token_id, False)):
+                if flag:
+                    tok = self.tokenizer.id_to_token(tid) or ""
+                    for lst, v in ((ids, tid), (toks, tok), (offs, (0, 0)), (spec, True)):
+                        lst.insert(0, v) if front else lst.append(v)
+        return TokenizedText(text, np.array(ids, dtype=np.int64), toks,
+                             np.array(offs, dtype=np.int64).reshape(-1, 2), np.array(spec, dtype=bool))
 
-    def tokenize(self, text: str | list[str]) -> np.ndarray | list[np.ndarray]:
+    def tokenize(self, text: str | list[str], return_offsets: bool = False) -> Any:
         """Token ids of raw text (no chat template), int64 (T,); a list of strings gives a list.
 
         BERT: ``[CLS] ... [SEP]`` as the model was trained (lower-cased WordPiece).
         Llama: BOS/EOS only if the model's metadata asks for it (SmolLM2: neither).
         Nothing is padded or truncated: sequences longer than ``config.max_seq_len``
-        (BERT: 512) are rejected by :meth:`hidden_states`. Batch equal-length
-        sequences only (there is no padding mask).
+        (BERT: 512) are rejected by :meth:`hidden_states`. Batches of different lengths:
+        :meth:`tokenize_batch` (ids and attention_mask).
+
+        ``return_offsets=True``: a :class:`TokenizedText` (ids, token strings, character
+        offsets; ``.span(substring)`` gives a substring's tokens) instead of the ids.
         """
         self._need_tokenizer()
-        if isinstance(text, str):
-            return self._encode_one(text)
         if isinstance(text, (list, tuple)) and all(isinstance(t, str) for t in text):
-            return [self._encode_one(t) for t in text]
-        raise TypeError(f"text must be a str or a list of str; got {type(text).__name__}")
+            return [self.tokenize(t, return_offsets) for t in text]
+        out = self._encode_one(text)
+        return out if return_offsets else out.ids
+
+    def tokenize_batch(self, texts: list[str], padding: str = "right") -> tuple[np.ndarray, np.ndarray]:
+        """Ids (B, T) and attention_mask (B, T) of texts of different lengths, padded left or right."""
+        if padding not in ("left", "right"):
+            raise ValueError(f"padding must be 'left' or 'right'; got {padding!r}")
+        seqs = self.tokenize(list(texts))
+        if not seqs:
+            raise ValueError("texts must hold at least one text")
+        T = max(len(s) for s in seqs)
+        pad = self.eos_token_id if self.eos_token_id is not None else 0
+        ids, mask = np.full((len(seqs), T), pad, np.int64), np.zeros((len(seqs), T), np.int64)
+        for i, s in enumerate(seqs):
+            sl = slice(T - len(s), T) if padding == "left" else slice(0, len(s))
+            ids[i, sl], mask[i, sl] = s, 1
+        return ids, mask
+
+    def token_span(self, text: str, substring: str, occurrence: int = 0) -> slice:
+        """Token indices (a slice into ``tokenize(text)``) covering ``substring`` of ``text``."""
+        return self.tokenize(text, return_offsets=True).span(substring, occurrence)
+
+    def warn_if_special(self, ids: Any, position: int = -1) -> bool:
+        """Warn (UserWarning) if the read-out token ``ids[position]`` is special ([SEP], BOS, ...)."""
+        self._need_tokenizer()
+        arr = np.asarray(ids).reshape(-1)
+        tok = self.tokenizer.id_to_token(int(arr[position]))
+        special = tok is not None and tok in {t.content for t in self.tokenizer.get_added_tokens_decoder().values()
+                                              if t.special}
+        if special:
+            warnings.warn(f"the read-out token at position {position} is the special token {tok!r}; "
+                          "read out at a real token (e.g. position -2 for BERT's [SEP])", UserWarning, stacklevel=2)
+        return special
+
+    def save(self, path: Any) -> None:
+        """As :meth:`Stack.save`; BERT's token type 0 is folded into the positions (float32)."""
+        if self.token_type_embeddings is None:
+            return super().save(path)
+        w = dict(self._weights)
+        w["embed.positions"] = w["embed.positions"] + self.token_type_embeddings[0].astype(w["embed.positions"].dtype)
+        from . import _npz
+        _npz.save(path, self.config.to_json(), w)
 
     def detokenize(self, ids: Any, skip_special_tokens: bool = False) -> str:
         """Text of token ids (T,) (special tokens kept unless ``skip_special_tokens``)."""
@@ -263,6 +356,11 @@ def _finish(cfg: StackConfig, weights: dict[str, np.ndarray], name: str, source:
             tok: Any, policy: dict[str, Any] | None = None) -> PretrainedModel:
     policy = policy or {}
     new = PretrainedModel.__new__(PretrainedModel)
+    types = weights.pop("embed.token_types", None)
+    if types is not None:
+        types = np.array(types, dtype=weights["embed.tokens"].dtype)
+        types.flags.writeable = False
+        new.token_type_embeddings = types
     new._init(cfg, _check_arrays(cfg, weights, f"weights from {source!r}", copy=False))
     new.name, new.source, new.architecture, new.tokenizer = name, source, arch, tok
     new.add_bos, new.add_eos = bool(policy.get("add_bos")), bool(policy.get("add_eos"))

@@ -14,6 +14,10 @@ block's Jacobian; :meth:`Stack.block_vjp` (its transpose, and the block's weight
 gradients) and :meth:`Stack.vjp` (a chain of them) run in reverse mode
 (:mod:`pyengine.models.reverse`). Inputs are checked once there; the block code
 (``_blocks.py``, ``_blocks_vjp.py``) then runs the kernels directly.
+
+Named activation sites, :meth:`Stack.run_with_cache`, interventions (:meth:`Stack.run`),
+padded batches (``attention_mask``) and the logit lens come from the base class
+:class:`~pyengine.models.sites.Sites` (see :mod:`pyengine.models.sites`).
 """
 
 from __future__ import annotations
@@ -32,11 +36,12 @@ from ..kernels.layernorm import layer_norm, rms_norm
 from .config import StackConfig, _check_arrays, expected_arrays
 from .linearization import BlockCache, Linearization
 from .reverse import ReverseMode
+from .sites import Sites, as_input
 
 __all__ = ["BlockCache", "Stack"]
 
 
-class Stack(Linearization, ReverseMode):
+class Stack(Sites, Linearization, ReverseMode):
     """A transformer stack: a :class:`StackConfig` and its named weight arrays.
 
     Parameters
@@ -142,7 +147,7 @@ class Stack(Linearization, ReverseMode):
         a view when nothing needs converting) and whether h had the batch axis. TypeError
         for a non-float dtype, ValueError for a wrong shape or NaN/Inf, naming ``name``.
         """
-        arr = _v.float_array(name, h)
+        arr = _v.float_array(name, as_input(h, name))
         d = self._config.d_model
         if arr.ndim not in (2, 3) or arr.shape[-1] != d or arr.shape[-2] < 1 or (arr.ndim == 3 and arr.shape[0] < 1):
             raise ValueError(f"{name} must have shape (T, {d}) or (B, T, {d}) with T, B >= 1; got {arr.shape}")
@@ -152,16 +157,18 @@ class Stack(Linearization, ReverseMode):
 
     # ------------------------------------------------------------------ forward
 
-    def embed(self, input_ids: Any, dtype: Any = None) -> np.ndarray:
+    def embed(self, input_ids: Any, dtype: Any = None, token_type_ids: Any = None) -> np.ndarray:
         """Token embeddings (no positions) of ``input_ids`` (T,) or (B, T).
 
         Returns (T, d_model) or (B, T, d_model) in ``dtype`` (default the stack's).
+        BERT: plus the token-type embedding (``token_type_ids``, default 0), summed in
+        ``dtype``; so ``hidden_states(embed(ids))`` equals ``hidden_states(ids)``.
         ValueError if the stack has no embedding (vocab_size = 0) or an id is out of range.
         """
         V = self._config.vocab_size
         if V == 0:
             raise ValueError("this stack has no token embedding (vocab_size = 0); pass residual streams instead")
-        ids = np.asarray(input_ids)
+        ids = np.asarray(as_input(input_ids))
         if ids.dtype.kind not in "iu":
             raise TypeError(f"input_ids must be an integer array; got dtype {ids.dtype}")
         if ids.ndim not in (1, 2) or ids.shape[-1] < 1:
@@ -170,9 +177,10 @@ class Stack(Linearization, ReverseMode):
             bad = ids[(ids < 0) | (ids >= V)].flat[0]
             raise ValueError(f"input_ids must lie in [0, vocab_size = {V}); got {bad}")
         dt = self.dtype if dtype is None else _v.float_dtype("dtype", dtype)
-        return self._params(dt)[1]["embed.tokens"][ids]
+        return self._token_types(self._params(dt)[1]["embed.tokens"][ids], token_type_ids)
 
-    def hidden_states(self, input_ids: Any, dtype: Any = None) -> np.ndarray:
+    def hidden_states(self, input_ids: Any, dtype: Any = None, *, attention_mask: Any = None,
+                      token_type_ids: Any = None) -> np.ndarray:
         """The residual stream before and after every block.
 
         Parameters
@@ -183,6 +191,12 @@ class Stack(Linearization, ReverseMode):
             takes the place of the token embeddings.
         dtype : {None, float32, float64}
             Compute dtype; default the input's dtype (float input) or the stack's (ids).
+            float64 means float64 arithmetic on the stored weights from the first sum.
+        attention_mask : array_like (T,) or (B, T), optional
+            1 for real tokens, 0 for padding (left or right; see :mod:`pyengine.models.sites`):
+            every real position equals a separate run of its sequence.
+        token_type_ids : array_like of int, optional
+            BERT segment ids (default 0), the shape of the ids.
 
         Returns
         -------
@@ -198,16 +212,17 @@ class Stack(Linearization, ReverseMode):
             Wrong dtype or shape, NaN/Inf input, more tokens than max_seq_len
             (learned positions), ids out of range.
         """
-        return self.forward(input_ids, dtype)[0]
+        return self.forward(input_ids, dtype, attention_mask=attention_mask, token_type_ids=token_type_ids)[0]
 
     def forward(
-        self, input_ids: Any, dtype: Any = None, *, cache_from: int | None = None
+        self, input_ids: Any, dtype: Any = None, *, cache_from: int | None = None, attention_mask: Any = None,
+        token_type_ids: Any = None,
     ) -> tuple[np.ndarray, list[BlockCache]]:
         """:meth:`hidden_states`, and the block caches of the run for analyses that linearize at it.
 
         Parameters
         ----------
-        input_ids, dtype
+        input_ids, dtype, attention_mask, token_type_ids
             As :meth:`hidden_states`.
         cache_from : int, optional
             Keep the :class:`BlockCache` of blocks ``cache_from`` .. n_layers - 1 (a block
@@ -221,38 +236,9 @@ class Stack(Linearization, ReverseMode):
         caches : list of BlockCache
             ``caches[i]`` is block ``cache_from + i`` at its input ``hidden[cache_from + i]``.
         """
-        cfg = self._config
         first = None if cache_from is None else _v.index_of(
-            "cache_from", cache_from, cfg.n_layers, "a block index", negative=True)
-        x = input_ids
-        if np.asarray(x).dtype.kind in "iu":
-            emb = self.embed(x, dtype)
-            h, batched = (emb if emb.ndim == 3 else emb[None]), emb.ndim == 3
-        else:
-            h, batched = self.as_stream(x, "input_ids", dtype)
-        if first is not None and batched:
-            raise ValueError("input_ids must be one sequence (T,) of ids or (T, d_model) floats to keep "
-                             f"block caches; got a batch {h.shape}")
-        T = h.shape[1]
-        blocks, glob = self._params(h.dtype)
-        out = np.empty((cfg.n_layers + 1,) + h.shape, h.dtype)
-        if cfg.positions == "learned":
-            if T > cfg.max_seq_len:
-                raise ValueError(f"input_ids has T = {T} tokens, more than max_seq_len = {cfg.max_seq_len} learned positions")
-            np.add(h, glob["embed.positions"][:T], out=out[0])
-        elif cfg.positions == "sinusoidal":
-            np.add(h, _blocks.sinusoidal_positions(T, cfg.d_model, h.dtype), out=out[0])
-        else:
-            out[0] = h
-        if cfg.embed_norm:
-            out[0] = self._norm(glob, "embed.norm", out[0])
-        ctx = _blocks.make_context(cfg, T, h.dtype)
-        kept: list[dict[str, Any]] = []
-        for k in range(cfg.n_layers):
-            data: dict[str, Any] = {}
-            out[k + 1] = _blocks.block_forward(blocks[k], ctx, out[k], data)
-            if first is not None and k >= first:
-                kept.append(data)
+            "cache_from", cache_from, self._config.n_layers, "a block index", negative=True)
+        out, batched, ctx, kept = self._run(input_ids, dtype, attention_mask, token_type_ids, first=first)
         if first is None:
             return (out if batched else out[:, 0]), []
         out.flags.writeable = False
@@ -353,7 +339,7 @@ class Stack(Linearization, ReverseMode):
         cfg = self._config
         if cfg.lm_head == "none":
             raise ValueError("this stack has no language-model head (config.lm_head is 'none')")
-        x = input_ids
+        x = as_input(input_ids)
         if np.asarray(x).dtype.kind in "iu":
             h = self.hidden_states(x, dtype)[-1]
         else:

@@ -1,0 +1,307 @@
+"""Named activation sites of a :class:`~pyengine.Stack`, ``run_with_cache``, ``run`` and padded batches.
+
+One naming scheme for every Stack (synthetic and pretrained). ``k`` is a block index
+(0 .. n_layers - 1). Shapes are for a batch (B, T); a single sequence drops the B axis.
+
+====================================  ===================  ==========================================
+site                                  shape                what it is
+====================================  ===================  ==========================================
+``embed``                             (B, T, d)            token embedding (+ BERT token type), before positions
+``embed.norm.input|scale|output``     (B,T,d) (B,T) (B,T,d)  BERT's embedding norm (``embed_norm`` only)
+``blocks.k.resid_pre``                (B, T, d)            input of block k = ``hidden_states()[k]``
+``blocks.k.norm1.input``              (B, T, d)            input of the first norm (pre-LN: = resid_pre)
+``blocks.k.norm1.scale``              (B, T)               1/sigma of that input (read only)
+``blocks.k.norm1.output``             (B, T, d)            the norm's output (gamma, beta applied)
+``blocks.k.attn.scores``              (B, H, T, T)         q.k/sqrt(dh), before the causal and padding masks
+``blocks.k.attn.pattern``             (B, H, T, T)         softmax of the masked scores
+``blocks.k.attn.head_out``            (B, T, H, dh)        per-head outputs P V (input of w_o)
+``blocks.k.attn.out``                 (B, T, d)            attention sublayer output (after w_o, bias)
+``blocks.k.resid_mid``                (B, T, d)            between the sublayers (sequential layout only)
+``blocks.k.norm2.input|scale|output``                      the second norm (sequential and parallel2 layouts)
+``blocks.k.mlp.hidden``               (B, T, d_mlp)        MLP activation (gated: act(gate) * up)
+``blocks.k.mlp.out``                  (B, T, d)            MLP sublayer output (after w_out, bias)
+``blocks.k.resid_post``               (B, T, d)            output of block k = ``hidden_states()[k + 1]``
+``final_norm.input|scale|output``                          the final norm (``final_norm`` only; read only)
+====================================  ===================  ==========================================
+
+Identities: pre-LN ``resid_mid`` = ``norm2.input``, ``norm1.input`` = ``resid_pre``;
+post-LN ``resid_mid`` = ``norm1.output`` and ``resid_post`` = ``norm2.output``.
+The sites are what the block forward computes (``_blocks.site`` hook points): nothing is
+recomputed except the ``*.scale`` sites (1/sqrt(var + eps), RMSNorm 1/sqrt(mean x^2 + eps),
+from the captured input, in the compute dtype) and the ``final_norm`` sites.
+
+Memory: :meth:`Sites.run_with_cache` keeps a copy of each site asked for, nothing
+else: B*T*d values per residual-type site, B*H*T^2 per ``scores``/``pattern``, B*T*d_mlp
+per ``mlp.hidden``; ``sites="*"`` on all L blocks costs about L*(12 d + d_mlp + 2 H T) B*T
+values. :meth:`Sites.site_names` lists the sites of a stack; patterns are ``fnmatch`` globs.
+
+Padded batches: ``attention_mask`` (B, T) (1 = real token, 0 = padding; each row's real
+tokens one contiguous run, i.e. left or right padding) masks padding keys and gives each
+real token its position among the real ones, so every real position equals a separate
+run of that sequence (to rounding). Values at padding positions are finite but
+meaningless. Analyses that linearize at one sequence (``forward(cache_from=)``,
+``propagate``) take one sequence: :meth:`Sites.unpad` splits a padded batch into them.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from . import _blocks
+from .. import _validate as _v
+from .interventions import Intervention, parse_interventions
+
+__all__ = ["Sites", "as_input", "block_site_names"]
+
+_BLOCK = ("resid_pre", "norm1.input", "norm1.scale", "norm1.output", "attn.scores", "attn.pattern",
+          "attn.head_out", "attn.out", "resid_mid", "norm2.input", "norm2.scale", "norm2.output",
+          "mlp.hidden", "mlp.out", "resid_post")
+_NORM = ("input", "scale", "output")
+
+
+def block_site_names(cfg: Any) -> tuple[str, ...]:
+    """The per-block site names (without ``blocks.<k>.``) of a config."""
+    if cfg.layout == "sequential":
+        return _BLOCK
+    if cfg.layout == "parallel2":  # GPT-NeoX: two norms of the same input, no stream between sublayers
+        return tuple(n for n in _BLOCK if n != "resid_mid")
+    return tuple(n for n in _BLOCK if n != "resid_mid" and not n.startswith("norm2"))
+
+
+def as_input(x: Any, name: str = "input_ids") -> Any:
+    """``x`` as NumPy sees it: ndarrays and ``__array__`` objects as they are (zero-copy
+    where NumPy can), DLPack producers through ``np.from_dlpack``; TypeError for text."""
+    if isinstance(x, (str, bytes)) or (isinstance(x, (list, tuple)) and x and isinstance(x[0], str)):
+        raise TypeError(f"{name} must be integer token ids or a float residual stream, not text; "
+                        "tokenize first: model.tokenize(text)")
+    if not isinstance(x, np.ndarray) and not hasattr(x, "__array__") and hasattr(x, "__dlpack__"):
+        return np.from_dlpack(x)
+    return x
+
+
+def _scale(kind: str, x: np.ndarray, eps: float) -> np.ndarray:
+    if kind == "layernorm":
+        return 1.0 / np.sqrt(x.var(axis=-1) + x.dtype.type(eps))
+    return 1.0 / np.sqrt(np.mean(x * x, axis=-1) + x.dtype.type(eps))
+
+
+def _check_mask(mask: Any, shape: tuple[int, ...]) -> np.ndarray:
+    m = np.asarray(as_input(mask, "attention_mask"))
+    if m.shape != shape:
+        raise ValueError(f"attention_mask must have the shape of the ids, {shape}; got {m.shape}")
+    if m.dtype != bool:
+        if m.dtype.kind not in "iuf" or not np.isin(m, (0, 1)).all():
+            raise ValueError("attention_mask must hold 0 (padding) and 1 (real token) only")
+        m = m.astype(bool)
+    m2 = m.reshape(-1, shape[-1])
+    n = m2.sum(axis=1)
+    if (n == 0).any():
+        raise ValueError(f"attention_mask row {int(np.argmin(n))} has no real token")
+    first = np.argmax(m2, axis=1)
+    if not all(m2[i, first[i]: first[i] + n[i]].all() for i in range(m2.shape[0])):
+        raise ValueError("attention_mask: each row's real tokens must be one contiguous run (left or right padding)")
+    return m2
+
+
+class _Hooks:
+    """Interventions and recording at the sites, for one run."""
+
+    def __init__(self, stack: Any, want: set[str], ivs: dict[str, list[Intervention]]) -> None:
+        self.stack, self.want, self.ivs, self.got = stack, want, ivs, {}
+        self.active = bool(want or ivs)
+
+    def at(self, name: str, x: np.ndarray) -> np.ndarray:
+        for iv in self.ivs.get(name, ()):
+            x = iv.apply(x, name)
+        if name in self.want:
+            self.got[name] = np.array(x)
+        if name.endswith(".input"):
+            sname = name[: -len("input")] + "scale"
+            if sname in self.want:
+                self.got[sname] = _scale(self.stack.config.norm, x, self.stack.config.eps)
+        return x
+
+    def block(self, k: int) -> Callable[[str, np.ndarray], np.ndarray] | None:
+        pre = f"blocks.{k}."
+        if not any(n.startswith(pre) for n in self.want) and not any(n.startswith(pre) for n in self.ivs):
+            return None
+        return lambda name, x: self.at(pre + name, x)
+
+
+class Sites:
+    """Sites, caching, interventions, padding, logit lens: a base class of :class:`~pyengine.Stack`."""
+
+    def site_names(self) -> list[str]:
+        """Every site name of this stack, in forward order (see the module's table)."""
+        cfg = self.config
+        out = ["embed"] + ([f"embed.norm.{n}" for n in _NORM] if cfg.embed_norm else [])
+        for k in range(cfg.n_layers):
+            out += [f"blocks.{k}.{n}" for n in block_site_names(cfg)]
+        return out + ([f"final_norm.{n}" for n in _NORM] if cfg.final_norm else [])
+
+    def _match_sites(self, sites: Any) -> list[str]:
+        pats = [sites] if isinstance(sites, str) else list(sites)
+        names, out = self.site_names(), []
+        for p in pats:
+            if not isinstance(p, str):
+                raise TypeError(f"sites must be site names or globs (str); got {type(p).__name__}")
+            hit = [n for n in names if fnmatch.fnmatchcase(n, p)]
+            if not hit:
+                raise ValueError(f"sites: {p!r} matches no site of this stack (see site_names(); e.g. "
+                                 f"'blocks.0.resid_mid', 'blocks.*.attn.pattern')")
+            out += [n for n in hit if n not in out]
+        return out
+
+    def _embed_input(self, x: Any, dtype: Any, attention_mask: Any, token_type_ids: Any
+                     ) -> tuple[np.ndarray, bool, np.ndarray | None, np.ndarray | None]:
+        """Checked input as (B, T, d) embeddings (no positions), batched?, positions, key mask."""
+        x = as_input(x)
+        ids = None
+        if np.asarray(x).dtype.kind in "iu":
+            ids = np.asarray(x)
+            emb = self.embed(ids, dtype, token_type_ids)
+            h, batched = (emb if emb.ndim == 3 else emb[None]), emb.ndim == 3
+        else:
+            h, batched = self.as_stream(x, "input_ids", dtype)
+        if ids is None and token_type_ids is not None:
+            raise ValueError("token_type_ids go with token ids, not with a float residual stream")
+        B, T = h.shape[:2]
+        pos = mask = None
+        if attention_mask is not None:
+            m = _check_mask(attention_mask, (B, T) if batched else (T,))
+            pos, mask = np.maximum(np.cumsum(m, axis=1) - 1, 0), m
+        return h, batched, pos, mask
+
+    def _token_types(self, emb: np.ndarray, token_type_ids: Any) -> np.ndarray:
+        """Token embeddings (..., T, d) plus the token-type rows (BERT; HF order: word + type)."""
+        table = getattr(self, "token_type_embeddings", None)
+        if table is None:
+            if token_type_ids is not None:
+                raise ValueError("token_type_ids: this stack has no token-type embedding")
+            return emb
+        if token_type_ids is None:
+            return emb + table[0].astype(emb.dtype, copy=False)
+        tt = np.asarray(as_input(token_type_ids, "token_type_ids"))
+        if tt.dtype.kind not in "iu" or tt.shape != emb.shape[:-1]:
+            raise ValueError(f"token_type_ids must be integers of the ids' shape {emb.shape[:-1]}; "
+                             f"got {tt.dtype} {tt.shape}")
+        if tt.size and (tt.min() < 0 or tt.max() >= table.shape[0]):
+            raise ValueError(f"token_type_ids must lie in [0, {table.shape[0]})")
+        return emb + table.astype(emb.dtype, copy=False)[tt]
+
+    def _run(self, x: Any, dtype: Any = None, attention_mask: Any = None, token_type_ids: Any = None,
+             hooks: _Hooks | None = None, first: int | None = None, pre: tuple | None = None
+             ) -> tuple[np.ndarray, bool, Any, list[dict]]:
+        """The forward of every entry point: (L+1, B, T, d) states, batched?, context, kept block data.
+
+        ``pre``: the result of :meth:`_embed_input` when the caller checked the input already.
+        """
+        cfg = self.config
+        h, batched, pos, mask = pre if pre is not None else self._embed_input(x, dtype, attention_mask, token_type_ids)
+        if first is not None and (batched or mask is not None):
+            raise ValueError("input_ids must be one sequence (T,) of ids or (T, d_model) floats, without "
+                             "attention_mask, to keep block caches (strip the padding: unpad())")
+        B, T = h.shape[:2]
+        blocks, glob = self._params(h.dtype)
+        hk = hooks if hooks is not None and hooks.active else None
+        if hk is not None:
+            h = hk.at("embed", h)
+        out = np.empty((cfg.n_layers + 1,) + h.shape, h.dtype)
+        if cfg.positions in ("learned", "sinusoidal"):
+            n = T if pos is None else int(pos.max()) + 1
+            if cfg.positions == "learned" and n > cfg.max_seq_len:
+                raise ValueError(f"input_ids has T = {n} tokens, more than max_seq_len = {cfg.max_seq_len} learned positions")
+            table = (glob["embed.positions"] if cfg.positions == "learned"
+                     else _blocks.sinusoidal_positions(n, cfg.d_model, h.dtype))
+            np.add(h, table[:T] if pos is None else table[pos], out=out[0])
+        else:
+            out[0] = h
+        if cfg.embed_norm:
+            e = out[0] if hk is None else hk.at("embed.norm.input", out[0])
+            e = self._norm(glob, "embed.norm", e)
+            out[0] = e if hk is None else hk.at("embed.norm.output", e)
+        ctx = _blocks.make_context(cfg, T, h.dtype)
+        if mask is not None:
+            ctx = ctx._replace(key_mask=~mask[:, None, None, None, :])
+            if cfg.positions == "rotary":
+                cos, sin = (t[pos][:, None] for t in _blocks.rope_tables(T, _blocks.inv_freq(cfg), h.dtype))
+                scale = 1.0 / math.sqrt(cfg.head_dim)
+                ctx = ctx._replace(rope_q=(cos * scale, sin * scale), rope_k=(cos, sin))
+        kept: list[dict[str, Any]] = []
+        for k in range(cfg.n_layers):
+            data: dict[str, Any] = {}
+            bh = None if hk is None else hk.block(k)
+            if bh is not None:
+                out[k] = bh("resid_pre", out[k])
+            y = _blocks.block_forward(blocks[k], ctx if bh is None else ctx._replace(hook=bh), out[k], data)
+            out[k + 1] = y if bh is None else bh("resid_post", y)
+            if first is not None and k >= first:
+                kept.append(data)
+        if hk is not None and any(n.startswith("final_norm.") for n in hk.want):
+            hk.at("final_norm.output", self._norm(glob, "final_norm", hk.at("final_norm.input", out[-1])))
+        return out, batched, ctx, kept
+
+    def _prepare(self, x: Any, sites: Any, interventions: Any, dtype: Any, attention_mask: Any,
+                 token_type_ids: Any) -> tuple[_Hooks, tuple]:
+        """Every argument checked (input, mask, sites, interventions) before any forward."""
+        pre = self._embed_input(x, dtype, attention_mask, token_type_ids)
+        want = set(self._match_sites(sites)) if sites is not None else set()
+        B, T = pre[0].shape[:2]
+        return _Hooks(self, want, parse_interventions(self, interventions, B, T)), pre
+
+    def run_with_cache(self, input_ids: Any, sites: Any = "*", *, attention_mask: Any = None,
+                       token_type_ids: Any = None, dtype: Any = None, interventions: Any = None
+                       ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
+        """The hidden states and the activations at ``sites`` (names or globs; default all).
+
+        Returns ``(hidden, cache)``: hidden as :meth:`hidden_states`, cache a dict site ->
+        array (the module's table; no batch axis for one sequence), copies, only the sites
+        asked for. ``interventions`` as in :meth:`run` (the cache then holds the changed
+        values). Every argument is checked before the forward runs.
+        """
+        hooks, pre = self._prepare(input_ids, sites, interventions, dtype, attention_mask, token_type_ids)
+        out, batched, _, _ = self._run(input_ids, hooks=hooks, pre=pre)
+        order = {n: i for i, n in enumerate(self.site_names())}
+        cache = {n: (a if batched else a[0]) for n, a in sorted(hooks.got.items(), key=lambda kv: order[kv[0]])}
+        return (out if batched else out[:, 0]), cache
+
+
+    def run(self, input_ids: Any, interventions: Any = None, *, attention_mask: Any = None,
+            token_type_ids: Any = None, dtype: Any = None) -> np.ndarray:
+        """:meth:`hidden_states` with interventions (see :mod:`pyengine.models.interventions`)."""
+        hooks, pre = self._prepare(input_ids, None, interventions, dtype, attention_mask, token_type_ids)
+        out, batched, _, _ = self._run(input_ids, hooks=hooks, pre=pre)
+        return out if batched else out[:, 0]
+
+    def unpad(self, input_ids: Any, attention_mask: Any) -> list[np.ndarray]:
+        """The real tokens of each row of a padded batch (B, T) (or (B, T, d) streams)."""
+        x = np.asarray(as_input(input_ids))
+        if x.ndim < 2:
+            raise ValueError(f"input_ids must be a batch (B, T) or (B, T, d); got shape {x.shape}")
+        m = _check_mask(attention_mask, x.shape[:2])
+        return [x[i][m[i]] for i in range(x.shape[0])]
+
+    def logit_lens(self, input_ids: Any, sites: Any = "blocks.*.resid_post", *, attention_mask: Any = None,
+                   dtype: Any = None) -> Any:
+        """Final norm + read-out of a residual stream (the "logit lens").
+
+        A float array (..., d_model) is read out as it is (one array back); token ids run
+        the stack and every residual-type site matched by ``sites`` is read out (a dict
+        site -> (T, vocab) or (B, T, vocab)). ValueError without an LM head.
+        """
+        if self.config.lm_head == "none":
+            raise ValueError("this stack has no language-model head (config.lm_head is 'none')")
+        x = as_input(input_ids)
+        if np.asarray(x).dtype.kind not in "iu":
+            return self.logits(x, dtype)
+        names = [n for n in self._match_sites(sites) if n.rsplit(".", 1)[-1] not in ("scale",)
+                 and not any(t in n for t in ("attn.scores", "attn.pattern", "attn.head_out", "mlp.hidden"))]
+        if not names:
+            raise ValueError(f"sites: {sites!r} matches no residual-type site (d_model wide)")
+        _, cache = self.run_with_cache(x, names, attention_mask=attention_mask, dtype=dtype)
+        return {n: self.logits(a) for n, a in cache.items()}

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..kernels.activations import kernel
 from ..kernels.attention import kernel as attention_kernel
+from ._fast import DISCARD, fused_dtype, fused_heads
 
 if TYPE_CHECKING:
     from ._blocks import Cache, Context, Weights
@@ -94,9 +95,16 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
     if s:
         past = cache.pop("attn.past")
         k5, v5 = (_prepend(p[..., :s, :], x) for p, x in zip((past["attn.k"], past["attn.v"]), (k5, v5)))
-    p = _softmax_(np.matmul(q5, k5.swapaxes(-1, -2)), ctx)
     buf, view = _heads_out(B, T, cfg, a.dtype)
-    np.matmul(p, v5, out=view)
+    p = None
+    if fused_dtype(a.dtype):  # issue 18: the fused head (see models/_fast.py)
+        check(fused_heads(cfg, s, q5, k5, v5, view), "attention scores")
+        if not cache.pop(DISCARD, False):  # the JVP needs P
+            p = _softmax_(np.matmul(q5, k5.swapaxes(-1, -2)), ctx)
+    else:
+        cache.pop(DISCARD, False)
+        p = _softmax_(np.matmul(q5, k5.swapaxes(-1, -2)), ctx)
+        np.matmul(p, v5, out=view)
     out = buf.reshape(B * T, H * cfg.head_dim) @ w["attn.w_o"]
     if cfg.bias:
         out += w["attn.b_o"]

@@ -1,0 +1,64 @@
+"""Fast paths of the block engine (issue 18): the fused attention head in the forward pass.
+
+The batched ``q k^T``, softmax and ``P v`` products of :func:`pyengine.models._attention.attn`
+run at a fraction of GEMM speed on GPT-2-small shapes (780 products of 128 x 64 x 128 for
+65 sequences: under a third of the speed of the weight GEMMs, plus a (B, H, T, T) score
+array written and read three times). The fused kernel ``attention_forward`` of
+:mod:`pyengine.kernels.attention` streams each query row over its visible keys instead
+and never stores the scores: on (65 x 128, 768) float32 it takes about a quarter of the
+time of the three passes it replaces (benchmarks/torch_compare.py, README "Propagation
+speed (issue 18)").
+
+Used for float32 only: float64 keeps the batched products, bit for bit as before. The
+float32 fused head accumulates its sums in float64, so its outputs are at least as
+accurate as the float32 BLAS products they replace. The base-sequence forward that keeps a
+cache for JVPs also takes the fused head for its output (so the exact propagation's
+perturbed and base runs compute the same function, and unperturbed rows cancel exactly),
+and additionally the probabilities P the JVP needs.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..kernels.attention import kernel as attention_kernel
+
+__all__ = ["DISCARD", "fused_dtype", "fused_heads"]
+
+
+def fused_dtype(dtype: np.dtype) -> bool:
+    """Whether the forward pass of a block in ``dtype`` takes the fused attention head."""
+    return dtype == np.float32
+
+
+def _per_head(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """(B, Hkv, 1 or g, T, dh) -> a C-contiguous (B*H, T, dh) array (GQA: keys copied per query head)."""
+    if x.shape != shape:
+        x = np.broadcast_to(x, shape)
+    return np.ascontiguousarray(x).reshape(-1, shape[-2], shape[-1])
+
+
+def fused_heads(cfg: Any, start: int, q5: np.ndarray, k5: np.ndarray, v5: np.ndarray, view: np.ndarray) -> int:
+    """softmax(q k^T, causal from ``start``) v into ``view`` (B, Hkv, g, T, dh); the bad-row count.
+
+    ``q5`` (B, Hkv, g, Tq, dh) carries the 1/sqrt(dh) scale already; ``k5``, ``v5``
+    (B, Hkv, 1, Tk, dh). Query row i sees keys j <= start + i (causal), all keys otherwise.
+    """
+    B, Hkv, g, tq, dh = q5.shape
+    tk = k5.shape[-2]
+    q = _per_head(q5, q5.shape)
+    k = _per_head(k5, (B, Hkv, g, tk, dh))
+    v = _per_head(v5, (B, Hkv, g, tk, v5.shape[-1]))
+    out = np.empty((q.shape[0], tq, v.shape[-1]), q.dtype)
+    lse, ent = np.empty(q.shape[:2]), np.empty(q.shape[:2])
+    offset = start if cfg.causal else tk - 1
+    nbad = attention_kernel("attention_forward")(q, k, v, offset, 1.0, out, lse, ent)
+    np.copyto(view, out.reshape(view.shape))
+    return nbad
+
+
+#: A key of a block's cache dict set by callers that discard the cache: the forward then
+#: skips what only a JVP or VJP would read (the attention probabilities of the fused path).
+DISCARD = "fast.discard"

@@ -25,7 +25,7 @@ import numpy as np
 
 from ..kernels.attention import kernel as attention_kernel
 
-__all__ = ["DISCARD", "fused_dtype", "fused_heads"]
+__all__ = ["DISCARD", "fused_dtype", "fused_heads", "fused_pdv"]
 
 
 def fused_dtype(dtype: np.dtype) -> bool:
@@ -62,3 +62,25 @@ def fused_heads(cfg: Any, start: int, q5: np.ndarray, k5: np.ndarray, v5: np.nda
 #: A key of a block's cache dict set by callers that discard the cache: the forward then
 #: skips what only a JVP or VJP would read (the attention probabilities of the fused path).
 DISCARD = "fast.discard"
+
+
+def fused_pdv(cfg: Any, start: int, q5: np.ndarray, k5: np.ndarray, dv5: np.ndarray) -> tuple[np.ndarray, int]:
+    """P dV for K value tangents, P the base's attention probabilities, by the fused head.
+
+    P = softmax(q k^T) is recomputed per tangent row instead of read: the fused head on
+    the base queries ``q5`` (1, Hkv, g, Tq, dh) and keys ``k5`` (1, Hkv, 1, Tk, dh) with
+    the tangents ``dv5`` (K, Hkv, 1, Tk - start, dh) as values (zero on the keys before
+    ``start``). Returns ((K, Hkv, g, Tq, dh), the bad-row count).
+    """
+    K = dv5.shape[0]
+    _, Hkv, g, tq, dh = q5.shape
+    tk = k5.shape[-2]
+    q = _per_head(q5, (K, Hkv, g, tq, dh))
+    k = _per_head(k5, (K, Hkv, g, tk, dh))
+    v = np.zeros((K, Hkv, g, tk, dv5.shape[-1]), dv5.dtype)
+    v[..., tk - dv5.shape[-2] :, :] = dv5
+    v = v.reshape(-1, tk, dv5.shape[-1])
+    out = np.empty((q.shape[0], tq, v.shape[-1]), q.dtype)
+    lse, ent = np.empty(q.shape[:2]), np.empty(q.shape[:2])
+    nbad = attention_kernel("attention_forward")(q, k, v, start if cfg.causal else tk - 1, 1.0, out, lse, ent)
+    return out.reshape(K, Hkv, g, tq, -1), nbad

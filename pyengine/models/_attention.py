@@ -16,7 +16,7 @@ import numpy as np
 
 from ..kernels.activations import kernel
 from ..kernels.attention import kernel as attention_kernel
-from ._fast import DISCARD, fused_dtype, fused_heads, fused_pdv
+from ._fast import DISCARD, attn_jvp_gemm, fused_dtype, fused_heads, fused_pdv
 
 if TYPE_CHECKING:
     from ._blocks import Cache, Context, Weights
@@ -129,7 +129,14 @@ def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarr
     cfg = ctx.cfg
     K, T, d = da.shape
     H, Hkv = cfg.n_heads, cfg.n_kv_heads
-    dq, dk, dv = _split_heads(da.reshape(K * T, d) @ w["attn.w_qkv"], K, T, cfg)
+    dqkv = da.reshape(K * T, d) @ w["attn.w_qkv"]
+    if ctx.rows is None and fused_dtype(da.dtype):  # issue 18: head-major GEMMs (models/_fast.py)
+        x = dqkv.reshape(K, T, H + 2 * Hkv, cfg.head_dim)
+        dq, dk = _qk(ctx, x[:, :, :H].transpose(2, 0, 1, 3), x[:, :, H : H + Hkv].transpose(2, 0, 1, 3))
+        buf = attn_jvp_gemm(ctx, dq, np.ascontiguousarray(dk), x[:, :, H + Hkv :], cache,
+                            kernel("softmax_jvp"), check)
+        return (buf.reshape(K * T, H * cfg.head_dim) @ w["attn.w_o"]).reshape(K, T, d)
+    dq, dk, dv = _split_heads(dqkv, K, T, cfg)
     dq, dk = _qk(ctx, dq, dk)  # rotation and scaling are linear
     q5, k5, v5, p = cache["attn.q"], cache["attn.k"], cache["attn.v"], cache["attn.p"]
     dk5, dv5 = dk[:, :, None], dv[:, :, None]

@@ -28,40 +28,7 @@ import numpy as np
 import pyengine as pe
 from pyengine.bench import time_call
 
-
-def torch_stack(stack: pe.Stack, sdpa: bool = True):
-    """A PyTorch forward of a pre-LN GPT-2-style Stack (learned positions already in h).
-
-    ``sdpa``: fused scaled_dot_product_attention (fastest; no forward-mode AD on the
-    CPU), else explicit softmax(q k^T / sqrt(dh) + mask) v, which torch.func.jvp can
-    differentiate.
-    """
-    import torch
-    import torch.nn.functional as F
-
-    cfg = stack.config
-    d, H, dh = cfg.d_model, cfg.n_heads, cfg.head_dim
-    W = {n: torch.from_numpy(np.array(a)) for n, a in stack.weights.items()}
-    mask = torch.triu(torch.full((cfg.max_seq_len, cfg.max_seq_len), float("-inf")), diagonal=1)
-
-    def forward(h):  # (B, T, d) -> (B, T, d)
-        B, T, _ = h.shape
-        for k in range(cfg.n_layers):
-            p = f"blocks.{k}."
-            a = F.layer_norm(h, (d,), W[p + "norm1.gamma"], W[p + "norm1.beta"], cfg.eps)
-            qkv = (a @ W[p + "attn.w_qkv"] + W[p + "attn.b_qkv"]).view(B, T, 3, H, dh).permute(2, 0, 3, 1, 4)
-            if sdpa:
-                o = F.scaled_dot_product_attention(qkv[0], qkv[1], qkv[2], is_causal=True)
-            else:
-                s = (qkv[0] @ qkv[1].transpose(-1, -2)) * dh**-0.5 + mask[:T, :T]
-                o = torch.softmax(s, dim=-1) @ qkv[2]
-            h = h + o.transpose(1, 2).reshape(B, T, d) @ W[p + "attn.w_o"] + W[p + "attn.b_o"]
-            a = F.layer_norm(h, (d,), W[p + "norm2.gamma"], W[p + "norm2.beta"], cfg.eps)
-            u = F.gelu(a @ W[p + "mlp.w_in"] + W[p + "mlp.b_in"], approximate="tanh")
-            h = h + u @ W[p + "mlp.w_out"] + W[p + "mlp.b_out"]
-        return h
-
-    return forward
+from benchmarks.bench_propagate_torch import torch_stack  # benchmarks/benchmarks (this script's folder is on sys.path)
 
 
 def main() -> None:

@@ -112,7 +112,7 @@ def attn_jvp_gemm(ctx: Any, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, cach
     dvh = np.ascontiguousarray(dv.transpose(2, 1, 0, 3)).reshape(Hkv, tq, K * dh)  # (Hkv, T', K dh)
     tmp = np.empty((g * tq, K * tq), dq.dtype)
     for j in range(Hkv):
-        kj, vj = k5[0, j, 0], v5[0, j, 0]  # (Tk, dh)
+        kj, vj = np.ascontiguousarray(k5[0, j, 0]), np.ascontiguousarray(v5[0, j, 0])  # (Tk, dh), BLAS layout
         qj = q5[0, j].reshape(g * tq, dh)
         dsj = ds[j].reshape(g * K * tq, tk)
         np.matmul(dq3[j], kj.T, out=dsj)

@@ -1,4 +1,4 @@
-"""Fast paths of the block engine (issue 18): the fused attention head in the forward pass.
+"""Fast paths of the block engine (issue 18): the fused attention head, and the JVP by GEMMs.
 
 The batched ``q k^T``, softmax and ``P v`` products of :func:`pyengine.models._attention.attn`
 run at a fraction of GEMM speed on GPT-2-small shapes (780 products of 128 x 64 x 128 for
@@ -15,6 +15,11 @@ accurate as the float32 BLAS products they replace. The base-sequence forward th
 cache for JVPs also takes the fused head for its output (so the exact propagation's
 perturbed and base runs compute the same function, and unperturbed rows cancel exactly),
 and additionally the probabilities P the JVP needs.
+
+The float32 attention JVP (:func:`attn_jvp_gemm`) shares the base's keys, values and P
+between its K tangents, so each product is one 2-D GEMM per key/value head over all K
+tangents instead of K x H small batched ones. The GQA/float32 JVP on per-token diagonal
+blocks (``ctx.rows``) keeps the generic path.
 """
 
 from __future__ import annotations

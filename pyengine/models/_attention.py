@@ -16,7 +16,7 @@ import numpy as np
 
 from ..kernels.activations import kernel
 from ..kernels.attention import kernel as attention_kernel
-from ._fast import DISCARD, attn_jvp_gemm, fused_dtype, fused_heads, fused_pdv
+from ._fast import DISCARD, attn_jvp_gemm, fused_dtype, fused_heads
 
 if TYPE_CHECKING:
     from ._blocks import Cache, Context, Weights
@@ -155,10 +155,6 @@ def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarr
     np.matmul(ds, v5, out=view)
     if ctx.rows is not None:
         view += p[..., np.arange(T), ctx.rows][..., None] * dv5
-    elif fused_dtype(da.dtype):  # issue 18: P dV by the fused head (models/_fast.py)
-        pdv, nbad = fused_pdv(cfg, ctx.start, q5, k5, dv5)
-        check(nbad, "attention score tangents")
-        view += pdv
     else:
         view += np.matmul(p[..., ctx.start :], dv5)
     return (buf.reshape(K * T, H * cfg.head_dim) @ w["attn.w_o"]).reshape(K, T, d)

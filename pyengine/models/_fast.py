@@ -18,8 +18,8 @@ and additionally the probabilities P the JVP needs.
 
 The float32 attention JVP (:func:`attn_jvp_gemm`) shares the base's keys, values and P
 between its K tangents, so each product is one 2-D GEMM per key/value head over all K
-tangents instead of K x H small batched ones. The GQA/float32 JVP on per-token diagonal
-blocks (``ctx.rows``) keeps the generic path.
+tangents instead of K x H small batched ones (grouped-query heads included). The JVP on
+per-token diagonal blocks (``ctx.rows``) keeps the generic path.
 """
 
 from __future__ import annotations
@@ -30,7 +30,7 @@ import numpy as np
 
 from ..kernels.attention import kernel as attention_kernel
 
-__all__ = ["DISCARD", "fused_dtype", "fused_heads", "fused_pdv"]
+__all__ = ["DISCARD", "attn_jvp_gemm", "fused_dtype", "fused_heads"]
 
 
 def fused_dtype(dtype: np.dtype) -> bool:
@@ -67,28 +67,6 @@ def fused_heads(cfg: Any, start: int, q5: np.ndarray, k5: np.ndarray, v5: np.nda
 #: A key of a block's cache dict set by callers that discard the cache: the forward then
 #: skips what only a JVP or VJP would read (the attention probabilities of the fused path).
 DISCARD = "fast.discard"
-
-
-def fused_pdv(cfg: Any, start: int, q5: np.ndarray, k5: np.ndarray, dv5: np.ndarray) -> tuple[np.ndarray, int]:
-    """P dV for K value tangents, P the base's attention probabilities, by the fused head.
-
-    P = softmax(q k^T) is recomputed per tangent row instead of read: the fused head on
-    the base queries ``q5`` (1, Hkv, g, Tq, dh) and keys ``k5`` (1, Hkv, 1, Tk, dh) with
-    the tangents ``dv5`` (K, Hkv, 1, Tk - start, dh) as values (zero on the keys before
-    ``start``). Returns ((K, Hkv, g, Tq, dh), the bad-row count).
-    """
-    K = dv5.shape[0]
-    _, Hkv, g, tq, dh = q5.shape
-    tk = k5.shape[-2]
-    q = _per_head(q5, (K, Hkv, g, tq, dh))
-    k = _per_head(k5, (K, Hkv, g, tk, dh))
-    v = np.zeros((K, Hkv, g, tk, dv5.shape[-1]), dv5.dtype)
-    v[..., tk - dv5.shape[-2] :, :] = dv5
-    v = v.reshape(-1, tk, dv5.shape[-1])
-    out = np.empty((q.shape[0], tq, v.shape[-1]), q.dtype)
-    lse, ent = np.empty(q.shape[:2]), np.empty(q.shape[:2])
-    nbad = attention_kernel("attention_forward")(q, k, v, start if cfg.causal else tk - 1, 1.0, out, lse, ent)
-    return out.reshape(K, Hkv, g, tq, -1), nbad
 
 
 def attn_jvp_gemm(ctx: Any, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, cache: dict, softmax_jvp: Any,

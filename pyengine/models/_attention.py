@@ -16,6 +16,7 @@ import numpy as np
 
 from ..kernels.activations import kernel
 from ..kernels.attention import kernel as attention_kernel
+from ._fast import DISCARD, attn_jvp_gemm, fused_dtype, fused_heads
 
 if TYPE_CHECKING:
     from ._blocks import Cache, Context, Weights
@@ -94,18 +95,34 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
     if s:
         past = cache.pop("attn.past")
         k5, v5 = (_prepend(p[..., :s, :], x) for p, x in zip((past["attn.k"], past["attn.v"]), (k5, v5)))
-    sc = np.matmul(q5, k5.swapaxes(-1, -2))
-    if ctx.hook is not None:  # sites (models/sites.py) see scores and pattern as (B, H, T, Tk)
-        sc = np.ascontiguousarray(ctx.hook("attn.scores", sc.reshape(B, H, T, -1))).reshape(sc.shape)
-    if ctx.key_mask is not None:  # padding keys: exp underflows to exactly 0 (uniform if all are padding)
-        np.copyto(sc, np.finfo(sc.dtype).min / 2, where=ctx.key_mask)
-    p = _softmax_(sc, ctx)
-    if ctx.hook is not None:
-        p = np.ascontiguousarray(ctx.hook("attn.pattern", p.reshape(B, H, T, -1))).reshape(p.shape)
     buf, view = _heads_out(B, T, cfg, a.dtype)
-    np.matmul(p, v5, out=view)
-    if ctx.hook is not None:  # (B, T, H, dh)
-        buf = np.ascontiguousarray(ctx.hook("attn.head_out", buf))
+    p, discard, hook = None, cache.pop(DISCARD, False), ctx.hook
+    # Sites inside the heads (models/sites.py: scores and pattern as (B, H, T, Tk), head_out as
+    # (B, T, H, dh)): read, or changed by an intervention (which needs the unfused products).
+    read = hook is not None and getattr(hook, "heads", True)
+    changed = hook is not None and getattr(hook, "heads_changed", True)
+    if not changed and ctx.key_mask is None and fused_dtype(a.dtype):  # issue 18 (models/_fast.py)
+        check(fused_heads(cfg, s, q5, k5, v5, view), "attention scores")
+        if read or not discard:  # the JVP needs P; sites read it (the output stays the fused one)
+            sc = np.matmul(q5, k5.swapaxes(-1, -2))
+            if read:
+                hook("attn.scores", sc.reshape(B, H, T, -1))
+            p = _softmax_(sc, ctx)
+            if read:
+                hook("attn.pattern", p.reshape(B, H, T, -1))
+                hook("attn.head_out", buf)
+    else:  # float64, interventions inside the heads and padding masks: the unfused products
+        sc = np.matmul(q5, k5.swapaxes(-1, -2))
+        if read:
+            sc = np.ascontiguousarray(hook("attn.scores", sc.reshape(B, H, T, -1))).reshape(sc.shape)
+        if ctx.key_mask is not None:  # padding keys: exp underflows to exactly 0 (uniform if all are padding)
+            np.copyto(sc, np.finfo(sc.dtype).min / 2, where=ctx.key_mask)
+        p = _softmax_(sc, ctx)
+        if read:
+            p = np.ascontiguousarray(hook("attn.pattern", p.reshape(B, H, T, -1))).reshape(p.shape)
+        np.matmul(p, v5, out=view)
+        if read:
+            buf = np.ascontiguousarray(hook("attn.head_out", buf))
     out = buf.reshape(B * T, H * cfg.head_dim) @ w["attn.w_o"]
     if cfg.bias:
         out += w["attn.b_o"]
@@ -130,7 +147,14 @@ def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarr
     cfg = ctx.cfg
     K, T, d = da.shape
     H, Hkv = cfg.n_heads, cfg.n_kv_heads
-    dq, dk, dv = _split_heads(da.reshape(K * T, d) @ w["attn.w_qkv"], K, T, cfg)
+    dqkv = da.reshape(K * T, d) @ w["attn.w_qkv"]
+    if ctx.rows is None and fused_dtype(da.dtype):  # issue 18: head-major GEMMs (models/_fast.py)
+        x = dqkv.reshape(K, T, H + 2 * Hkv, cfg.head_dim)
+        dq, dk = _qk(ctx, x[:, :, :H].transpose(2, 0, 1, 3), x[:, :, H : H + Hkv].transpose(2, 0, 1, 3))
+        buf = attn_jvp_gemm(ctx, dq, np.ascontiguousarray(dk), x[:, :, H + Hkv :], cache,
+                            kernel("softmax_jvp"), check)
+        return (buf.reshape(K * T, H * cfg.head_dim) @ w["attn.w_o"]).reshape(K, T, d)
+    dq, dk, dv = _split_heads(dqkv, K, T, cfg)
     dq, dk = _qk(ctx, dq, dk)  # rotation and scaling are linear
     q5, k5, v5, p = cache["attn.q"], cache["attn.k"], cache["attn.v"], cache["attn.p"]
     dk5, dv5 = dk[:, :, None], dv[:, :, None]

@@ -52,7 +52,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _blocks
+from . import _blocks, _fast
 from .. import _validate as _v
 from .interventions import Intervention, parse_interventions
 
@@ -130,7 +130,25 @@ class _Hooks:
         pre = f"blocks.{k}."
         if not any(n.startswith(pre) for n in self.want) and not any(n.startswith(pre) for n in self.ivs):
             return None
-        return lambda name, x: self.at(pre + name, x)
+        return _BlockHook(self, pre)
+
+
+#: Sites inside the attention heads: only the unfused products expose them.
+_HEAD_SITES = ("attn.scores", "attn.pattern", "attn.head_out")
+
+
+class _BlockHook:
+    """The hook of one block: ``hook(name, x)``. ``heads``: a site inside the attention heads is
+    read or changed; ``heads_changed``: changed by an intervention, so attention must run
+    unfused (models/_attention.py); reading alone keeps the forward's own (fused) output."""
+
+    def __init__(self, hooks: _Hooks, pre: str) -> None:
+        self.hooks, self.pre = hooks, pre
+        self.heads = any(pre + n in hooks.want or pre + n in hooks.ivs for n in _HEAD_SITES)
+        self.heads_changed = any(pre + n in hooks.ivs for n in _HEAD_SITES)
+
+    def __call__(self, name: str, x: np.ndarray) -> np.ndarray:
+        return self.hooks.at(self.pre + name, x)
 
 
 class Sites:
@@ -234,7 +252,8 @@ class Sites:
                 ctx = ctx._replace(rope_q=(cos * scale, sin * scale), rope_k=(cos, sin))
         kept: list[dict[str, Any]] = []
         for k in range(cfg.n_layers):
-            data: dict[str, Any] = {}
+            # Blocks whose data nobody keeps may skip what only a JVP needs (the fused float32 head).
+            data: dict[str, Any] = {} if first is not None and k >= first else {_fast.DISCARD: True}
             bh = None if hk is None else hk.block(k)
             if bh is not None:
                 out[k] = bh("resid_pre", out[k])

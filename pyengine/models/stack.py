@@ -30,7 +30,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _blocks, _npz
+from . import _blocks, _fast, _npz
 from .. import _validate as _v
 from ..kernels.layernorm import layer_norm, rms_norm
 from .config import StackConfig, _check_arrays, expected_arrays
@@ -273,7 +273,7 @@ class Stack(Sites, Linearization, ReverseMode):
         if return_cache and batched:
             raise ValueError("return_cache needs h of shape (T, d_model): a JVP linearizes at one sequence")
         w = self._params(x.dtype)[0][k]
-        data: dict[str, Any] = {}
+        data: dict[str, Any] = {} if return_cache else {_fast.DISCARD: True}
         if past is None:
             ctx = _blocks.make_context(self._config, x.shape[1], x.dtype)
         else:

@@ -1,0 +1,111 @@
+"""Fast paths of the block engine (issue 18): the fused attention head, and the JVP by GEMMs.
+
+The batched ``q k^T``, softmax and ``P v`` products of :func:`pyengine.models._attention.attn`
+run at a fraction of GEMM speed on GPT-2-small shapes (780 products of 128 x 64 x 128 for
+65 sequences: under a third of the speed of the weight GEMMs, plus a (B, H, T, T) score
+array written and read three times). The fused kernel ``attention_forward`` of
+:mod:`pyengine.kernels.attention` streams each query row over its visible keys instead
+and never stores the scores: on (65 x 128, 768) float32 it takes about a quarter of the
+time of the three passes it replaces (benchmarks/torch_compare.py, README "Propagation
+speed (issue 18)").
+
+Used for float32 only: float64 keeps the batched products, bit for bit as before. The
+float32 fused head accumulates its sums in float64, so its outputs are at least as
+accurate as the float32 BLAS products they replace. The base-sequence forward that keeps a
+cache for JVPs also takes the fused head for its output (so the exact propagation's
+perturbed and base runs compute the same function, and unperturbed rows cancel exactly),
+and additionally the probabilities P the JVP needs.
+
+The float32 attention JVP (:func:`attn_jvp_gemm`) shares the base's keys, values and P
+between its K tangents, so each product is one 2-D GEMM per key/value head over all K
+tangents instead of K x H small batched ones (grouped-query heads included). The JVP on
+per-token diagonal blocks (``ctx.rows``) keeps the generic path.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+
+from ..kernels.attention import kernel as attention_kernel
+
+__all__ = ["DISCARD", "attn_jvp_gemm", "fused_dtype", "fused_heads"]
+
+
+def fused_dtype(dtype: np.dtype) -> bool:
+    """Whether the forward pass of a block in ``dtype`` takes the fused attention head."""
+    return dtype == np.float32
+
+
+def _per_head(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
+    """(B, Hkv, 1 or g, T, dh) -> a C-contiguous (B*H, T, dh) array (GQA: keys copied per query head)."""
+    if x.shape != shape:
+        x = np.broadcast_to(x, shape)
+    return np.ascontiguousarray(x).reshape(-1, shape[-2], shape[-1])
+
+
+def fused_heads(cfg: Any, start: int, q5: np.ndarray, k5: np.ndarray, v5: np.ndarray, view: np.ndarray) -> int:
+    """softmax(q k^T, causal from ``start``) v into ``view`` (B, Hkv, g, T, dh); the bad-row count.
+
+    ``q5`` (B, Hkv, g, Tq, dh) carries the 1/sqrt(dh) scale already; ``k5``, ``v5``
+    (B, Hkv, 1, Tk, dh). Query row i sees keys j <= start + i (causal), all keys otherwise.
+    """
+    B, Hkv, g, tq, dh = q5.shape
+    tk = k5.shape[-2]
+    q = _per_head(q5, q5.shape)
+    k = _per_head(k5, (B, Hkv, g, tk, dh))
+    v = _per_head(v5, (B, Hkv, g, tk, v5.shape[-1]))
+    out = np.empty((q.shape[0], tq, v.shape[-1]), q.dtype)
+    lse, ent = np.empty(q.shape[:2]), np.empty(q.shape[:2])
+    offset = start if cfg.causal else tk - 1
+    nbad = attention_kernel("attention_forward")(q, k, v, offset, 1.0, out, lse, ent)
+    np.copyto(view, out.reshape(view.shape))
+    return nbad
+
+
+#: A key of a block's cache dict set by callers that discard the cache: the forward then
+#: skips what only a JVP or VJP would read (the attention probabilities of the fused path).
+DISCARD = "fast.discard"
+
+
+def attn_jvp_gemm(ctx: Any, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, cache: dict, softmax_jvp: Any,
+                  check: Any) -> np.ndarray:
+    """The head outputs' tangent of a float32 attention JVP by 2-D GEMMs, (K, T', H, dh).
+
+    ``dq``, ``dk`` (H or Hkv, K, T', dh): the query and key tangents in head-major order,
+    already rotated and scaled like the base; ``dv`` (K, T', Hkv, dh) (a view). The
+    batched (K x H) products of 128 x 64 x 128 that the generic path multiplies run
+    several times slower per flop than one GEMM per key/value head over all K tangents
+    (the base's keys, values and probabilities are shared by the K tangents):
+
+    dS = dQ K^T + Q dK^T (causal keys from ``start``), dP = P (dS - rowsum(P dS)),
+    dO = dP V + P dV. Masked entries have P = 0 and drop out exactly.
+    """
+    cfg, s = ctx.cfg, ctx.start
+    H, Hkv = cfg.n_heads, cfg.n_kv_heads
+    g = H // Hkv
+    q5, k5, v5, p = cache["attn.q"], cache["attn.k"], cache["attn.v"], cache["attn.p"]
+    K, tq, _, dh = dv.shape
+    tk = k5.shape[-2]
+    dq3, dk3 = dq.reshape(Hkv, g * K * tq, dh), dk.reshape(Hkv, K * tq, dh)
+    ds = np.empty((Hkv, g, K, tq, tk), dq.dtype)
+    oh = np.empty((Hkv, g, K, tq, dh), dq.dtype)
+    pdv = np.empty((Hkv, g, tq, K, dh), dq.dtype)
+    dvh = np.ascontiguousarray(dv.transpose(2, 1, 0, 3)).reshape(Hkv, tq, K * dh)  # (Hkv, T', K dh)
+    tmp = np.empty((g * tq, K * tq), dq.dtype)
+    for j in range(Hkv):
+        kj, vj = np.ascontiguousarray(k5[0, j, 0]), np.ascontiguousarray(v5[0, j, 0])  # (Tk, dh), BLAS layout
+        qj = q5[0, j].reshape(g * tq, dh)
+        dsj = ds[j].reshape(g * K * tq, tk)
+        np.matmul(dq3[j], kj.T, out=dsj)
+        np.matmul(qj, dk3[j].T, out=tmp)  # (g T', K T'): q_i . dk_j for every tangent
+        ds[j][..., s:] += tmp.reshape(g, tq, K, tq).transpose(0, 2, 1, 3)
+        for i in range(g):
+            h5 = ds[j, i].reshape(K, 1, tq, tk)
+            check(softmax_jvp(p[0, j, i][None], h5, h5), "attention score tangents")
+        np.matmul(dsj, vj, out=oh[j].reshape(g * K * tq, dh))
+        np.matmul(p[0, j].reshape(g * tq, tk)[:, s:], dvh[j], out=pdv[j].reshape(g * tq, K * dh))
+    buf = np.empty((K, tq, H, dh), dq.dtype)
+    np.add(oh.reshape(H, K, tq, dh).transpose(1, 2, 0, 3), pdv.reshape(H, tq, K, dh).transpose(2, 1, 0, 3), out=buf)
+    return buf

@@ -1,0 +1,65 @@
+"""Issue 18's float32 fast paths of the block engine (models/_fast.py) against the generic path.
+
+The fused attention head (forward) and the head-major GEMMs (JVP) must compute what the
+batched products compute, to float32 rounding, on every attention variant they serve:
+causal and not, grouped-query heads, rotary positions, a span that starts mid-sequence.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyengine as pe
+import pyengine.models._attention as attention_module
+
+CONFIGS = [
+    dict(),
+    dict(n_kv_heads=2, positions="rotary"),
+    dict(n_kv_heads=1),
+    dict(causal=False, positions="learned"),
+]
+
+
+def _stack(kw):
+    cfg = pe.StackConfig(d_model=64, n_heads=4, d_mlp=128, n_layers=2, vocab_size=50, max_seq_len=32, **kw)
+    return pe.init_weights(cfg, "gpt2", seed=0, dtype=np.float32)
+
+
+def _generic(monkeypatch):
+    monkeypatch.setattr(attention_module, "fused_dtype", lambda dtype: False)
+
+
+def _close(a, b):  # float32 rounding of the last bits, relative to the largest entry
+    np.testing.assert_allclose(a, b, rtol=0, atol=2e-6 * max(np.abs(b).max(), 1e-30))
+
+
+@pytest.mark.parametrize("kw", CONFIGS)
+def test_forward_and_jvp_match_the_generic_path(kw, monkeypatch):
+    st = _stack(kw)
+    rng = np.random.default_rng(1)
+    h = st.hidden_states(np.arange(20) % 50)[1]
+    hb = (h[None] + 0.1 * rng.standard_normal((3, 20, 64))).astype(np.float32)
+    t = rng.standard_normal((5, 20, 64)).astype(np.float32)
+    out, cache = st.block_forward(1, h, return_cache=True)
+    fast = st.block_forward(1, hb), st.block_jvp(1, h, t, cache=cache)
+    np.testing.assert_array_equal(st.block_forward(1, h), out)  # the cache-less forward: same function
+    assert attention_module.fused_dtype(np.dtype(np.float32))  # the fast path was the one taken
+    with monkeypatch.context() as m:
+        _generic(m)
+        _, cache_g = st.block_forward(1, h, return_cache=True)
+        slow = st.block_forward(1, hb), st.block_jvp(1, h, t, cache=cache_g)
+    for a, b in zip(fast, slow):
+        _close(a, b)
+
+
+@pytest.mark.parametrize("kw", CONFIGS[:2])
+@pytest.mark.parametrize("linearized", [False, True])
+def test_propagate_span_matches_the_generic_path(kw, linearized, monkeypatch):
+    st = _stack(kw)
+    ids, V = np.arange(20) % 50, np.random.default_rng(2).standard_normal((4, 64))
+    fast = pe.propagate(st, ids, V, 1.0, 0, slice(8, None), linearized=linearized)
+    _generic(monkeypatch)
+    slow = pe.propagate(st, ids, V, 1.0, 0, slice(8, None), linearized=linearized)
+    _close(fast.delta_norm, slow.delta_norm)
+    np.testing.assert_allclose(fast.cosine, slow.cosine, atol=1e-5)

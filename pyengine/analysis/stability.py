@@ -86,6 +86,8 @@ class SignalPropagation:
     backward_rms: np.ndarray
     forward_pred: np.ndarray
     backward_pred: np.ndarray
+    #: The architecture of a transformer stack (:func:`~pyengine.analysis.stack_stability.stack_signal_propagation`).
+    arch: str = ""
 
     @property
     def depth(self) -> int:
@@ -93,6 +95,8 @@ class SignalPropagation:
 
     @property
     def label(self) -> str:
+        if self.arch:
+            return f"{self.scheme} {self.activation} {self.arch}"
         return f"{self.scheme} {self.activation} {'pre-' + self.norm if self.norm != 'none' else 'no norm'}" \
                f"{' residual' if self.residual else ''}"
 

@@ -128,7 +128,8 @@ def mlp_stack(depth: int, width: int, scheme: str, *, residual: bool = False, d_
     """The weights of an MLP-only stack: per layer (W,) (d, d), or (W1, W2) if ``residual``.
 
     ``init`` goes to :func:`~pyengine.models.initialization.init_matrix` (mode,
-    nonlinearity, gain). Each layer's matrices come from their own seeded stream.
+    nonlinearity, gain). Each layer's matrices come from their own seeded stream, drawn
+    in ``dtype`` directly (float32 weights are not float64 draws rounded).
     """
     depth, width = _v.count("depth", depth), _v.count("width", width)
     dm = _v.count("d_mlp", d_mlp) if d_mlp is not None else 4 * width
@@ -137,10 +138,10 @@ def mlp_stack(depth: int, width: int, scheme: str, *, residual: bool = False, d_
     for k in range(depth):
         rng = np.random.default_rng([_v.int_seed(seed), k])
         if residual:
-            layers.append((init_matrix(rng, scheme, width, dm, **init).astype(dt),
-                           init_matrix(rng, scheme, dm, width, gpt2_std=0.02 / math.sqrt(2 * depth), **init).astype(dt)))
+            layers.append((init_matrix(rng, scheme, width, dm, dtype=dt, **init),
+                           init_matrix(rng, scheme, dm, width, gpt2_std=0.02 / math.sqrt(2 * depth), dtype=dt, **init)))
         else:
-            layers.append((init_matrix(rng, scheme, width, width, **init).astype(dt),))
+            layers.append((init_matrix(rng, scheme, width, width, dtype=dt, **init),))
     return layers
 
 

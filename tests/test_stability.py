@@ -145,3 +145,31 @@ def test_stack_prediction_holds_where_its_assumptions_do():
     big = stack_signal_propagation(pe.init_weights(cfg, "kaiming_normal", dtype=np.float64), 32,
                                    scheme="kaiming_normal")
     assert big.departure()[0] > 0.1 and big.forward_rms[-1] > 2 * big.forward_rms[0]
+
+
+def test_gelu_second_moment_is_exact_and_not_relus_half():
+    from scipy import integrate, special
+
+    from pyengine.analysis.stability import gelu_second_moment
+
+    for q in (1e-3, 0.3, 1.0, 2.0, 7.5):
+        dens = lambda z, q=q: (z * special.ndtr(z)) ** 2 * np.exp(-z * z / (2 * q)) / np.sqrt(2 * np.pi * q)
+        assert gelu_second_moment(q) == pytest.approx(integrate.quad(dens, -np.inf, np.inf, epsabs=0,
+                                                                     epsrel=1e-13)[0], rel=1e-10)
+    z = np.random.default_rng(0).standard_normal(2_000_000)
+    assert np.mean((z * special.ndtr(z)) ** 2) == pytest.approx(gelu_second_moment(1.0), rel=5e-3)
+    assert gelu_second_moment(1.0) == pytest.approx(0.4252214826, rel=1e-9)  # 1/4 + 1/12 + 1/(2 pi sqrt 3)
+    assert gelu_second_moment(1e-6) / 1e-6 == pytest.approx(0.25, rel=1e-3)
+    assert gelu_second_moment(1e6) / 1e6 == pytest.approx(0.5, rel=1e-3)
+    with pytest.raises(ValueError, match="q"):
+        gelu_second_moment(-1.0)
+
+
+def test_report_states_the_departures():
+    from pyengine.experiments.stability import format_stability, stability
+
+    rep = stability(("kaiming_normal",), 6, 64, 16, demo=False)
+    text = format_stability(rep)
+    assert "Departures from the init formula" in text and "GELU is not ReLU" in text
+    assert text.count("kaiming_normal relu") >= 8 and "0.4252" in text
+    assert rep.gelu_runs and rep.gelu_runs[0].activation == "gelu"

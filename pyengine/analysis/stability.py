@@ -41,7 +41,7 @@ from .. import _validate as _v
 from ..kernels.layernorm import layer_norm, layer_norm_vjp, rms_norm, rms_norm_vjp
 from ..models.initialization import init_matrix, init_variance
 
-__all__ = ["ACTIVATIONS", "SignalPropagation", "mlp_stack", "signal_propagation"]
+__all__ = ["ACTIVATIONS", "SignalPropagation", "gelu_second_moment", "mlp_stack", "signal_propagation"]
 
 ACTIVATIONS = ("relu", "gelu", "tanh", "linear")
 NORMS = ("none", "layernorm", "rmsnorm")
@@ -66,6 +66,23 @@ def _dphi(name: str, u: np.ndarray) -> np.ndarray:
     if name == "tanh":
         return 1 - np.tanh(u) ** 2
     return np.ones_like(u)
+
+
+def gelu_second_moment(q: float) -> float:
+    """E[gelu(z)²] for z ~ N(0, q), gelu(z) = z Φ(z), exactly.
+
+    With Φ = ½ + ½ erf(z/√2), E[erf(z/√2)²] = (2/π) arcsin(q/(1 + q)) and Stein's
+    E[z² f(z)] = q F(q) + 2 q² F'(q) (F(q) = E f(z)):
+
+        E[gelu(z)²] = q/4 + (q/2π) arcsin(q/(1 + q)) + q² / (π (1 + q) √(1 + 2q)).
+
+    Unlike ReLU's q/2 this is not homogeneous in q: the gain E[gelu(z)²]/q rises from 1/4
+    (q -> 0: gelu ≈ z/2) through 0.4252 at q = 1 to 1/2 (q -> ∞: gelu ≈ relu), so He's
+    factor 2 (exact for ReLU) under-corrects GELU and a plain GELU stack decays, at a rate
+    that grows as the signal shrinks.
+    """
+    q = _v.nonnegative("q", q)
+    return q / 4 + q / (2 * math.pi) * math.asin(q / (1 + q)) + q * q / (math.pi * (1 + q) * math.sqrt(1 + 2 * q))
 
 
 def _gauss(f, s: float) -> float:

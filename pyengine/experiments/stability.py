@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
 import numpy as np
 
-from ..analysis.stability import SignalPropagation, mlp_stack, signal_propagation
+from ..analysis.stability import SignalPropagation, gelu_second_moment, mlp_stack, signal_propagation
 from ..analysis.stack_stability import stack_signal_propagation
 from ..analysis.weight_spectra import WeightSpectra, weight_spectra
 from ..linalg.steepest import steepest_descent
@@ -39,6 +40,8 @@ class Stability:
     seconds: float = 0.0
     #: The same schemes in full transformer stacks (attention + MLP blocks, LayerNorm, residual).
     stack_runs: list[SignalPropagation] = dataclasses.field(default_factory=list)
+    #: Kaiming GELU runs (no norm, plain) for the GELU departure of :func:`departures`.
+    gelu_runs: list[SignalPropagation] = dataclasses.field(default_factory=list)
 
 
 def descent_demo(steps: int = 100, d_out: int = 32, d_in: int = 64, seed: int = 0,
@@ -81,7 +84,7 @@ def stability(
     activation: str = "relu", settings: tuple[tuple[str, bool], ...] = SETTINGS, model: Any = None,
     demo: bool = True, seed: int = 0, dtype: Any = np.float32, progress: Any = None,
     stack_depth: int = 12, stack_width: int = 256, stack_tokens: int | None = None,
-    placements: tuple[str, ...] = (),
+    placements: tuple[str, ...] = (), gelu_check: bool = True,
 ) -> Stability:
     """Signal propagation of every scheme x setting; weight spectra of ``model`` (a Stack or a
     load_pretrained name) if given; the descent demo if ``demo``.
@@ -91,7 +94,8 @@ def stability(
     or 1 head if narrower), ``stack_tokens`` tokens (default ``tokens``), one stack per
     placement of ``placements`` (default none; ``pyengine stability`` runs
     :data:`STACK_PLACEMENTS`); its forward and backward go through
-    Stack.forward and Stack.block_vjp.
+    Stack.forward and Stack.block_vjp. ``gelu_check`` adds a plain Kaiming GELU stack
+    (the same weights as the ReLU one) for the GELU line of :func:`departures`.
     """
     import time
 
@@ -105,6 +109,12 @@ def stability(
             weights[s, r] = mlp_stack(depth, width, s, residual=r, seed=seed, dtype=dtype)
         runs.append(signal_propagation(s, depth, width, tokens, activation=activation, norm=n, residual=r,
                                        seed=seed, dtype=dtype, layers=weights[s, r]))
+    gelu_runs = []
+    if gelu_check and "kaiming_normal" in schemes:
+        if progress:
+            progress(len(plan), len(plan), "kaiming_normal gelu")
+        gelu_runs.append(signal_propagation("kaiming_normal", depth, width, tokens, activation="gelu", seed=seed,
+                                            dtype=dtype, layers=weights.get(("kaiming_normal", False))))
     stack_runs = []
     if placements:
         from ..models.config import StackConfig
@@ -126,7 +136,45 @@ def stability(
 
             name, model = model, load_pretrained(model)
         spectra = weight_spectra(model)
-    return Stability(runs, spectra, name, descent_demo() if demo else None, time.perf_counter() - t0, stack_runs)
+    return Stability(runs, spectra, name, descent_demo() if demo else None, time.perf_counter() - t0, stack_runs,
+                     gelu_runs)
+
+
+def _naive(r: SignalPropagation) -> float:
+    """RMS h_L / h_0 of the init formula alone: per layer sqrt(n_in Var W · ½) (He's ReLU half), no norm, no
+    residual: 1 for Kaiming ReLU, sqrt(1/2) for Xavier, sqrt(1/6) for torch_default, 1/sqrt 2 orthogonal."""
+    from ..models.initialization import forward_gain
+
+    return math.sqrt(0.5 * forward_gain(r.scheme, r.width, r.width)) ** r.depth
+
+
+def departures(rep: Stability) -> list[str]:
+    """Where and by how much LayerNorm, the residual and GELU depart from the init formula, measured."""
+    rows = ["Departures from the init formula (forward RMS h_L / h_0; formula = per layer sqrt(n_in Var W / 2), "
+            "no norm, no residual):"]
+    for r in rep.runs:
+        if r.scheme != "kaiming_normal":
+            continue
+        meas = r.forward_rms[-1] / r.forward_rms[0]
+        bw = r.backward_rms[0] / r.backward_rms[-1]
+        why = {("none", False): "the formula's own case (finite width only)",
+               ("layernorm", False): "LN resets the mean square to 1 per layer; ReLU output mean is "
+                                     "removed, so the formula's 1/2 is not what reaches the next layer",
+               ("none", True): "the residual adds the branch: q_{l+1} = q_l (1 + d_mlp V2 d V1 / 2) compounds",
+               ("layernorm", True): "pre-LN residual: q grows linearly, q_l = 1 + l (branch), gradients "
+                                    "shrink by the LN gain 1/sqrt(q_l) on the way back"}[(r.norm, r.residual)]
+        rows.append(f"  {r.label:<40} measured {meas:.3g} (backward {bw:.3g}) vs formula {_naive(r):.3g}: "
+                    f"x{meas / _naive(r):.3g}; mean field {r.forward_pred[-1] / r.forward_pred[0]:.3g}. {why}")
+    for r in rep.gelu_runs:
+        per = r.forward_rms[1:] / r.forward_rms[:-1]
+        pp = r.forward_pred[1:] / r.forward_pred[:-1]
+        rows.append(f"  {r.label:<40} measured {r.forward_rms[-1] / r.forward_rms[0]:.3g} vs He formula 1 "
+                    f"(mean field with the exact GELU gain {r.forward_pred[-1] / r.forward_pred[0]:.3g}): GELU is "
+                    f"not ReLU. Exact E[gelu(z)^2] = q/4 + (q/2pi) asin(q/(1+q)) + q^2/(pi (1+q) sqrt(1+2q)), "
+                    f"gain E[gelu(z)^2]/q = {gelu_second_moment(1.0):.4f} at q = 1 (ReLU 0.5), falling to 1/4 as "
+                    f"q -> 0. Per layer: x{pp[0]:.4f} predicted / x{per[0]:.4f} measured at layer 1, "
+                    f"x{pp[-1]:.4f} / x{per[-1]:.4f} at layer {r.depth}")
+    return rows
 
 
 def format_stability(rep: Stability) -> str:
@@ -137,6 +185,8 @@ def format_stability(rep: Stability) -> str:
         rows.append(f"{r.label:<46} {r.forward_rms[-1]:>11.3g} {r.forward_pred[-1]:>9.3g} {r.backward_rms[0]:>11.3g} "
                     f"{r.backward_pred[0]:>9.3g} {f:>7.2f} {b:>7.2f}")
     rows.append("dep = max over layers |log(measured/predicted)| (0: the formula holds)")
+    if any(r.scheme == "kaiming_normal" for r in rep.runs) or rep.gelu_runs:
+        rows += [""] + departures(rep)
     if rep.stack_runs:
         rows += ["", "Signal propagation (transformer stacks: attention + GELU MLP blocks, residual; Stack.forward and "
                  "Stack.block_vjp)", f"{'setting':<46} {'fwd RMS h_L':>11} {'pred':>9} {'bwd RMS g_0':>11} "

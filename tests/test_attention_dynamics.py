@@ -193,7 +193,7 @@ def test_interrupt_keeps_the_finished_seeds(monkeypatch):
 def test_worker_processes_give_the_serial_report_exactly():
     """Seeds in 2 spawned single-threaded workers: every metric, PCA, heat map and skip count bit-for-bit
     the serial run's, the seeds in their given order, progress reaching 1."""
-    kw = dict(seeds=(9999, 42, 7), steps=12, T=120)
+    kw = dict(seeds=(9999, 42, 7), steps=12, T=120)  # 9 (seed, arm) tasks
     serial = attention_dynamics(**kw)
     ticks = []
     par = attention_dynamics(**kw, workers=2, progress=lambda frac, label: ticks.append(frac))

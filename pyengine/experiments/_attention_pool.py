@@ -3,7 +3,7 @@
 Each worker is a spawned process (not forked: the parent's OpenMP and BLAS thread pools do
 not survive a fork) that runs whole seeds with one BLAS thread (threadpoolctl) and one
 kernel thread (:func:`pyengine.set_num_threads`), so ``workers`` processes use ``workers``
-cores. A seed's computation is the serial one, and the kernels' results do not depend on
+cores. A task is one (seed, arm); its computation is the serial one, and the kernels' results do not depend on
 their thread count: the report is bit-for-bit the serial report. Progress comes back
 through a queue, 25 steps at a time.
 """
@@ -33,7 +33,7 @@ def _init(q: Any) -> None:
     set_num_threads(1)
 
 
-def _work(seed: int, job: tuple) -> tuple[int, dict]:
+def _work(seed: int, arm: str, job: tuple) -> tuple[int, str, dict]:
     from threadpoolctl import threadpool_limits
 
     from .attention_dynamics import run_seed
@@ -47,15 +47,19 @@ def _work(seed: int, job: tuple) -> tuple[int, dict]:
             count[0] = 0
 
     with threadpool_limits(1):  # BLAS loaded after the initializer (scipy's) is limited too
-        out = run_seed(seed, *job, tick=tick)
+        out = run_seed(seed, (arm,), *job[1:], tick=tick)[arm]
     if count[0]:
-        _QUEUE.put((f"seed {seed}", count[0]))
-    return seed, out
+        _QUEUE.put((f"seed {seed} arm {arm}", count[0]))
+    return seed, arm, out
 
 
 def run_seeds(seeds: Sequence[int], job: tuple, workers: int, tick: Callable[..., None],
               results: dict[int, Any]) -> None:
     """Run ``run_seed(seed, *job)`` for every seed in ``workers`` processes into ``results`` (as they finish).
+
+    The tasks are (seed, arm) pairs (an arm depends on its seed only: the data and the
+    initialization are drawn from it), the M-step arms first (the longest), so that 5 seeds x
+    3 arms keep 2 workers busy to the end; a seed enters ``results`` when all its arms are done.
 
     ``tick(label, n)`` reports n finished steps. On KeyboardInterrupt the pending seeds are
     cancelled, the workers stopped, and the exception re-raised (``results`` keeps the
@@ -63,16 +67,21 @@ def run_seeds(seeds: Sequence[int], job: tuple, workers: int, tick: Callable[...
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(seeds)), mp_context=ctx, initializer=_init,
+    pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(seeds) * len(job[0])), mp_context=ctx, initializer=_init,
                                   initargs=(q,))
     try:
-        pending = {pool.submit(_work, s, job) for s in seeds}
+        arms = job[0]
+        order = sorted(arms, key=lambda a: a != "m_step")
+        pending = {pool.submit(_work, s, a, job) for a in order for s in seeds}
+        parts: dict[int, dict[str, Any]] = {s: {} for s in seeds}
         while pending:
             done, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)
             _drain(q, tick)
             for f in done:
-                seed, out = f.result()
-                results[seed] = out
+                seed, arm, out = f.result()
+                parts[seed][arm] = out
+                if len(parts[seed]) == len(arms):
+                    results[seed] = {a: parts[seed][a] for a in arms}
         _drain(q, tick)
     except BaseException:
         for p in list(getattr(pool, "_processes", {}).values()):  # stop running seeds now, not at their end

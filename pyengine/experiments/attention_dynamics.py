@@ -400,7 +400,7 @@ def _run(seeds, arms, steps, T, n_symbols, stay, lr, value_lr_factor, newton_dam
     interrupted = False
     results: dict[int, dict[str, dict[str, Any]]] = {}  # seed -> arm -> run, filled as seeds finish
     try:
-        if workers > 1 and len(seeds) > 1:
+        if workers > 1 and len(seeds) * len(arms) > 1:
             from ._attention_pool import run_seeds
 
             run_seeds(seeds, job, workers, tick, results)

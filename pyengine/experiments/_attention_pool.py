@@ -1,10 +1,11 @@
 """Seeds of :func:`~pyengine.experiments.attention_dynamics.attention_dynamics` in worker processes.
 
 Each worker is a spawned process (not forked: the parent's OpenMP and BLAS thread pools do
-not survive a fork) that runs whole seeds with one BLAS thread (threadpoolctl) and one
-kernel thread (:func:`pyengine.set_num_threads`), so ``workers`` processes use ``workers``
-cores. A task is one (seed, arm); its computation is the serial one, and the kernels' results do not depend on
-their thread count: the report is bit-for-bit the serial report. Progress comes back
+not survive a fork) that runs (seed, arm) tasks with one BLAS thread (threadpoolctl) and
+one kernel thread (:func:`pyengine.set_num_threads`), so ``workers`` processes use
+``workers`` cores. A task computes what the serial run computes, and the kernels' results
+do not depend on their thread count: the report is bit-for-bit the serial report. With
+spawn, a script that sets ``workers`` > 1 needs the ``if __name__ == "__main__":`` guard. Progress comes back
 through a queue, 25 steps at a time.
 """
 

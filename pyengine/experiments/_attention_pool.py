@@ -34,10 +34,8 @@ def _init(q: Any) -> None:
     set_num_threads(1)
 
 
-def _work(seed: int, arm: str, job: tuple) -> tuple[int, str, dict]:
+def _work(run_seed: Callable[..., dict], seed: int, arm: str, job: tuple) -> tuple[int, str, dict]:
     from threadpoolctl import threadpool_limits
-
-    from .attention_dynamics import run_seed
 
     count = [0]
 
@@ -54,9 +52,9 @@ def _work(seed: int, arm: str, job: tuple) -> tuple[int, str, dict]:
     return seed, arm, out
 
 
-def run_seeds(seeds: Sequence[int], job: tuple, workers: int, tick: Callable[..., None],
-              results: dict[int, Any]) -> None:
-    """Run ``run_seed(seed, *job)`` for every seed in ``workers`` processes into ``results`` (as they finish).
+def run_seeds(run_seed: Callable[..., dict], seeds: Sequence[int], job: tuple, workers: int,
+              tick: Callable[..., None], results: dict[int, Any]) -> None:
+    """Run ``run_seed(seed, *job)`` (a module-level function: it is pickled by name) for every seed in ``workers`` processes into ``results`` (as they finish).
 
     The tasks are (seed, arm) pairs (an arm depends on its seed only: the data and the
     initialization are drawn from it), the M-step arms first (the longest), so that 5 seeds x
@@ -73,7 +71,7 @@ def run_seeds(seeds: Sequence[int], job: tuple, workers: int, tick: Callable[...
     try:
         arms = job[0]
         order = sorted(arms, key=lambda a: a != "m_step")
-        pending = {pool.submit(_work, s, a, job) for a in order for s in seeds}
+        pending = {pool.submit(_work, run_seed, s, a, job) for a in order for s in seeds}
         parts: dict[int, dict[str, Any]] = {s: {} for s in seeds}
         while pending:
             done, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)

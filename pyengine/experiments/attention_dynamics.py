@@ -403,7 +403,7 @@ def _run(seeds, arms, steps, T, n_symbols, stay, lr, value_lr_factor, newton_dam
         if workers > 1 and len(seeds) * len(arms) > 1:
             from ._attention_pool import run_seeds
 
-            run_seeds(seeds, job, workers, tick, results)
+            run_seeds(run_seed, seeds, job, workers, tick, results)
         else:
             for seed in seeds:
                 results[seed] = run_seed(seed, *job, tick=tick)

@@ -188,3 +188,29 @@ def test_interrupt_keeps_the_finished_seeds(monkeypatch):
     rep = ad.attention_dynamics(seeds=(1, 2), steps=3, T=30)
     assert rep.interrupted and rep.seeds == (1,)
     assert rep.metrics["gd"]["loss"].shape == (1, 4)
+
+
+def test_worker_processes_give_the_serial_report_exactly():
+    """Seeds in 2 spawned single-threaded workers: every metric, PCA, heat map and skip count bit-for-bit
+    the serial run's, the seeds in their given order, progress reaching 1."""
+    kw = dict(seeds=(9999, 42, 7), steps=12, T=120)  # 9 (seed, arm) tasks
+    serial = attention_dynamics(**kw)
+    ticks = []
+    par = attention_dynamics(**kw, workers=2, progress=lambda frac, label: ticks.append(frac))
+    assert par.seeds == serial.seeds == (9999, 42, 7) and not par.interrupted
+    for arm in serial.arms:
+        for m in serial.metrics[arm]:
+            np.testing.assert_array_equal(par.metrics[arm][m], serial.metrics[arm][m])
+        np.testing.assert_array_equal(par.value_pca[arm], serial.value_pca[arm])
+        for step, h in serial.heatmaps[arm].items():
+            np.testing.assert_array_equal(par.heatmaps[arm][step], h)
+    np.testing.assert_array_equal(par.m_step_skipped, serial.m_step_skipped)
+    assert ticks and ticks[-1] == 1.0 and par.config["workers"] == 2
+    with pytest.raises(ValueError, match="workers"):
+        attention_dynamics(seeds=(1,), steps=1, T=10, workers=0)
+
+
+def test_cli_workers_flag(tmp_path, capsys):
+    assert cli.main(["attention", "--steps", "2", "--seeds", "5,6", "--T", "30", "--workers", "2",
+                     "--out", str(tmp_path), "--no-plots", "--progress", "never"]) == 0
+    assert "2 worker(s)" in capsys.readouterr().out

@@ -114,3 +114,25 @@ def test_bad_arguments():
         pe.init_weights(cfg, "kaiming_normal", nonlinearity="swish")
     with pytest.raises(ValueError, match="gain"):
         pe.init_weights(cfg, "orthogonal", gain=-1.0)
+
+
+@pytest.mark.parametrize("scheme", ["gpt2", "kaiming_normal", "xavier_uniform", "torch_default", "orthogonal",
+                                    "spectral"])
+def test_float32_draws_are_float32_seeded_and_follow_the_formula(scheme):
+    a = ini.init_matrix(np.random.default_rng(4), scheme, 300, 500, dtype=np.float32)
+    b = ini.init_matrix(np.random.default_rng(4), scheme, 300, 500, dtype=np.float32)
+    assert a.dtype == np.float32 and a.shape == (300, 500)
+    np.testing.assert_array_equal(a, b)
+    rel = 0.1 if scheme == "spectral" else 0.02  # 150,000 entries: the sample variance is within ~1 %
+    assert np.mean(a.astype(np.float64) ** 2) == pytest.approx(ini.init_variance(scheme, 300, 500), rel=rel)
+    with pytest.raises(TypeError, match="dtype"):
+        ini.init_matrix(np.random.default_rng(4), scheme, 3, 5, dtype=np.int32)
+
+
+@pytest.mark.parametrize("shape", [(700, 300), (256, 256)])
+def test_orthogonal_is_the_sign_fixed_householder_q(shape):
+    """CholeskyQR2 gives the Q of the QR with diag(R) > 0 (Haar), as Householder QR with fixed signs."""
+    w = ini.init_matrix(np.random.default_rng(11), "orthogonal", *shape)
+    q, r = np.linalg.qr(np.random.default_rng(11).standard_normal(shape))
+    np.testing.assert_allclose(w, q * np.sign(np.diag(r)), atol=1e-12)
+    assert ini._haar_columns(np.ones((4, 2))).shape == (4, 2)  # rank-deficient: the Householder fallback

@@ -99,8 +99,77 @@ def test_report_and_cli(tmp_path, capsys):
     from pyengine.cli import main
 
     assert main(["stability", "--depth", "6", "--width", "32", "--tokens", "8", "--schemes", "kaiming_normal,gpt2",
-                 "--out", str(tmp_path)]) == 0
+                 "--stack-depth", "3", "--stack-width", "32", "--out", str(tmp_path)]) == 0
     out = capsys.readouterr().out
     assert "kaiming_normal relu pre-layernorm residual" in out and "spectral" in out
+    assert "gpt2 gelu post-layernorm sequential causal attn" in out and "transformer stacks" in out
     assert (tmp_path / "stability.png").exists() and (tmp_path / "descent.png").exists()
+    assert (tmp_path / "stack_stability.png").exists()
     assert main(["stability", "--schemes", "he", "--out", str(tmp_path), "--no-demo", "--depth", "2"]) == 2
+
+
+@pytest.mark.parametrize("kw", [dict(), dict(placement="post", positions="rotary"), dict(layout="parallel", causal=False),
+                                dict(residual=False, norm="rmsnorm"), dict(activation="silu_gated", n_kv_heads=2)])
+def test_stack_backward_rms_is_the_stack_vjp(kw):
+    """Transformer stacks: the backward RMS per layer equals that of Stack.vjp(from_layer=L, to_layer=l) of the
+    same cotangent, the forward RMS that of hidden_states, in every architecture."""
+    from pyengine.analysis import stack_signal_propagation
+
+    cfg = pe.StackConfig(d_model=32, n_heads=4, n_layers=4, d_mlp=48, **kw)
+    st = pe.init_weights(cfg, "kaiming_normal", seed=3, dtype=np.float64)
+    rng = np.random.default_rng(7)
+    h0, u = rng.standard_normal((2, 9, 32))
+    r = stack_signal_propagation(st, h0=h0, cotangent=u, scheme="kaiming_normal")
+    hidden = st.hidden_states(h0)
+    for layer in range(cfg.n_layers + 1):
+        direct = st.vjp(h0, u, from_layer=cfg.n_layers, to_layer=layer)
+        assert r.backward_rms[layer] == pytest.approx(np.sqrt(np.mean(direct**2)), rel=1e-12)
+        assert r.forward_rms[layer] == pytest.approx(np.sqrt(np.mean(hidden[layer] ** 2)), rel=1e-12)
+    assert r.backward_rms[-1] == pytest.approx(np.sqrt(np.mean(u**2)), rel=1e-12)
+    assert r.forward_pred.shape == r.backward_pred.shape == (5,) and np.all(np.isfinite(r.backward_pred))
+    assert "attn" in r.label
+    with pytest.raises(TypeError, match="stack"):
+        stack_signal_propagation(object())
+    with pytest.raises(ValueError, match="cotangent"):
+        stack_signal_propagation(st, h0=h0, cotangent=u[:3])
+
+
+def test_stack_prediction_holds_where_its_assumptions_do():
+    """gpt2 init, pre-LN: branches are small, attention near uniform, so the mean field holds to 2 %; with
+    kaiming weights the branches grow, tokens correlate through attention and the forward departs."""
+    from pyengine.analysis import stack_signal_propagation
+
+    cfg = pe.StackConfig(d_model=128, n_heads=4, n_layers=8, positions="none")
+    small = stack_signal_propagation(pe.init_weights(cfg, "gpt2", dtype=np.float64), 32, scheme="gpt2")
+    assert max(small.departure()) < 0.02
+    big = stack_signal_propagation(pe.init_weights(cfg, "kaiming_normal", dtype=np.float64), 32,
+                                   scheme="kaiming_normal")
+    assert big.departure()[0] > 0.1 and big.forward_rms[-1] > 2 * big.forward_rms[0]
+
+
+def test_gelu_second_moment_is_exact_and_not_relus_half():
+    from scipy import integrate, special
+
+    from pyengine.analysis.stability import gelu_second_moment
+
+    for q in (1e-3, 0.3, 1.0, 2.0, 7.5):
+        dens = lambda z, q=q: (z * special.ndtr(z)) ** 2 * np.exp(-z * z / (2 * q)) / np.sqrt(2 * np.pi * q)
+        assert gelu_second_moment(q) == pytest.approx(integrate.quad(dens, -np.inf, np.inf, epsabs=0,
+                                                                     epsrel=1e-13)[0], rel=1e-10)
+    z = np.random.default_rng(0).standard_normal(2_000_000)
+    assert np.mean((z * special.ndtr(z)) ** 2) == pytest.approx(gelu_second_moment(1.0), rel=5e-3)
+    assert gelu_second_moment(1.0) == pytest.approx(0.4252214826, rel=1e-9)  # 1/4 + 1/12 + 1/(2 pi sqrt 3)
+    assert gelu_second_moment(1e-6) / 1e-6 == pytest.approx(0.25, rel=1e-3)
+    assert gelu_second_moment(1e6) / 1e6 == pytest.approx(0.5, rel=1e-3)
+    with pytest.raises(ValueError, match="q"):
+        gelu_second_moment(-1.0)
+
+
+def test_report_states_the_departures():
+    from pyengine.experiments.stability import format_stability, stability
+
+    rep = stability(("kaiming_normal",), 6, 64, 16, demo=False)
+    text = format_stability(rep)
+    assert "Departures from the init formula" in text and "GELU is not ReLU" in text
+    assert text.count("kaiming_normal relu") >= 8 and "0.4252" in text
+    assert rep.gelu_runs and rep.gelu_runs[0].activation == "gelu"

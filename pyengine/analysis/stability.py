@@ -41,7 +41,7 @@ from .. import _validate as _v
 from ..kernels.layernorm import layer_norm, layer_norm_vjp, rms_norm, rms_norm_vjp
 from ..models.initialization import init_matrix, init_variance
 
-__all__ = ["ACTIVATIONS", "SignalPropagation", "mlp_stack", "signal_propagation"]
+__all__ = ["ACTIVATIONS", "SignalPropagation", "gelu_second_moment", "mlp_stack", "signal_propagation"]
 
 ACTIVATIONS = ("relu", "gelu", "tanh", "linear")
 NORMS = ("none", "layernorm", "rmsnorm")
@@ -68,6 +68,23 @@ def _dphi(name: str, u: np.ndarray) -> np.ndarray:
     return np.ones_like(u)
 
 
+def gelu_second_moment(q: float) -> float:
+    """E[gelu(z)²] for z ~ N(0, q), gelu(z) = z Φ(z), exactly.
+
+    With Φ = ½ + ½ erf(z/√2), E[erf(z/√2)²] = (2/π) arcsin(q/(1 + q)) and Stein's
+    E[z² f(z)] = q F(q) + 2 q² F'(q) (F(q) = E f(z)):
+
+        E[gelu(z)²] = q/4 + (q/2π) arcsin(q/(1 + q)) + q² / (π (1 + q) √(1 + 2q)).
+
+    Unlike ReLU's q/2 this is not homogeneous in q: the gain E[gelu(z)²]/q rises from 1/4
+    (q -> 0: gelu ≈ z/2) through 0.4252 at q = 1 to 1/2 (q -> ∞: gelu ≈ relu), so He's
+    factor 2 (exact for ReLU) under-corrects GELU and a plain GELU stack decays, at a rate
+    that grows as the signal shrinks.
+    """
+    q = _v.nonnegative("q", q)
+    return q / 4 + q / (2 * math.pi) * math.asin(q / (1 + q)) + q * q / (math.pi * (1 + q) * math.sqrt(1 + 2 * q))
+
+
 def _gauss(f, s: float) -> float:
     """E f(z), z ~ N(0, s)."""
     return float(np.sum(_GH_W * f(math.sqrt(2.0 * max(s, 0.0)) * _GH_X)) / math.sqrt(math.pi))
@@ -86,6 +103,8 @@ class SignalPropagation:
     backward_rms: np.ndarray
     forward_pred: np.ndarray
     backward_pred: np.ndarray
+    #: The architecture of a transformer stack (:func:`~pyengine.analysis.stack_stability.stack_signal_propagation`).
+    arch: str = ""
 
     @property
     def depth(self) -> int:
@@ -93,6 +112,8 @@ class SignalPropagation:
 
     @property
     def label(self) -> str:
+        if self.arch:
+            return f"{self.scheme} {self.activation} {self.arch}"
         return f"{self.scheme} {self.activation} {'pre-' + self.norm if self.norm != 'none' else 'no norm'}" \
                f"{' residual' if self.residual else ''}"
 
@@ -124,7 +145,8 @@ def mlp_stack(depth: int, width: int, scheme: str, *, residual: bool = False, d_
     """The weights of an MLP-only stack: per layer (W,) (d, d), or (W1, W2) if ``residual``.
 
     ``init`` goes to :func:`~pyengine.models.initialization.init_matrix` (mode,
-    nonlinearity, gain). Each layer's matrices come from their own seeded stream.
+    nonlinearity, gain). Each layer's matrices come from their own seeded stream, drawn
+    in ``dtype`` directly (float32 weights are not float64 draws rounded).
     """
     depth, width = _v.count("depth", depth), _v.count("width", width)
     dm = _v.count("d_mlp", d_mlp) if d_mlp is not None else 4 * width
@@ -133,10 +155,10 @@ def mlp_stack(depth: int, width: int, scheme: str, *, residual: bool = False, d_
     for k in range(depth):
         rng = np.random.default_rng([_v.int_seed(seed), k])
         if residual:
-            layers.append((init_matrix(rng, scheme, width, dm, **init).astype(dt),
-                           init_matrix(rng, scheme, dm, width, gpt2_std=0.02 / math.sqrt(2 * depth), **init).astype(dt)))
+            layers.append((init_matrix(rng, scheme, width, dm, dtype=dt, **init),
+                           init_matrix(rng, scheme, dm, width, gpt2_std=0.02 / math.sqrt(2 * depth), dtype=dt, **init)))
         else:
-            layers.append((init_matrix(rng, scheme, width, width, **init).astype(dt),))
+            layers.append((init_matrix(rng, scheme, width, width, dtype=dt, **init),))
     return layers
 
 

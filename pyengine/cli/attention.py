@@ -103,6 +103,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "fast as float64; the final losses agree to ~1e-7)")
     a.add_argument("--backend", choices=["auto", "cpp", "numba", "numpy"], default="auto",
                    help="kernel backend of the attention head (default auto)")
+    a.add_argument("--workers", type=_positive, default=2,
+                   help="worker processes for the seeds, each single-threaded (default 2; 1: serial in this "
+                        "process); the results are identical")
     a.add_argument("--out", default="attention-out", help="output folder (default ./attention-out)")
     a.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
     a.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
@@ -117,11 +120,11 @@ def run(args: argparse.Namespace) -> int:
 
     try:
         print(f"pyengine attention: {len(args.seeds)} seed(s) x {len(args.arms)} arm(s) x {args.steps} steps, "
-              f"T = {args.T}, {args.dtype}; output folder {args.out}", flush=True)
+              f"T = {args.T}, {args.dtype}, {args.workers} worker(s); output folder {args.out}", flush=True)
         rep = attention_dynamics(seeds=args.seeds, arms=args.arms, steps=args.steps, T=args.T, stay=args.stay,
                                  lr=args.lr, value_lr_factor=args.value_lr_factor,
                                  newton_damping=args.newton_damping, dtype=args.dtype, backend=args.backend,
-                                 progress=_Bar(args.progress))
+                                 progress=_Bar(args.progress), workers=args.workers)
         print(format_attention_table(rep))
         paths = write_attention_report(rep, args.out, plots=not args.no_plots)
         print(f"time: {rep.seconds['total']:.1f} s ({rep.seconds['per_step_ms']:.2f} ms per step); "

@@ -22,6 +22,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tokens", type=positive, default=128, help="tokens of the input batch (default 128)")
     p.add_argument("--activation", default="relu", choices=("relu", "gelu", "tanh", "linear"),
                    help="activation of the MLP stacks (default relu)")
+    p.add_argument("--stack-depth", type=positive, default=12,
+                   help="blocks of the transformer stacks (attention + MLP; default 12)")
+    p.add_argument("--stack-width", type=positive, default=256, help="d_model of the transformer stacks (default 256)")
+    p.add_argument("--no-stacks", action="store_true", help="skip the transformer stacks")
     p.add_argument("--model", default=None, help="a load_pretrained name or path for the spectral-condition table")
     p.add_argument("--no-demo", action="store_true", help="skip the steepest-descent comparison")
     p.add_argument("--out", default="stability-out", help="folder for the figures and stability.json")
@@ -29,12 +33,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from ..experiments.stability import format_stability, stability, write_stability
+    from ..experiments.stability import STACK_PLACEMENTS, format_stability, stability, write_stability
 
     schemes = tuple(s.strip() for s in args.schemes.split(",") if s.strip())
     bar = Progress("auto")
     rep = stability(schemes, args.depth, args.width, args.tokens, activation=args.activation, model=args.model,
-                    demo=not args.no_demo, seed=args.seed, progress=bar.step)
+                    demo=not args.no_demo, seed=args.seed, progress=bar.step,
+                    stack_depth=args.stack_depth, stack_width=args.stack_width,
+                    placements=() if args.no_stacks else STACK_PLACEMENTS)
     bar.step(1, 1, "done")
     print(format_stability(rep))
     for path in write_stability(rep, args.out):

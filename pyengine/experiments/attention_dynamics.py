@@ -335,8 +335,13 @@ def attention_dynamics(*, seeds: Sequence[int] = DEFAULT_SEEDS, arms: Sequence[s
                        T: int = 2000, n_symbols: int = 8, stay: float = 0.3, lr: float = 0.01,
                        value_lr_factor: float = 10.0, newton_damping: float = 1e-3, mu_seed: int = 0,
                        dtype: str = "float32", backend: str = "auto",
-                       progress: Progress | None = None) -> AttentionDynamics:
+                       progress: Progress | None = None, workers: int = 1) -> AttentionDynamics:
     """Run the experiment (module docstring) and return its report.
+
+    ``workers`` > 1 runs the seeds in that many worker processes (spawned), each with
+    single-threaded BLAS and kernels (threadpoolctl, :func:`pyengine.set_num_threads`);
+    every seed computes exactly what it computes serially (the kernels' results do not
+    depend on the thread count), so the report is identical, only sooner.
 
     Ctrl-C (KeyboardInterrupt) stops it: the report of the seeds finished so far (every
     arm of each) is returned with ``interrupted = True``; if no seed finished, it re-raises.
@@ -351,48 +356,66 @@ def attention_dynamics(*, seeds: Sequence[int] = DEFAULT_SEEDS, arms: Sequence[s
         raise ValueError(f"steps must be >= 1 and T >= 2; got steps={steps}, T={T}")
     if dtype not in ("float32", "float64"):
         raise ValueError(f"dtype must be 'float32' or 'float64'; got {dtype!r}")
+    if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
+        raise ValueError(f"workers must be a positive int; got {workers!r}")
     with threadpool_limits(1):  # the GEMMs are small: BLAS threads only contend with the kernel's
         return _run(seeds, arms, steps, T, n_symbols, stay, lr, value_lr_factor, newton_damping, mu_seed, dtype,
-                    backend, progress)
+                    backend, progress, workers)
+
+
+def run_seed(seed: int, arms: Sequence[str], steps: int, T: int, n_symbols: int, stay: float, mu_seed: int,
+             dtype: str, backend: str, arm_kw: dict[str, Any], tick: Callable[[str], None] = lambda label: None
+             ) -> dict[str, dict[str, Any]]:
+    """Every arm of one seed (data, init and the runs depend on the seed only): arm -> :func:`run_arm`'s dict."""
+    P = markov_chain(n_symbols, stay)
+    mu = np.random.default_rng(mu_seed).standard_normal((n_symbols, D_IN))
+    rng = np.random.default_rng(seed)
+    X, y = make_data(P, T, mu, rng)
+    X = X.astype(dtype)
+    W0 = init_params(rng, n_symbols, dtype)
+    out = {}
+    for arm in arms:
+        label = f"seed {seed} arm {arm}"
+        out[arm] = run_arm(arm, X, y, mu, W0, steps=steps, heat_steps=sorted({0, steps // 10, steps}),
+                           backend=backend, tick=lambda: tick(label), **arm_kw)
+    return out
 
 
 def _run(seeds, arms, steps, T, n_symbols, stay, lr, value_lr_factor, newton_damping, mu_seed, dtype, backend,
-         progress) -> AttentionDynamics:
+         progress, workers=1) -> AttentionDynamics:
     t0 = time.perf_counter()
     P = markov_chain(n_symbols, stay)
-    mu = np.random.default_rng(mu_seed).standard_normal((n_symbols, D_IN))
-    heat_steps = sorted({0, steps // 10, steps})
     total = len(seeds) * len(arms) * steps
     done = [0]
 
-    def tick():
-        done[0] += 1
-        if progress and (done[0] % 25 == 0 or done[0] == total):
-            progress(done[0] / total, label[0])
+    def tick(label: str, n: int = 1) -> None:
+        before, done[0] = done[0], done[0] + n
+        if progress and (done[0] // 25 > before // 25 or done[0] == total):
+            progress(done[0] / total, label)
 
-    label = [""]
+    arm_kw = {"lr": lr, "value_lr_factor": value_lr_factor, "newton_damping": newton_damping}
+    job = (arms, steps, T, n_symbols, stay, mu_seed, dtype, backend, arm_kw)
     runs: dict[str, list] = {a: [] for a in arms}
     finished: list[int] = []
     interrupted = False
+    results: dict[int, dict[str, dict[str, Any]]] = {}  # seed -> arm -> run, filled as seeds finish
     try:
-        for seed in seeds:
-            rng = np.random.default_rng(seed)
-            X, y = make_data(P, T, mu, rng)
-            X = X.astype(dtype)
-            W0 = init_params(rng, n_symbols, dtype)
-            per_seed = {}
-            for arm in arms:
-                label[0] = f"seed {seed} arm {arm}"
-                per_seed[arm] = run_arm(arm, X, y, mu, W0, steps=steps, lr=lr, value_lr_factor=value_lr_factor,
-                                        newton_damping=newton_damping, heat_steps=heat_steps, backend=backend,
-                                        tick=tick)
-            for arm in arms:
-                runs[arm].append(per_seed[arm])
-            finished.append(seed)
+        if workers > 1 and len(seeds) * len(arms) > 1:
+            from ._attention_pool import run_seeds
+
+            run_seeds(run_seed, seeds, job, workers, tick, results)
+        else:
+            for seed in seeds:
+                results[seed] = run_seed(seed, *job, tick=tick)
     except KeyboardInterrupt:
-        if not finished:
+        if not results:
             raise
         interrupted = True
+    for seed in seeds:
+        if seed in results:
+            for arm in arms:
+                runs[arm].append(results[seed][arm])
+            finished.append(seed)
     if progress:
         progress(1.0, "done")
     seconds = time.perf_counter() - t0
@@ -401,7 +424,7 @@ def _run(seeds, arms, steps, T, n_symbols, stay, lr, value_lr_factor, newton_dam
     return AttentionDynamics(
         config={"seeds": list(seeds), "arms": list(arms), "steps": steps, "T": T, "n_symbols": n_symbols,
                 "stay": stay, "lr": lr, "value_lr_factor": value_lr_factor, "newton_damping": newton_damping,
-                "mu_seed": mu_seed, "dtype": dtype, "backend": backend},
+                "mu_seed": mu_seed, "dtype": dtype, "backend": backend, "workers": workers},
         chain=P, effective_stay=eff, bayes_entropy=bayes_entropy(P), seeds=tuple(finished), arms=arms,
         metrics={a: {m: np.stack([r["hist"][:, i] for r in runs[a]]) for i, m in enumerate(METRICS)} for a in arms},
         value_pca={a: np.stack([r["pca"] for r in runs[a]]) for a in arms},

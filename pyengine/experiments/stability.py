@@ -11,12 +11,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import os
 from typing import Any
 
 import numpy as np
 
-from ..analysis.stability import SignalPropagation, mlp_stack, signal_propagation
+from ..analysis.stability import SignalPropagation, gelu_second_moment, mlp_stack, signal_propagation
+from ..analysis.stack_stability import stack_signal_propagation
 from ..analysis.weight_spectra import WeightSpectra, weight_spectra
 from ..linalg.steepest import steepest_descent
 
@@ -25,6 +27,8 @@ __all__ = ["SETTINGS", "Stability", "descent_demo", "format_stability", "stabili
 #: (norm, residual) settings of the report.
 SETTINGS = (("none", False), ("layernorm", False), ("none", True), ("layernorm", True))
 SCHEMES = ("kaiming_normal", "xavier_normal", "torch_default", "orthogonal")
+#: Transformer-stack placements of the report (pre-LN and post-LN, residual, sequential, causal).
+STACK_PLACEMENTS = ("pre", "post")
 
 
 @dataclasses.dataclass
@@ -34,6 +38,10 @@ class Stability:
     model: str = ""
     descent: dict[str, np.ndarray] | None = None
     seconds: float = 0.0
+    #: The same schemes in full transformer stacks (attention + MLP blocks, LayerNorm, residual).
+    stack_runs: list[SignalPropagation] = dataclasses.field(default_factory=list)
+    #: Kaiming GELU runs (no norm, plain) for the GELU departure of :func:`departures`.
+    gelu_runs: list[SignalPropagation] = dataclasses.field(default_factory=list)
 
 
 def descent_demo(steps: int = 100, d_out: int = 32, d_in: int = 64, seed: int = 0,
@@ -75,9 +83,20 @@ def stability(
     schemes: tuple[str, ...] = SCHEMES, depth: int = 48, width: int = 768, tokens: int = 128, *,
     activation: str = "relu", settings: tuple[tuple[str, bool], ...] = SETTINGS, model: Any = None,
     demo: bool = True, seed: int = 0, dtype: Any = np.float32, progress: Any = None,
+    stack_depth: int = 12, stack_width: int = 256, stack_tokens: int | None = None,
+    placements: tuple[str, ...] = (), gelu_check: bool = True,
 ) -> Stability:
     """Signal propagation of every scheme x setting; weight spectra of ``model`` (a Stack or a
-    load_pretrained name) if given; the descent demo if ``demo``."""
+    load_pretrained name) if given; the descent demo if ``demo``.
+
+    The transformer part (:func:`~pyengine.analysis.stack_signal_propagation`) runs every
+    scheme in GELU stacks of ``stack_depth`` blocks of width ``stack_width`` (heads of 64,
+    or 1 head if narrower), ``stack_tokens`` tokens (default ``tokens``), one stack per
+    placement of ``placements`` (default none; ``pyengine stability`` runs
+    :data:`STACK_PLACEMENTS`); its forward and backward go through
+    Stack.forward and Stack.block_vjp. ``gelu_check`` adds a plain Kaiming GELU stack
+    (the same weights as the ReLU one) for the GELU line of :func:`departures`.
+    """
     import time
 
     t0 = time.perf_counter()
@@ -90,6 +109,26 @@ def stability(
             weights[s, r] = mlp_stack(depth, width, s, residual=r, seed=seed, dtype=dtype)
         runs.append(signal_propagation(s, depth, width, tokens, activation=activation, norm=n, residual=r,
                                        seed=seed, dtype=dtype, layers=weights[s, r]))
+    gelu_runs = []
+    if gelu_check and "kaiming_normal" in schemes:
+        if progress:
+            progress(len(plan), len(plan), "kaiming_normal gelu")
+        gelu_runs.append(signal_propagation("kaiming_normal", depth, width, tokens, activation="gelu", seed=seed,
+                                            dtype=dtype, layers=weights.get(("kaiming_normal", False))))
+    stack_runs = []
+    if placements:
+        from ..models.config import StackConfig
+        from ..models.initialization import init_weights
+
+        heads = max(1, stack_width // 64) if stack_width % max(1, stack_width // 64) == 0 else 1
+        splan = [(s, p) for p in placements for s in schemes]
+        for i, (s, p) in enumerate(splan):
+            if progress:
+                progress(i, len(splan), f"stack {s} {p}-LN")
+            cfg = StackConfig(d_model=stack_width, n_heads=heads, n_layers=stack_depth, placement=p,
+                              positions="none", bias=False)
+            st = init_weights(cfg, s, seed=seed, dtype=dtype)
+            stack_runs.append(stack_signal_propagation(st, stack_tokens or tokens, scheme=s, seed=seed))
     spectra, name = None, ""
     if model is not None:
         if isinstance(model, str):
@@ -97,7 +136,45 @@ def stability(
 
             name, model = model, load_pretrained(model)
         spectra = weight_spectra(model)
-    return Stability(runs, spectra, name, descent_demo() if demo else None, time.perf_counter() - t0)
+    return Stability(runs, spectra, name, descent_demo() if demo else None, time.perf_counter() - t0, stack_runs,
+                     gelu_runs)
+
+
+def _naive(r: SignalPropagation) -> float:
+    """RMS h_L / h_0 of the init formula alone: per layer sqrt(n_in Var W · ½) (He's ReLU half), no norm, no
+    residual: 1 for Kaiming ReLU, sqrt(1/2) for Xavier, sqrt(1/6) for torch_default, 1/sqrt 2 orthogonal."""
+    from ..models.initialization import forward_gain
+
+    return math.sqrt(0.5 * forward_gain(r.scheme, r.width, r.width)) ** r.depth
+
+
+def departures(rep: Stability) -> list[str]:
+    """Where and by how much LayerNorm, the residual and GELU depart from the init formula, measured."""
+    rows = ["Departures from the init formula (forward RMS h_L / h_0; formula = per layer sqrt(n_in Var W / 2), "
+            "no norm, no residual):"]
+    for r in rep.runs:
+        if r.scheme != "kaiming_normal":
+            continue
+        meas = r.forward_rms[-1] / r.forward_rms[0]
+        bw = r.backward_rms[0] / r.backward_rms[-1]
+        why = {("none", False): "the formula's own case (finite width only)",
+               ("layernorm", False): "LN resets the mean square to 1 per layer; ReLU output mean is "
+                                     "removed, so the formula's 1/2 is not what reaches the next layer",
+               ("none", True): "the residual adds the branch: q_{l+1} = q_l (1 + d_mlp V2 d V1 / 2) compounds",
+               ("layernorm", True): "pre-LN residual: q grows linearly, q_l = 1 + l (branch), gradients "
+                                    "shrink by the LN gain 1/sqrt(q_l) on the way back"}[(r.norm, r.residual)]
+        rows.append(f"  {r.label:<40} measured {meas:.3g} (backward {bw:.3g}) vs formula {_naive(r):.3g}: "
+                    f"x{meas / _naive(r):.3g}; mean field {r.forward_pred[-1] / r.forward_pred[0]:.3g}. {why}")
+    for r in rep.gelu_runs:
+        per = r.forward_rms[1:] / r.forward_rms[:-1]
+        pp = r.forward_pred[1:] / r.forward_pred[:-1]
+        rows.append(f"  {r.label:<40} measured {r.forward_rms[-1] / r.forward_rms[0]:.3g} vs He formula 1 "
+                    f"(mean field with the exact GELU gain {r.forward_pred[-1] / r.forward_pred[0]:.3g}): GELU is "
+                    f"not ReLU. Exact E[gelu(z)^2] = q/4 + (q/2pi) asin(q/(1+q)) + q^2/(pi (1+q) sqrt(1+2q)), "
+                    f"gain E[gelu(z)^2]/q = {gelu_second_moment(1.0):.4f} at q = 1 (ReLU 0.5), falling to 1/4 as "
+                    f"q -> 0. Per layer: x{pp[0]:.4f} predicted / x{per[0]:.4f} measured at layer 1, "
+                    f"x{pp[-1]:.4f} / x{per[-1]:.4f} at layer {r.depth}")
+    return rows
 
 
 def format_stability(rep: Stability) -> str:
@@ -108,6 +185,16 @@ def format_stability(rep: Stability) -> str:
         rows.append(f"{r.label:<46} {r.forward_rms[-1]:>11.3g} {r.forward_pred[-1]:>9.3g} {r.backward_rms[0]:>11.3g} "
                     f"{r.backward_pred[0]:>9.3g} {f:>7.2f} {b:>7.2f}")
     rows.append("dep = max over layers |log(measured/predicted)| (0: the formula holds)")
+    if any(r.scheme == "kaiming_normal" for r in rep.runs) or rep.gelu_runs:
+        rows += [""] + departures(rep)
+    if rep.stack_runs:
+        rows += ["", "Signal propagation (transformer stacks: attention + GELU MLP blocks, residual; Stack.forward and "
+                 "Stack.block_vjp)", f"{'setting':<46} {'fwd RMS h_L':>11} {'pred':>9} {'bwd RMS g_0':>11} "
+                 f"{'pred':>9} {'dep fwd':>7} {'dep bwd':>7}"]
+        for r in rep.stack_runs:
+            f, b = r.departure()
+            rows.append(f"{r.label:<46} {r.forward_rms[-1]:>11.3g} {r.forward_pred[-1]:>9.3g} "
+                        f"{r.backward_rms[0]:>11.3g} {r.backward_pred[0]:>9.3g} {f:>7.2f} {b:>7.2f}")
     if rep.spectra is not None:
         rows += ["", f"Spectral condition of {rep.model or 'the model'} (sqrt(d_in/d_out) sigma_max, target Theta(1))",
                  rep.spectra.to_text()]
@@ -145,6 +232,23 @@ def write_stability(rep: Stability, outdir: str) -> list[str]:
     paths = [os.path.join(outdir, "stability.png")]
     fig.savefig(paths[0], dpi=110)
     plt.close(fig)
+    if rep.stack_runs:
+        places = list(dict.fromkeys(r.arch for r in rep.stack_runs))
+        fig, axes = plt.subplots(2, len(places), figsize=(4 * len(places), 7), squeeze=False)
+        for j, arch in enumerate(places):
+            for i, r in enumerate(x for x in rep.stack_runs if x.arch == arch):
+                layers = np.arange(r.depth + 1)
+                for row, (meas, pred) in enumerate(((r.forward_rms, r.forward_pred), (r.backward_rms, r.backward_pred))):
+                    axes[row, j].plot(layers, meas, color=f"C{i}", label=r.scheme)
+                    axes[row, j].plot(layers, pred, color=f"C{i}", ls="--", lw=0.8)
+            axes[0, j].set(yscale="log", title=arch, ylabel="forward RMS of h_l")
+            axes[1, j].set(yscale="log", xlabel="block l", ylabel="backward RMS of dL/dh_l")
+        axes[0, 0].legend(fontsize=7)
+        fig.suptitle("transformer stacks: measured (solid) vs mean-field prediction (dashed)")
+        fig.tight_layout()
+        paths.append(os.path.join(outdir, "stack_stability.png"))
+        fig.savefig(paths[-1], dpi=110)
+        plt.close(fig)
     if rep.spectra is not None:
         paths.append(rep.spectra.plot(os.path.join(outdir, "weight_spectra.png"), rep.model))
     if rep.descent is not None:
@@ -160,6 +264,8 @@ def write_stability(rep: Stability, outdir: str) -> list[str]:
     doc = {"runs": [{"label": r.label, **{k: getattr(r, k).tolist() for k in
                      ("forward_rms", "backward_rms", "forward_pred", "backward_pred")}} for r in rep.runs],
            "spectra": rep.spectra.to_dict() if rep.spectra is not None else None,
+           "stack_runs": [{"label": r.label, **{k: getattr(r, k).tolist() for k in
+                           ("forward_rms", "backward_rms", "forward_pred", "backward_pred")}} for r in rep.stack_runs],
            "descent": {k: v.tolist() for k, v in (rep.descent or {}).items()}, "seconds": rep.seconds}
     paths.append(os.path.join(outdir, "stability.json"))
     with open(paths[-1], "w", encoding="utf-8") as f:

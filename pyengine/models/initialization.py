@@ -133,19 +133,57 @@ def _sigma_max(a: np.ndarray, rng: np.random.Generator) -> float:
     return float(svds(a, k=1, v0=v0, return_singular_vectors=False, tol=1e-12)[0])
 
 
+def _haar_columns(a: np.ndarray) -> np.ndarray:
+    """The Q of a = QR with diag(R) > 0 (a tall, float64): Haar-distributed columns for Gaussian a.
+
+    CholeskyQR2 (Fukaya et al. 2014): R = chol(aᵀa), Q = a R⁻¹, twice; the same Q as
+    Householder QR with the signs of diag(R) fixed (Mezzadri 2007) to rounding, in BLAS-3
+    products only (about 5x faster at 3072 x 768). Householder when Cholesky breaks down
+    (condition number beyond about 1e8).
+    """
+    import scipy.linalg
+
+    q = a
+    try:
+        for _ in range(2):
+            r = scipy.linalg.cholesky(q.T @ q, lower=False, check_finite=False)
+            q = scipy.linalg.solve_triangular(r, q.T, trans="T", lower=False, check_finite=False).T
+        if np.all(np.isfinite(q)):
+            return q
+    except np.linalg.LinAlgError:
+        pass
+    q, r = np.linalg.qr(a)
+    return q * np.sign(np.diag(r))
+
+
 def init_matrix(
     rng: np.random.Generator, scheme: str, fan_in: int, fan_out: int, *, mode: str = "fan_in",
-    nonlinearity: str = "relu", gain: float | None = None, gpt2_std: float = 0.02,
+    nonlinearity: str = "relu", gain: float | None = None, gpt2_std: float = 0.02, dtype: Any = np.float64,
 ) -> np.ndarray:
-    """One (fan_in, fan_out) float64 matrix of ``scheme`` drawn from ``rng`` (see the module table)."""
+    """One (fan_in, fan_out) matrix of ``scheme`` drawn from ``rng`` (see the module table).
+
+    ``dtype`` float64 (default) or float32: float32 entries are drawn in float32 directly
+    (NumPy's float32 ziggurat and uniforms: about half the time and memory of drawing float64
+    and rounding; a different, equally reproducible stream). Orthogonal and spectral
+    matrices are factored in float64 and rounded.
+    """
     s = _scheme(scheme)
+    dt = _v.float_dtype("dtype", dtype)
     shape = (int(fan_in), int(fan_out))
-    if s == "gpt2":
-        return rng.normal(0.0, gpt2_std, shape)
-    if s in ("xavier_normal", "kaiming_normal"):
-        std = math.sqrt(init_variance(s, fan_in, fan_out, mode=mode, nonlinearity=nonlinearity, gain=gain,
-                                      gpt2_std=gpt2_std))
+    f32 = dt == np.float32
+
+    def normal(std: float) -> np.ndarray:
+        if f32:
+            w = rng.standard_normal(shape, dtype=np.float32)
+            w *= np.float32(std)
+            return w
         return rng.normal(0.0, std, shape)
+
+    if s == "gpt2":
+        return normal(gpt2_std)
+    if s in ("xavier_normal", "kaiming_normal"):
+        return normal(math.sqrt(init_variance(s, fan_in, fan_out, mode=mode, nonlinearity=nonlinearity, gain=gain,
+                                              gpt2_std=gpt2_std)))
     if s in ("xavier_uniform", "kaiming_uniform", "torch_default"):
         if s == "xavier_uniform":
             a = math.sqrt(_gain2(s, gain, nonlinearity)) * math.sqrt(6.0 / (fan_in + fan_out))
@@ -153,15 +191,19 @@ def init_matrix(
             a = 1.0 / math.sqrt(fan_in)
         else:
             a = math.sqrt(3.0 * init_variance(s, fan_in, fan_out, mode=mode, nonlinearity=nonlinearity, gain=gain))
+        if f32:
+            w = rng.random(shape, dtype=np.float32)
+            w *= np.float32(2 * a)
+            w -= np.float32(a)
+            return w
         return rng.uniform(-a, a, shape)
     g = math.sqrt(_gain2(s, gain, nonlinearity))
     if s == "orthogonal":
         big, small = max(shape), min(shape)
-        q, r = np.linalg.qr(rng.standard_normal((big, small)))
-        q *= np.sign(np.diag(r))  # Haar-distributed (Mezzadri 2007)
-        return g * (q if shape[0] >= shape[1] else q.T)
-    w = rng.standard_normal(shape)  # spectral
-    return w * (g * math.sqrt(fan_out / fan_in) / _sigma_max(w, rng))
+        q = _haar_columns(rng.standard_normal((big, small), dtype=dt).astype(np.float64, copy=False))
+        return (g * (q if shape[0] >= shape[1] else q.T)).astype(dt, copy=False)
+    w = rng.standard_normal(shape, dtype=dt).astype(np.float64, copy=False)  # spectral
+    return (w * (g * math.sqrt(fan_out / fan_in) / _sigma_max(w, rng))).astype(dt, copy=False)
 
 
 def init_weights(

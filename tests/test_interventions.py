@@ -221,9 +221,14 @@ def test_published_protocol_smollm2(smollm):
                      np.repeat(u, 2, axis=0))
     np.testing.assert_allclose(r.projection[:, :, -1], proj, rtol=2e-3, atol=2e-3 * np.abs(proj).max())
     np.testing.assert_allclose(last, np.abs(proj), rtol=2e-3, atol=2e-3 * np.abs(proj).max())
-    # the mid-block site is refused by propagate with a pointer to interventions
-    with pytest.raises(ValueError, match="resid_mid use model.run"):
-        pe.propagate(smollm, tt.ids, v, 1.0, layer="blocks.2.resid_mid", positions=span)
+    # the mid-block site (issue 12): propagate equals the intervention there
+    rm = pe.propagate(smollm, tt.ids, v, [1.0, 6.0], layer="blocks.2.resid_mid", positions=span)
+    h = smollm.run(np.broadcast_to(tt.ids, (4, T)), [pe.Intervention("blocks.2.resid_mid", "add", deltas,
+                                                                     positions=span)])
+    proj = np.einsum("lnd,nd->ln", (h[3:, :, -1] - base[3:, None, -1]).astype(np.float64),
+                     np.repeat(u, 2, axis=0))
+    assert rm.layer == 2 and rm.layers[0] == 2.5 and rm.projection.shape[0] == smollm.config.n_layers - 1
+    np.testing.assert_allclose(rm.projection[1:, :, -1], proj, rtol=2e-3, atol=2e-3 * np.abs(proj).max())
     # padded batch: one Propagation per row, equal to the separate runs
     ids, mask = smollm.tokenize_batch([TEXT, "He lit the lamp."], padding="left")
     rs = pe.propagate(smollm, ids, v[0], 1.0, layer=2, positions="last", attention_mask=mask)

@@ -10,7 +10,10 @@ baseline instead (one tangent per direction: the result is linear in the scale).
 
 Indexing follows :meth:`pyengine.Stack.hidden_states`: hidden state 0 is the
 embedding output, hidden state k the stream after block k (blocks counted from 1);
-injecting at ``layer`` perturbs the input of block ``layer + 1``.
+injecting at ``layer`` perturbs the input of block ``layer + 1``. ``layer`` may also
+name a site inside a block, ``"blocks.k.resid_mid"`` and the others of
+:mod:`pyengine.analysis.propagate_inputs`: the perturbation is added to that activation
+in the forward (exact) or the JVP starts there (linearized).
 """
 
 from __future__ import annotations
@@ -23,13 +26,14 @@ import numpy as np
 
 from .. import _validate as _v
 from ..models import Stack
+from ..models.site_blocks import site_forward, site_jvp, site_value, site_width, write_matrix
 from .decay import DecayFit, fit_decay
+from .propagate_inputs import position_mask, propagate_padded, resolve_injection, resolve_positions
 
 __all__ = ["Propagation", "position_mask", "propagate", "resolve_positions"]
 
 #: Bytes of activations one propagation chunk may hold (sets the default batch size).
 CHUNK_BYTES = 1 << 30
-_VIEWS = ("last", "injected", "downstream", "all")
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -49,6 +53,16 @@ class Propagation:
     ``base_step`` (n_layers, T): cos(h_k, h_{k+1}) and |h_{k+1} - h_k| for every k.
     ``deltas`` (L', N, P, d) only with ``return_deltas``: delta_k at the positions
     ``delta_positions`` (P of them; all T with ``return_deltas=True``).
+
+    Injected at a site inside block k (``site`` its name, e.g. ``"blocks.2.resid_mid"``):
+    ``layer`` = k, and row 0 is the site itself, labelled k + 0.5 in ``layers`` (float:
+    k + 0.5, k + 1, ..., n_layers); its metrics compare the site's activation with and
+    without delta (``base_norm`` row 0: the site's norm). The directions live in the
+    site's space (width d_mlp for ``mlp.hidden``, n_heads * head_dim for
+    ``attn.head_out``); for those two, ``projection`` in the hidden states is onto
+    ``write_directions`` (v @ w_out resp. v @ w_o, normalized: where the sublayer writes
+    v into the stream), and ``deltas`` row 0 is NaN. ``site`` is also set (and ``layers``
+    stay integers) for ``resid_pre`` / ``resid_post``, which are hidden states.
     """
 
     layer: int
@@ -69,6 +83,8 @@ class Propagation:
     base_step: np.ndarray
     deltas: np.ndarray | None = None
     delta_positions: np.ndarray | None = None
+    site: str | None = None
+    write_directions: np.ndarray | None = None  # (K, d_model), for sites of another width
 
     @property
     def K(self) -> int:
@@ -125,9 +141,11 @@ class Propagation:
                 ",".join(map(str, pos[:8])) + (",..." if pos.size > 8 else ""))
         sc = ", ".join(f"{v:g}" for v in self.scales[:6]) + (", ..." if self.S > 6 else "")
         p = np.abs(self.projection[:, :, -1]).mean(axis=1)
-        return (f"Propagation({kind}, injected at hidden state {self.layer} on {pos.size} of T = {self.T} "
+        at = (f"hidden state {self.layer}" if self.site is None or self.layers.dtype.kind in "iu"
+              else f"site {self.site} (between hidden states {self.layer} and {self.layer + 1})")
+        return (f"Propagation({kind}, injected at {at} on {pos.size} of T = {self.T} "
                 f"positions ({span}), K = {self.K} directions x S = {self.S} scales [{sc}], hidden states "
-                f"{int(self.layers[0])}..{int(self.layers[-1])}, mean |projection| at the last token "
+                f"{self.layers[0]:g}..{self.layers[-1]:g}, mean |projection| at the last token "
                 f"{p[0]:.3g} -> {p[-1]:.3g}{', deltas kept' if self.deltas is not None else ''})")
 
     def per_direction(self, metric: str) -> np.ndarray:
@@ -155,58 +173,10 @@ class Propagation:
         out: dict[str, Any] = {}
         for f in dataclasses.fields(self):
             val = getattr(self, f.name)
-            if f.name in ("deltas", "delta_positions"):
+            if f.name in ("deltas", "delta_positions") or (f.name == "write_directions" and val is None):
                 continue
             out[f.name] = val.tolist() if isinstance(val, np.ndarray) else val
         return out
-
-
-# --------------------------------------------------------------------------- validation
-
-
-def position_mask(where: str, positions: np.ndarray, T: int) -> np.ndarray:
-    """(T,) bool selection of :meth:`Propagation.position_mask` for injected ``positions``."""
-    m = np.zeros(T, bool)
-    if where == "injected":
-        m[positions] = True
-    elif where == "downstream":
-        m[positions[-1] + 1 :] = True
-    elif where == "last":
-        m[-1] = True
-    elif where == "all":
-        m[:] = True
-    else:
-        raise ValueError(f"where must be one of {', '.join(map(repr, _VIEWS))}; got {where!r}")
-    return m
-
-
-def resolve_positions(positions: Any, T: int) -> np.ndarray:
-    """Sorted unique positions from "all", "last", an int, a slice or a list (negative from the end)."""
-    if isinstance(positions, str):
-        if positions == "all":
-            return np.arange(T)
-        if positions == "last":
-            return np.array([T - 1])
-        raise ValueError(f"positions must be 'all', 'last', an int, a slice or a list of ints; got {positions!r}")
-    if isinstance(positions, slice):
-        try:
-            p = np.unique(np.arange(T)[positions])
-        except (ValueError, TypeError, IndexError) as exc:  # step 0, non-integer bounds
-            raise ValueError(f"positions must be a slice of integers with a non-zero step; got {positions!r} "
-                             f"({exc})") from None
-    else:
-        p = np.atleast_1d(np.asarray(positions))
-        if p.size == 0:
-            raise ValueError(f"positions selects no token of the T = {T} tokens")
-        if p.dtype.kind not in "iu" or p.ndim != 1:
-            raise ValueError(f"positions must be 'all', 'last', an int, a slice or a list of ints; got {positions!r}")
-        bad = p[(p < -T) | (p >= T)]
-        if bad.size:
-            raise ValueError(f"positions must lie in [-{T}, {T}) for a sequence of T = {T} tokens; got {bad[0]}")
-        p = np.unique(p % T)
-    if p.size == 0:
-        raise ValueError(f"positions selects no token of the T = {T} tokens")
-    return p.astype(np.intp)
 
 
 # --------------------------------------------------------------------------- engine
@@ -232,24 +202,6 @@ class _Metrics:
             self.norm_ratio[i, n, s:] = ni / nb
         self.projection[i, n, s:] = proj
         self.delta_norm[i, n, s:] = np.sqrt(dd)
-
-
-def _site_layer(layer: Any, n_layers: int) -> Any:
-    """A site name ``blocks.k.resid_pre|resid_post`` as the hidden-state index k or k + 1."""
-    if not isinstance(layer, str):
-        return layer
-    parts = layer.split(".")
-    if len(parts) == 3 and parts[0] == "blocks" and parts[1].lstrip("-").isdigit():
-        k = int(parts[1]) + (n_layers if int(parts[1]) < 0 else 0)
-        if parts[2] == "resid_pre":
-            return k
-        if parts[2] == "resid_post":
-            return k + 1
-        if parts[2] == "resid_mid":
-            raise ValueError(f"layer {layer!r}: propagate injects at hidden states (resid_pre / resid_post); "
-                             "for resid_mid use model.run(ids, [pyengine.Intervention(site, 'add', delta)])")
-    raise ValueError(f"layer must be a hidden-state index or a site 'blocks.k.resid_pre' / "
-                     f"'blocks.k.resid_post'; got {layer!r}")
 
 
 def propagate(
@@ -281,10 +233,12 @@ def propagate(
     scale : float or array_like (S,)
         The perturbation is delta = scale * v/|v| (absolute, in the stream's units).
     layer : int in [0, n_layers - 1], or a site name
-        Hidden-state index of the injection (the input of block layer + 1), or the
-        site ``"blocks.k.resid_pre"`` (= k) / ``"blocks.k.resid_post"`` (= k + 1).
-        ``resid_mid`` (between a block's sublayers) is not supported here: use
-        ``model.run(ids, [pe.Intervention("blocks.k.resid_mid", "add", ...)])``.
+        Hidden-state index of the injection (the input of block layer + 1), or a site
+        ``"blocks.k.<site>"``: ``resid_pre`` (= hidden state k), ``resid_post`` (= k + 1),
+        or one inside block k (``resid_mid``, ``norm1.input``, ``norm1.output``,
+        ``attn.head_out``, ``attn.out``, ``norm2.*``, ``mlp.hidden``, ``mlp.out``; see
+        :class:`Propagation` for the rows and the directions' width). Other sites
+        (``*.scale``, ``attn.scores``, ``attn.pattern``) are an error listing the valid ones.
     positions : "all", "last", int, slice or sequence of ints
         Token positions that receive delta (negative count from the end).
     linearized : bool
@@ -315,17 +269,16 @@ def propagate(
     if not isinstance(model, Stack):
         raise TypeError(f"model must be a pyengine Stack or pretrained model; got {type(model).__name__}")
     cfg = model.config
-    layer = _site_layer(layer, cfg.n_layers)
+    inj = resolve_injection(layer, cfg)
     if attention_mask is not None:
-        ids, m = np.asarray(input_ids), np.asarray(attention_mask)
-        one = ids.ndim == (1 if ids.dtype.kind in "iu" else 2)
-        rows = model.unpad(ids[None] if one else ids, m[None] if m.ndim == 1 else m)
         kw = dict(linearized=linearized, mode=mode, dtype=dtype, batch_size=batch_size, return_deltas=return_deltas,
                   progress=progress)
-        out = [propagate(model, r, direction, scale, layer, positions, **kw) for r in rows]
-        return out[0] if one else out
-    layer = _v.index_of("layer", layer, cfg.n_layers, "a hidden-state index: the input of a block")
-    V = _v.unit_rows("direction", direction, cfg.d_model)
+        return propagate_padded(lambda r: propagate(model, r, direction, scale, layer, positions, **kw),
+                                model, input_ids, attention_mask)
+    layer = _v.index_of("layer", inj.layer, cfg.n_layers, "a hidden-state index: the input of a block")
+    site = inj.site
+    width = cfg.d_model if site is None else site_width(cfg, site)
+    V = _v.unit_rows("direction", direction, width)
     S = _v.reals("scale", scale)
     _v.frozen(mode)
     linearized = _v.flag("linearized", linearized)
@@ -349,6 +302,24 @@ def propagate(
     sq = np.einsum("ktd,ktd->kt", hf, hf)  # |h_k|^2 per position
     hb, hb2 = hf[layer:, s:], sq[layer:, s:]  # (L, T', d), (L, T')
     hb_dt, V_dt = h_base[layer:, s:], V.astype(dt)
+    base_norm = np.sqrt(sq[layer:])
+    Vw = None  # directions in the stream, for sites of another width
+    if site is not None:  # row 0 is the site's activation, not hidden state ``layer``
+        b0 = site_value(model, caches[0], site).astype(np.float64)
+        sq0 = np.einsum("td,td->t", b0, b0)
+        hb0, hb2 = b0[s:], np.concatenate([sq0[None, s:], hb2[1:]])
+        base_norm = np.concatenate([np.sqrt(sq0)[None], base_norm[1:]])
+        W = write_matrix(model, layer, site)
+        if W is not None:
+            Vw = V @ W.astype(np.float64)
+            nw = np.linalg.norm(Vw, axis=1)
+            if (nw == 0).any():
+                raise ValueError(f"direction {int(np.argmin(nw))} is in the kernel of the weights after {site!r}: "
+                                 "it writes nothing into the stream")
+            Vw = Vw / nw[:, None]
+            V_dt = Vw.astype(dt)
+    else:
+        hb0 = hb[0]
     metrics = _Metrics(L, N, T)
     keep = None
     if not isinstance(return_deltas, (bool, np.bool_)):
@@ -356,24 +327,30 @@ def propagate(
     elif return_deltas:
         keep = np.arange(T)
     deltas = None if keep is None else np.zeros((L, N, keep.size, d), dt)
+    if deltas is not None and Vw is not None:
+        deltas[0] = np.nan  # the site's delta lives in another space
     kin = None if keep is None else np.flatnonzero(keep >= s)  # kept positions that can move
     rel = None if keep is None else keep[kin] - s
-    inj = np.zeros((T - s, 1), bool)
-    inj[pos - s] = True
+    inj_rows = np.zeros((T - s, 1), bool)
+    inj_rows[pos - s] = True
     total, done = -(-n_rows // batch_size) * (L - 1), 0
 
-    for b0 in range(0, n_rows, batch_size):
-        rows = np.arange(b0, min(b0 + batch_size, n_rows))
+    for b0_ in range(0, n_rows, batch_size):
+        rows = np.arange(b0_, min(b0_ + batch_size, n_rows))
         if linearized:
             dirs, amp = rows, np.ones(rows.size)
         else:
             dirs, amp = rows // nS, S[rows % nS]
-        delta0 = (amp[:, None, None] * V[dirs][:, None, :]) * inj  # (n, T', d), float64
-        x = delta0.astype(dt) if linearized else (h_base[layer, s:] + delta0).astype(dt)
+        delta0 = (amp[:, None, None] * V[dirs][:, None, :]) * inj_rows  # (n, T', width), float64
+        x = (None if site is not None else delta0.astype(dt) if linearized
+             else (h_base[layer, s:] + delta0).astype(dt))
         for i in range(L):
             if i:
                 c = caches[i - 1]  # block layer + i - 1 at the baseline; rows s.. only
-                if linearized:
+                if i == 1 and site is not None:  # block ``layer`` from the site on
+                    x = (site_jvp(model, c, site, delta0.astype(dt), mode, start=s) if linearized
+                         else site_forward(model, c, site, delta0.astype(dt), start=s))
+                elif linearized:
                     x = model.block_jvp(c.block, c.h, x, mode, c, start=s)
                 else:
                     x = model.block_forward(c.block, x, past=c)
@@ -381,32 +358,36 @@ def propagate(
                 if progress is not None:
                     progress(done, total)
             if i == 0:  # exact, not rounded through dt
-                delta, hbi, vd = delta0, hb[0], V[dirs]
+                delta, hbi, vd = delta0, hb0, V[dirs]
             else:  # dot products in the compute dtype (BLAS-speed); metrics are float64
                 delta = x if linearized else x - hb_dt[i]
                 hbi, vd = hb_dt[i], V_dt[dirs]
             dot = np.einsum("ntd,td->nt", delta, hbi).astype(np.float64)
             dd = np.einsum("ntd,ntd->nt", delta, delta).astype(np.float64)
             proj = np.einsum("ntd,nd->nt", delta, vd).astype(np.float64)
+            store = deltas is not None and (i or Vw is None)
             if linearized:  # delta(alpha) = alpha * tangent, for every scale
                 for j, a in enumerate(S):
                     sel = rows * nS + j
                     metrics.put(i, sel, s, hb2[i], a * dot, a * a * dd, a * proj)
-                    if deltas is not None:
+                    if store:
                         deltas[i][np.ix_(sel, kin)] = (a * delta[:, rel]).astype(dt)
             else:
                 metrics.put(i, slice(rows[0], rows[-1] + 1), s, hb2[i], dot, dd, proj)
-                if deltas is not None:
+                if store:
                     deltas[i][np.ix_(rows, kin)] = delta[:, rel].astype(dt)
 
     a, b = hf[:-1], hf[1:]
     with np.errstate(divide="ignore", invalid="ignore"):
         adj = np.einsum("ktd,ktd->kt", a, b) / np.sqrt(sq[:-1] * sq[1:])
+    layers = np.arange(layer, cfg.n_layers + 1)
+    if site is not None:
+        layers = np.concatenate([[layer + 0.5], layers[1:]]).astype(np.float64)
     return Propagation(
-        layer=layer, layers=np.arange(layer, cfg.n_layers + 1), directions=V, scales=S, positions=pos, T=T,
+        layer=layer, layers=layers, directions=V, scales=S, positions=pos, T=T,
         linearized=bool(linearized), mode=mode, causal=cfg.causal, cosine=metrics.cosine,
         projection=metrics.projection, norm_ratio=metrics.norm_ratio, delta_norm=metrics.delta_norm,
-        base_norm=np.sqrt(sq[layer:]),
+        base_norm=base_norm,
         base_adjacent_cosine=adj, base_step=np.linalg.norm(b - a, axis=-1), deltas=deltas,
-        delta_positions=keep,
+        delta_positions=keep, site=inj.name, write_directions=Vw,
     )

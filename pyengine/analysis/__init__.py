@@ -7,3 +7,4 @@ from .stability import SignalPropagation, mlp_stack, signal_propagation
 from .stack_stability import stack_signal_propagation
 from .weight_spectra import WeightSpectra, weight_spectra
 from .propagate import Propagation, position_mask, propagate, resolve_positions
+from .site_spectra import SiteSpectra, norm_site_inputs, site_spectra

@@ -11,6 +11,8 @@ import argparse
 import sys
 import time
 
+from ._stages import hold
+
 __all__ = ["add_parser", "run"]
 
 
@@ -35,6 +37,22 @@ class _Bar:
         elif int(10 * frac) != self.last:
             self.last = int(10 * frac)
             print(f"[{100 * frac:5.1f}%] {el:6.1f} s  {label}", file=sys.stderr, flush=True)
+
+
+def _held(bar: _Bar):
+    """The progress callback, with the test hook of :mod:`pyengine.cli._stages`: it holds at the
+    first report of a second seed (run serially, the first seed has finished then)."""
+    first: list[str] = []
+
+    def progress(frac: float, label: str) -> None:
+        bar(frac, label)
+        seed = label.split(" arm ")[0]
+        if not first:
+            first.append(seed)
+        elif seed != first[0] and label != "done":
+            hold()
+
+    return progress
 
 
 def _positive(text: str) -> int:
@@ -124,7 +142,7 @@ def run(args: argparse.Namespace) -> int:
         rep = attention_dynamics(seeds=args.seeds, arms=args.arms, steps=args.steps, T=args.T, stay=args.stay,
                                  lr=args.lr, value_lr_factor=args.value_lr_factor,
                                  newton_damping=args.newton_damping, dtype=args.dtype, backend=args.backend,
-                                 progress=_Bar(args.progress), workers=args.workers)
+                                 progress=_held(_Bar(args.progress)), workers=args.workers)
         print(format_attention_table(rep))
         paths = write_attention_report(rep, args.out, plots=not args.no_plots)
         print(f"time: {rep.seconds['total']:.1f} s ({rep.seconds['per_step_ms']:.2f} ms per step); "

@@ -8,6 +8,7 @@ import argparse
 
 from .._progress import Progress
 from ._args import positive
+from ._stages import Stages
 
 __all__ = ["add_parser", "run"]
 
@@ -48,9 +49,11 @@ def run(args: argparse.Namespace) -> int:
 
         models = [(m, load_pretrained(m)) for m in args.model]
     bar = Progress("auto")
-    rep = positions_report(models, corpus=args.corpus, length=args.length, max_contexts=args.contexts, layers=layers,
-                           folds=args.folds, ablation_contexts=args.ablation_contexts, seed=args.seed,
-                           progress=bar.stage)
+    stages = Stages(args.out)  # each model's measurements on disk as soon as they are done
+    with stages.keep():
+        rep = positions_report(models, corpus=args.corpus, length=args.length, max_contexts=args.contexts,
+                               layers=layers, folds=args.folds, ablation_contexts=args.ablation_contexts,
+                               seed=args.seed, progress=bar.stage, on_stage=stages)
     bar.stage(1.0, "done")
     print(format_positions(rep))
     for path in write_positions(rep, args.out):

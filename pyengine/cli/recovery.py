@@ -10,6 +10,7 @@ import os
 import numpy as np
 
 from .._progress import Progress
+from ._stages import Stages, write_stage
 from ._args import count_or_npy, floats, non_negative, positions, positive_float
 
 __all__ = ["add_parser", "load_model", "run", "write_stage"]
@@ -63,21 +64,6 @@ def load_model(name: str, seed: int = 0):
     return model, getattr(model, "name", name)
 
 
-def write_stage(folder: str, index: int, stage: str, result: dict) -> str:
-    """Write one finished stage of the experiment to ``folder/stages/NN-<stage>.json`` (so an
-    interrupted run keeps it); return the path. Written to a temporary name and renamed:
-    never a half-written file, even on Ctrl-C."""
-    import json
-
-    slug = "-".join("".join(c if c.isalnum() else " " for c in stage.lower()).split())
-    os.makedirs(os.path.join(folder, "stages"), exist_ok=True)
-    path = os.path.join(folder, "stages", f"{index:02d}-{slug}.json")
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, allow_nan=False)
-    os.replace(path + ".tmp", path)
-    return path
-
-
 def run(args: argparse.Namespace) -> int:
     from ..experiments import format_table, recovery, write_report
 
@@ -87,24 +73,17 @@ def run(args: argparse.Namespace) -> int:
 
         scales = list(DEFAULT_SCALES)
     given = isinstance(args.directions, np.ndarray)
-    done: list[str] = []
-
-    def stage(name: str, result: dict) -> None:  # each finished stage is on disk at once
-        done.append(write_stage(args.out, len(done) + 1, name, result))
+    stages = Stages(args.out)  # each finished stage is on disk at once
 
     model, name = load_model(args.model, args.seed)
     print(f"pyengine recovery: model {name or 'default (seeded GPT-2-small-shaped pre-LN stack)'}; "
           f"output folder {args.out}", flush=True)
-    try:
+    with stages.keep():
         rep = recovery(model, text=args.text, layer=args.layer, scales=scales, protocol_scale=args.scale,
                        n_directions=4 if given else args.directions, directions=args.directions if given else None,
                        positions=args.positions, read=args.read,
                        spectral_tokens=args.spectral_tokens, seed=args.seed, dtype=args.dtype, name=name,
-                       progress=Progress(args.progress, lines=True).stage, on_stage=stage)
-    except KeyboardInterrupt:
-        kept = (f"the {len(done)} finished stage(s) are in {os.path.join(args.out, 'stages')}" if done else
-                "no stage had finished")
-        raise KeyboardInterrupt(kept) from None
+                       progress=Progress(args.progress, lines=True).stage, on_stage=stages)
     print(format_table(rep))
     paths = write_report(rep, args.out, plots=not args.no_plots)
     print(f"time: {rep.seconds['total']:.1f} s; wrote {', '.join(paths)}")

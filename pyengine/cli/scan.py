@@ -21,6 +21,7 @@ from .._progress import Progress
 from ..distributed import Job, load, local_client, register_job, scan
 from ..distributed.jobs import int_axis, real_axis
 from ._args import floats, non_negative, positive, positive_float
+from ._stages import hold
 
 __all__ = ["AttentionJob", "StabilityJob", "add_parser", "run"]
 
@@ -156,8 +157,9 @@ def _ints(text: str) -> list[int]:
 
 def _grid(args: argparse.Namespace) -> dict[str, Any]:
     if args.job == "spectral":
+        sites = None if args.sites is None else [p.strip() for p in args.sites.split(",") if p.strip()]
         return {"model": args.model, "corpus": args.corpus, "tokens": args.tokens, "seq_len": args.seq_len,
-                "method": args.method, "seed": args.seed}
+                "method": args.method, "seed": args.seed, "sites": sites}
     if args.job == "recovery":
         prompts = _lines(args.prompts) if args.prompts else ["The quick brown fox jumps over the lazy dog."]
         return {"model": args.model, "prompts": prompts, "layers": args.layers, "directions": args.directions,
@@ -181,8 +183,21 @@ def run(args: argparse.Namespace) -> int:
             client = local_client(args.workers or 1, scheduler=args.scheduler)
         where = args.scheduler or (f"LocalCluster of {args.workers} workers on 127.0.0.1" if client else "in-process")
         print(f"pyengine scan {args.job}: {where}, out {out}")
-        res = scan(args.job, grid, client=client, out=out, chunk=args.chunk, resume=args.resume,
-                   memory_budget=int(args.memory_budget * 2**20), progress=bar.count)
+        done = [0]
+
+        def progress(n: int, total: int) -> None:  # a point is in the store before it is counted
+            done[0] = n
+            bar.count(n, total)
+            if n:
+                hold()
+
+        try:
+            res = scan(args.job, grid, client=client, out=out, chunk=args.chunk, resume=args.resume,
+                       memory_budget=int(args.memory_budget * 2**20), progress=progress)
+        except KeyboardInterrupt:
+            kept = (f"the {done[0]} finished point(s) are in the store {out} (continue with --resume)" if done[0]
+                    else "no point had finished")
+            raise KeyboardInterrupt(kept) from None
     finally:
         if client is not None:
             client.close()  # also stops a LocalCluster it started
@@ -220,6 +235,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sp.add_argument("--method", choices=["exact", "power", "lanczos"], default="exact",
                     help="sigma_max solver (default exact)")
     sp.add_argument("--seed", type=non_negative, default=0, help="seed of the iterative solvers' start vectors")
+    sp.add_argument("--sites", default=None, help="comma-separated norm-input sites or globs, e.g. "
+                    "'blocks.*.norm1.input' (default every norm of the model)")
     rc = jobs.add_parser("recovery", parents=[common], help="propagation over prompts x layers (x directions x scales)")
     rc.add_argument("--model", default="default", help="load_pretrained name/path, 'default' or 'tiny' (synthetic)")
     rc.add_argument("--prompts", metavar="FILE", help="one prompt per line")

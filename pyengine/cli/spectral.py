@@ -4,6 +4,8 @@
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import time
 
 import numpy as np
@@ -11,6 +13,7 @@ import numpy as np
 from .. import backends
 from .._progress import Progress
 from ._args import non_negative, non_negative_float, positive, positive_float
+from ._stages import Stages
 
 __all__ = ["SPECTRAL_D", "SPECTRAL_TOKENS", "add_parser", "run"]
 
@@ -84,21 +87,47 @@ def _finite_or_none(a: np.ndarray) -> list:
     return [float(v) if np.isfinite(v) else None for v in np.asarray(a, np.float64).ravel()]
 
 
-def _scan(fn, x: np.ndarray, gamma, n_layers: int | None, args: argparse.Namespace, chunk, bar: Progress):
-    """``fn`` over all tokens; with a layer axis, one call per layer with that layer's gamma
-    ((L, d) gamma) and the results concatenated in layer order."""
+def _scan(fn, x: np.ndarray, gamma, n_layers: int | None, args: argparse.Namespace, chunk, bar: Progress,
+          stage=None):
+    """``fn`` over all tokens; with a layer axis, one call per layer (gamma (L, d): that layer's
+    row) and the results concatenated in layer order, each layer a finished ``stage``."""
     kw = dict(tol=args.tol, max_iter=args.max_iter, seed=args.seed, backend=args.backend, chunk_size=chunk)
-    if not n_layers or gamma is None or np.ndim(gamma) == 1:
+    if not n_layers:
         return fn(x, gamma, args.eps, args.mode, args.method, callback=bar.count, **kw)
     import types
 
     per = x.shape[0] // n_layers
+    fields = ("sigma", "lower", "upper", "residual", "iterations", "converged")
     parts = []
     for k in range(n_layers):
-        parts.append(fn(x[k * per:(k + 1) * per], gamma[k], args.eps, args.mode, args.method,
+        g = gamma[k] if gamma is not None and np.ndim(gamma) == 2 else gamma
+        parts.append(fn(x[k * per:(k + 1) * per], g, args.eps, args.mode, args.method,
                         callback=lambda d, t, k=k: bar.count(k * per + d, n_layers * per), **kw))
-    fields = ("sigma", "lower", "upper", "residual", "iterations", "converged")
+        if stage is not None:
+            stage(f"layer {k}" + (f" {_site_name(args, k)}" if _site_name(args, k) else ""),
+                  {"layer": k, "site": _site_name(args, k),
+                                 **{f: np.ravel(getattr(parts[-1], f)) for f in fields}})
     return types.SimpleNamespace(**{f: np.concatenate([np.ravel(getattr(p, f)) for p in parts]) for f in fields})
+
+
+def _site_name(args: argparse.Namespace, k: int) -> str | None:
+    sites = getattr(args, "_sites", None)
+    return sites[k] if sites else None
+
+
+def _model_sites(args: argparse.Namespace) -> tuple[list[str], np.ndarray, np.ndarray, str]:
+    """The norm-input sites ``--sites`` of ``--model`` at ``--text``: names, (S, T, d), (S, d), source."""
+    from ..analysis.site_spectra import DEFAULT_SITES, norm_site_inputs
+    from ..experiments.recovery import DEFAULT_TEXT, byte_ids
+    from .recovery import load_model
+
+    model, name = load_model(args.model or "default", args.seed)
+    text = DEFAULT_TEXT if args.text is None else args.text
+    ids = model.tokenize(text) if hasattr(model, "tokenize") else byte_ids(text)
+    pats = DEFAULT_SITES if args.sites is None else [p.strip() for p in args.sites.split(",") if p.strip()]
+    sites, X, gamma = norm_site_inputs(model, ids, pats)
+    args._norm, args._eps = model.config.norm, model.config.eps
+    return sites, X, gamma, f"{name or args.model or 'default'}: {len(sites)} norm-input site(s) at T = {len(ids)} tokens"
 
 
 def run(args: argparse.Namespace) -> int:
@@ -107,7 +136,15 @@ def run(args: argparse.Namespace) -> int:
 
     from ..linalg import spectral as sp
 
-    if args.input is not None:
+    sites = None
+    if args.model is not None or args.sites is not None:  # norm-input sites of a model (issue 12)
+        if args.input is not None or args.gamma is not None:
+            raise ValueError("--model/--sites read the activations and gammas from the model: drop --input/--gamma")
+        sites, x, gamma, source = _model_sites(args)
+        n_layers = len(sites)
+        args.norm, args.eps = args._norm, args._eps  # the model's own norm and eps
+        x = x.reshape(-1, x.shape[-1])
+    elif args.input is not None:
         x = _load_array(args.input, args.key, "activations")
         if x.ndim < 2:
             raise ValueError(f"activations in {args.input} must have shape (N, d) or (L, T, d); got {x.shape}")
@@ -121,7 +158,7 @@ def run(args: argparse.Namespace) -> int:
             raise ValueError(f"--d must be at least 2; got {args.d}")
         x, gamma = _synthetic(args.tokens, args.d, args.seed)
         source, n_layers = f"synthetic, seed {args.seed}", None
-    if args.gamma is not None:
+    if args.gamma is not None and sites is None:
         gamma = np.asarray(_load_array(args.gamma, None, "gamma"))
         if gamma.ndim == 2 and n_layers is None:
             raise ValueError(f"gamma in {args.gamma} has shape {gamma.shape} (one per layer), but the activations "
@@ -140,7 +177,11 @@ def run(args: argparse.Namespace) -> int:
     print(f"pyengine spectral: {n} tokens x d={d} ({source}), {args.norm}, mode {args.mode}, "
           f"method {args.method}, backend {args.backend}")
     t0 = time.perf_counter()
-    res = _scan(fn, x, gamma, n_layers, args, chunk, bar)
+    args._sites = sites
+    out_dir = next((os.path.dirname(os.path.abspath(f)) for f in (args.json, args.csv) if f), None)
+    stages = Stages(out_dir) if out_dir and n_layers else None  # each layer / site on disk when done
+    with (stages.keep() if stages else contextlib.nullcontext()):
+        res = _scan(fn, x, gamma, n_layers, args, chunk, bar, stages)
     elapsed = time.perf_counter() - t0
     layer = np.repeat(np.arange(n_layers), n // n_layers) if n_layers else None
     sigma = res.sigma.ravel()
@@ -160,7 +201,8 @@ def run(args: argparse.Namespace) -> int:
         print(f"  {'layer':>5} {'min':>10} {'median':>10} {'max':>10} {'< 1':>8}")
         for k in range(n_layers):
             v = sigma[layer == k]
-            print(f"  {k:>5} {v.min():>10.6g} {np.median(v):>10.6g} {v.max():>10.6g} {int((v < 1).sum()):>8}")
+            print(f"  {k:>5} {v.min():>10.6g} {np.median(v):>10.6g} {v.max():>10.6g} {int((v < 1).sum()):>8}"
+                  + (f"  {sites[k]}" if sites else ""))
     print(f"histogram ({args.bins} bins):")
     print("\n".join(lines))
     print(f"time: {elapsed:.3f} s ({1e6 * elapsed / max(n, 1):.2f} us/token)")
@@ -173,9 +215,9 @@ def run(args: argparse.Namespace) -> int:
                 "max": float(sigma.max()) if n else None, "below_one": below, "converged": conv,
             },
             "histogram": {"edges": edges.tolist(), "counts": counts.tolist()},
-            "layers": n_layers, "layer": None if layer is None else layer.tolist(),
+            "layers": n_layers, "layer": None if layer is None else layer.tolist(), "sites": sites,
             "per_layer": None if layer is None else [
-                {"layer": k, "min": float(sigma[layer == k].min()), "median": float(np.median(sigma[layer == k])),
+                {"layer": k, "site": _site_name(args, k), "min": float(sigma[layer == k].min()), "median": float(np.median(sigma[layer == k])),
                  "max": float(sigma[layer == k].max()), "below_one": int((sigma[layer == k] < 1).sum())}
                 for k in range(n_layers)],
             "sigma": _finite_or_none(res.sigma), "lower": _finite_or_none(res.lower),
@@ -193,7 +235,16 @@ def run(args: argparse.Namespace) -> int:
                                                                                "%.6g", "%d", "%d"]
         if n_layers:
             cols, header, fmt = [layer, *cols], "layer," + header, ["%d", *fmt]
-        np.savetxt(args.csv, np.column_stack(cols), delimiter=",", comments="", header=header, fmt=fmt)
+        if sites:  # a site column after the layer index
+            import csv
+
+            with open(args.csv, "w", newline="") as fh:
+                w = csv.writer(fh)
+                w.writerow(["layer", "site", *header.split(",")[1:]])
+                for row in zip(*cols):
+                    w.writerow([int(row[0]), sites[int(row[0])], *[f % v for f, v in zip(fmt[1:], row[1:])]])
+        else:
+            np.savetxt(args.csv, np.column_stack(cols), delimiter=",", comments="", header=header, fmt=fmt)
         print(f"wrote {args.csv}")
     return 0
 
@@ -224,6 +275,12 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     s.add_argument("--bins", type=positive, default=20, help="histogram bins (default 20)")
     s.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
                    help="progress bar on stderr (auto: when stderr is a terminal)")
+    s.add_argument("--model", default=None, help="scan the norm inputs of this model (a load_pretrained name, "
+                   "a .npz Stack or 'default') at --text, instead of --input; its norm, eps and gammas are used")
+    s.add_argument("--sites", default=None, help="comma-separated norm-input sites or globs of --model, e.g. "
+                   "'blocks.*.norm1.input,final_norm.input' (default every block's norm inputs, blocks.*.norm*.input); "
+                   "one layer row per site, named in the JSON and CSV")
+    s.add_argument("--text", default=None, help="the text whose tokens are scanned with --model (default a built-in sentence)")
     s.add_argument("--json", metavar="FILE", help="write the summary and per-token results as JSON")
     s.add_argument("--csv", metavar="FILE", help="write per-token results as CSV")
     return s

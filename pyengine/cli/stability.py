@@ -8,6 +8,7 @@ import argparse
 
 from .._progress import Progress
 from ._args import positive
+from ._stages import Stages
 
 __all__ = ["add_parser", "run"]
 
@@ -37,10 +38,12 @@ def run(args: argparse.Namespace) -> int:
 
     schemes = tuple(s.strip() for s in args.schemes.split(",") if s.strip())
     bar = Progress("auto")
-    rep = stability(schemes, args.depth, args.width, args.tokens, activation=args.activation, model=args.model,
-                    demo=not args.no_demo, seed=args.seed, progress=bar.step,
-                    stack_depth=args.stack_depth, stack_width=args.stack_width,
-                    placements=() if args.no_stacks else STACK_PLACEMENTS)
+    stages = Stages(args.out)  # each finished part on disk at once
+    with stages.keep():
+        rep = stability(schemes, args.depth, args.width, args.tokens, activation=args.activation, model=args.model,
+                        demo=not args.no_demo, seed=args.seed, progress=bar.step,
+                        stack_depth=args.stack_depth, stack_width=args.stack_width,
+                        placements=() if args.no_stacks else STACK_PLACEMENTS, on_stage=stages)
     bar.step(1, 1, "done")
     print(format_stability(rep))
     for path in write_stability(rep, args.out):

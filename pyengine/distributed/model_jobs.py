@@ -111,10 +111,11 @@ class SpectralJob(Job):
     name = "spectral"
     defaults = {"model": "all-MiniLM-L6-v2", "corpus": None, "tokens": 100_000, "seq_len": 128,
                 "method": "exact", "mode": "full", "tol": 1e-6, "max_iter": 1000, "seed": 0,
-                "dtype": "float32", "backend": "auto"}
+                "dtype": "float32", "backend": "auto", "sites": None}
 
     def plan(self, grid: Any) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, np.ndarray]]]:
         params, _, _ = super().plan(grid)
+        want = params.pop("sites")  # issue 12: norm-input site names or globs (None: every norm)
         if not isinstance(params["model"], str):
             raise TypeError(f"grid['model'] must be a model name or path; got {type(params['model']).__name__}")
         for k, low in (("tokens", 1), ("seq_len", 1), ("max_iter", 1), ("seed", 0)):
@@ -130,6 +131,15 @@ class SpectralJob(Job):
         ids = corpus_ids(params["model"], params["tokens"], params["corpus"])
         L = params["seq_len"]
         params["sites"] = norm_sites(model)
+        if want is not None:
+            from ..analysis.site_spectra import norm_input_sites, select_norm_input_sites
+
+            picked = select_norm_input_sites(model, want)  # ValueError naming the sites when a pattern matches none
+            params["sites"] = [s for s in params["sites"] if s + ".input" in picked]
+            if len(params["sites"]) != len(picked):
+                raise ValueError(f"grid['sites']: the spectral job scans {', '.join(norm_sites(model))} (as "
+                                 f"'<norm>.input'); {sorted(set(picked) - {s + '.input' for s in norm_sites(model)})} "
+                                 f"of {norm_input_sites(model)[:3]}... are not among them")
         params["d"] = model.config.d_model
         points = [{"window": i, "start": a} for i, a in enumerate(range(0, ids.size, L))]
         return params, points, [{"ids": ids[p["start"]:p["start"] + L]} for p in points]

@@ -100,12 +100,15 @@ def _one(model: Stack, name: str, ids: np.ndarray, layers: np.ndarray, k: int, f
 def positions_report(models: list[tuple[str, Stack]] | None = None, *, corpus: str | None = None, length: int = 12,
                      max_contexts: int | None = 256, layers: Any = None, k: int = 4, folds: int = 3,
                      ablation_contexts: int | None = 32, seed: int = 0,
-                     progress: Callable[[float, str], None] | None = None) -> PositionsReport:
+                     progress: Callable[[float, str], None] | None = None,
+                     on_stage: Callable[[str, dict[str, Any]], None] | None = None) -> PositionsReport:
     """Run the measurements on ``models`` ((name, Stack) pairs; default the synthetic pair).
 
     Pretrained models (with ``tokenize``) read ``corpus`` (a file; default the built-in one),
     cut to ``length`` tokens; stacks without a tokenizer get seeded random ids (C = max_contexts
     or 256). ``layers``: hidden-state indices for the positional analyses (default all).
+    ``on_stage(stage, result)``, if given, gets each model's finished measurements (its
+    ``to_dict()``) as soon as they are done.
     """
     import time
 
@@ -133,6 +136,8 @@ def positions_report(models: list[tuple[str, Stack]] | None = None, *, corpus: s
             ids = rng.integers(0, max(m.config.vocab_size, 1), (max_contexts or 256, length))
         out.append(_one(m, name, ids, lay, k, folds, ablation_contexts, progress, i / len(models),
                         (i + 1) / len(models)))
+        if on_stage is not None:
+            on_stage(f"model {i + 1} {name}", {"model": out[-1].to_dict()})
     return PositionsReport(out, time.perf_counter() - t0)
 
 

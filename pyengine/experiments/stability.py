@@ -84,7 +84,7 @@ def stability(
     activation: str = "relu", settings: tuple[tuple[str, bool], ...] = SETTINGS, model: Any = None,
     demo: bool = True, seed: int = 0, dtype: Any = np.float32, progress: Any = None,
     stack_depth: int = 12, stack_width: int = 256, stack_tokens: int | None = None,
-    placements: tuple[str, ...] = (), gelu_check: bool = True,
+    placements: tuple[str, ...] = (), gelu_check: bool = True, on_stage: Any = None,
 ) -> Stability:
     """Signal propagation of every scheme x setting; weight spectra of ``model`` (a Stack or a
     load_pretrained name) if given; the descent demo if ``demo``.
@@ -96,6 +96,8 @@ def stability(
     :data:`STACK_PLACEMENTS`); its forward and backward go through
     Stack.forward and Stack.block_vjp. ``gelu_check`` adds a plain Kaiming GELU stack
     (the same weights as the ReLU one) for the GELU line of :func:`departures`.
+    ``on_stage(stage, result)``, if given, gets each finished part as plain data (the
+    signal-propagation runs, the transformer stacks, the spectra, the descent demo).
     """
     import time
 
@@ -115,6 +117,8 @@ def stability(
             progress(len(plan), len(plan), "kaiming_normal gelu")
         gelu_runs.append(signal_propagation("kaiming_normal", depth, width, tokens, activation="gelu", seed=seed,
                                             dtype=dtype, layers=weights.get(("kaiming_normal", False))))
+    keep = on_stage or (lambda stage, result: None)
+    keep("signal propagation", {"runs": [_run_dict(r) for r in runs + gelu_runs]})
     stack_runs = []
     if placements:
         from ..models.config import StackConfig
@@ -129,6 +133,7 @@ def stability(
                               positions="none", bias=False)
             st = init_weights(cfg, s, seed=seed, dtype=dtype)
             stack_runs.append(stack_signal_propagation(st, stack_tokens or tokens, scheme=s, seed=seed))
+        keep("transformer stacks", {"stack_runs": [_run_dict(r) for r in stack_runs]})
     spectra, name = None, ""
     if model is not None:
         if isinstance(model, str):
@@ -136,8 +141,16 @@ def stability(
 
             name, model = model, load_pretrained(model)
         spectra = weight_spectra(model)
-    return Stability(runs, spectra, name, descent_demo() if demo else None, time.perf_counter() - t0, stack_runs,
-                     gelu_runs)
+        keep("weight spectra", {"model": name, "spectra": spectra.to_dict()})
+    descent = descent_demo() if demo else None
+    if descent is not None:
+        keep("descent demo", {"descent": {k: v.tolist() for k, v in descent.items()}})
+    return Stability(runs, spectra, name, descent, time.perf_counter() - t0, stack_runs, gelu_runs)
+
+
+def _run_dict(r: Any) -> dict[str, Any]:
+    return {"label": r.label, **{k: getattr(r, k).tolist() for k in
+                                 ("forward_rms", "backward_rms", "forward_pred", "backward_pred")}}
 
 
 def _naive(r: SignalPropagation) -> float:
@@ -261,11 +274,9 @@ def write_stability(rep: Stability, outdir: str) -> list[str]:
         paths.append(os.path.join(outdir, "descent.png"))
         fig.savefig(paths[-1], dpi=110)
         plt.close(fig)
-    doc = {"runs": [{"label": r.label, **{k: getattr(r, k).tolist() for k in
-                     ("forward_rms", "backward_rms", "forward_pred", "backward_pred")}} for r in rep.runs],
+    doc = {"runs": [_run_dict(r) for r in rep.runs],
            "spectra": rep.spectra.to_dict() if rep.spectra is not None else None,
-           "stack_runs": [{"label": r.label, **{k: getattr(r, k).tolist() for k in
-                           ("forward_rms", "backward_rms", "forward_pred", "backward_pred")}} for r in rep.stack_runs],
+           "stack_runs": [_run_dict(r) for r in rep.stack_runs],
            "descent": {k: v.tolist() for k, v in (rep.descent or {}).items()}, "seconds": rep.seconds}
     paths.append(os.path.join(outdir, "stability.json"))
     with open(paths[-1], "w", encoding="utf-8") as f:

@@ -5,7 +5,6 @@ measure its decay, exact and linearized, with spectra and ablations
 from __future__ import annotations
 
 import argparse
-import os
 
 import numpy as np
 
@@ -22,7 +21,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="default (a seeded GPT-2-small-shaped pre-LN stack, no download), all-MiniLM-L6-v2, "
                         "SmolLM2-135M-Instruct, a model folder, or a .npz saved by Stack.save")
     r.add_argument("--text", default=None, help="the input sentence (default: a built-in sentence)")
-    r.add_argument("--layer", type=int, default=2, help="hidden-state index of the injection (default 2)")
+    r.add_argument("--layer", type=int, default=None, help="hidden-state index of the injection (default 2)")
+    r.add_argument("--site", default=None, help="inject at this site instead of --layer, e.g. blocks.2.resid_mid "
+                   "(any site pyengine.propagate takes: resid_pre/mid/post, norm inputs/outputs, attn.out, "
+                   "attn.head_out, mlp.hidden, mlp.out); --directions then have the site's width")
     r.add_argument("--scale", type=positive_float, default=6.0,
                    help="the protocol scale: fits and the table use it (default 6)")
     r.add_argument("--scales", type=floats, default=None,
@@ -73,13 +75,16 @@ def run(args: argparse.Namespace) -> int:
 
         scales = list(DEFAULT_SCALES)
     given = isinstance(args.directions, np.ndarray)
+    if args.site is not None and args.layer is not None:
+        raise ValueError("--site and --layer both name the injection point: give one")
+    layer = args.site if args.site is not None else 2 if args.layer is None else args.layer
     stages = Stages(args.out)  # each finished stage is on disk at once
 
     model, name = load_model(args.model, args.seed)
     print(f"pyengine recovery: model {name or 'default (seeded GPT-2-small-shaped pre-LN stack)'}; "
           f"output folder {args.out}", flush=True)
     with stages.keep():
-        rep = recovery(model, text=args.text, layer=args.layer, scales=scales, protocol_scale=args.scale,
+        rep = recovery(model, text=args.text, layer=layer, scales=scales, protocol_scale=args.scale,
                        n_directions=4 if given else args.directions, directions=args.directions if given else None,
                        positions=args.positions, read=args.read,
                        spectral_tokens=args.spectral_tokens, seed=args.seed, dtype=args.dtype, name=name,

@@ -110,7 +110,7 @@ def _verdicts(r: Recovery) -> list[str]:
 
 
 _COLS = [  # key, header, width, format
-    ("layer", "k", 3, "d"),
+    ("layer", "k", 3, "g"),  # g: a site row inside a block is k + 0.5
     ("h_norm", "|h|", 10, ".3g"),
     ("delta_norm", "|delta|", 10, ".3g"),
     ("projection", "proj", 10, ".3g"),
@@ -135,7 +135,7 @@ def format_table(rep: Recovery) -> str:
     ex = rep.exact
     lines = [
         f"model: {rep.model}",
-        f"tokens: T = {ex.T}; injected at hidden state {rep.layer} (input of block {rep.layer + 1}) on "
+        f"tokens: T = {ex.T}; injected at {_where(rep)} on "
         f"{ex.positions.size} position(s); K = {ex.K} directions x S = {ex.S} scales; read-out: {rep.read} token(s); "
         f"table at scale {rep.protocol_scale:g}, mean over directions",
         "gain (v.A delta / v.delta, linearized) and cos(h,h+) = cos(h_k-1, h_k): the block arriving at k; "
@@ -195,7 +195,7 @@ def write(rep: Recovery, folder: str, plots: bool = True) -> list[str]:
             for i, k in enumerate(run.layers):
                 for n in range(run.N):
                     for t in range(run.T):
-                        w.writerow([name, int(k), n // run.S, f"{run.scales[n % run.S]:g}", t, tok[t], int(inj[t]),
+                        w.writerow([name, f"{k:g}", n // run.S, f"{run.scales[n % run.S]:g}", t, tok[t], int(inj[t]),
                                     f"{run.cosine[i, n, t]:.9g}", f"{run.projection[i, n, t]:.9g}",
                                     f"{run.norm_ratio[i, n, t]:.9g}", f"{run.delta_norm[i, n, t]:.9g}"])
     paths.append(p)
@@ -288,6 +288,13 @@ def figure(rep: Recovery) -> Any:
           ylabel="relative gap")
     a.legend(fontsize=8)
     text = rep.text if rep.text is None or len(rep.text) <= 70 else rep.text[:67] + "..."
-    fig.suptitle(f"pyengine recovery: {rep.model}; text {text!r}\ninjected at hidden state {rep.layer}, "
+    fig.suptitle(f"pyengine recovery: {rep.model}; text {text!r}\ninjected at {_where(rep)}, "
                  f"positions {_span(ex.positions)} of T = {ex.T}; read-out: {rep.read}")
     return fig
+
+
+def _where(rep: Any) -> str:
+    """Where a recovery run injected: the hidden state, or the site inside a block (issue 12)."""
+    if getattr(rep, "site", None) and "resid_p" not in rep.site:
+        return f"site {rep.site} (inside block {rep.layer + 1})"
+    return f"hidden state {rep.layer} (input of block {rep.layer + 1})"

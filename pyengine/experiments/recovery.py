@@ -33,6 +33,8 @@ import numpy as np
 from .. import _validate as _v
 from ..models import Stack, StackConfig, init_weights
 from ..analysis import DecayFit, Propagation, position_mask, propagate, resolve_positions, token_jacobians
+from ..analysis.propagate_inputs import resolve_injection
+from ..models.site_blocks import site_width
 from ._report import LINEAR_TOL, _clean, _verdicts
 
 __all__ = ["DEFAULT_TEXT", "Recovery", "byte_ids", "default_model", "recovery", "token_strings"]
@@ -102,6 +104,7 @@ class Recovery:
     verdicts: list[str]
     seconds: dict[str, float]
     tokens: list[str] | None = None  # the text of each token id (the model's detokenize, or the bytes)
+    site: str | None = None  # the site name when injected at one (``layer`` is then its block)
 
     @property
     def scale_index(self) -> int:
@@ -128,8 +131,10 @@ class Recovery:
         gain = self.gain_linear
         rows = []
         for i, k in enumerate(ex.layers):
+            whole = float(k).is_integer()  # row 0 of a site inside block k is labelled k + 0.5
+            k = int(k) if whole else float(k)
             row = {
-                "layer": int(k),
+                "layer": k,
                 "h_norm": float(ex.base_norm[i][m].mean()),
                 "delta_norm": float(at(ex, "delta_norm")[i]),
                 "projection": float(at(ex, "projection")[i]),
@@ -139,8 +144,8 @@ class Recovery:
                 "gain_linear": float(gain[i - 1]) if i else float("nan"),
                 "rho": float(self.rho[i].max()) if i < self.rho.shape[0] else float("nan"),
                 "sigma_max": float(self.sigma[i].max()) if i < self.sigma.shape[0] else float("nan"),
-                "adjacent_cosine": float(ex.base_adjacent_cosine[k - 1][m].mean()) if k else float("nan"),
-                "step_norm": float(ex.base_step[k - 1][m].mean()) if k else float("nan"),
+                "adjacent_cosine": float(ex.base_adjacent_cosine[k - 1][m].mean()) if whole and k else float("nan"),
+                "step_norm": float(ex.base_step[k - 1][m].mean()) if whole and k else float("nan"),
             }
             rows.append(row)
         return rows
@@ -149,7 +154,8 @@ class Recovery:
         """JSON-ready: settings, table, fits, spectra, ablations, verdicts and both runs."""
         return {
             "model": self.model, "config": dataclasses.asdict(self.config), "text": self.text,
-            "ids": self.ids.tolist(), "tokens": self.tokens, "layer": self.layer, "read": self.read,
+            "ids": self.ids.tolist(), "tokens": self.tokens, "layer": self.layer, "site": self.site,
+            "read": self.read,
             "protocol_scale": self.protocol_scale, "table": self.layer_table(),
             "fit_exact": self.fit_exact.to_dict(), "fit_linear": self.fit_linear.to_dict(),
             "spectral": {"blocks": list(range(self.layer, self.layer + self.rho.shape[0])),
@@ -222,7 +228,7 @@ def recovery(
     ids: Any = None,
     *,
     text: str | None = None,
-    layer: int = 2,
+    layer: int | str = 2,
     scales: Sequence[float] = DEFAULT_SCALES,
     protocol_scale: float = PROTOCOL_SCALE,
     n_directions: int = 4,
@@ -249,8 +255,10 @@ def recovery(
         ``model.tokenize(text)`` for a model with a tokenizer.
     text : str, optional
         Default :data:`DEFAULT_TEXT`.
-    layer : int
-        Hidden-state index of the injection (the input of block layer + 1).
+    layer : int or str
+        Hidden-state index of the injection (the input of block layer + 1), or a site
+        name as :func:`pyengine.propagate` takes it (e.g. ``"blocks.2.resid_mid"``; the
+        directions then have the site's width, and the block spectra start at its block).
     scales : sequence of float
         Perturbation sizes (absolute); ``protocol_scale`` is added if missing.
     n_directions : int
@@ -314,10 +322,13 @@ def recovery(
     if read_at.size == 0:
         raise ValueError(f"read = {read!r} selects no token for positions = {positions!r} (T = {T})")
     sc = np.unique(np.append(np.asarray(scales, dtype=np.float64), protocol_scale))
+    inj = resolve_injection(layer, cfg)  # a site name: its block, and the directions' width
+    width = cfg.d_model if inj.site is None else site_width(cfg, inj.site)
+    block = _v.index_of("layer", inj.layer, cfg.n_layers, "a hidden-state index: the input of a block")
     if directions is None:
         n = _v.count("n_directions", n_directions)
-        directions = np.random.default_rng(seed).standard_normal((n, cfg.d_model))
-    directions = _v.unit_rows("directions", directions, cfg.d_model)  # checked before the first stage
+        directions = np.random.default_rng(seed).standard_normal((n, width))
+    directions = _v.unit_rows("directions", directions, width)  # checked before the first stage
     j = int(np.argmin(np.abs(sc - protocol_scale)))
     seconds: dict[str, float] = {}
 
@@ -348,9 +359,9 @@ def recovery(
 
     def spectra(cb: Callable[[int, int], None]) -> tuple[np.ndarray, ...]:
         h = model.hidden_states(ids, dtype=np.float64)
-        n = cfg.n_layers - layer
+        n = cfg.n_layers - block
         rho, sig, one = (np.empty((n, toks.size)) for _ in range(3))
-        for i, k in enumerate(range(layer, cfg.n_layers)):
+        for i, k in enumerate(range(block, cfg.n_layers)):
             A = token_jacobians(model, h[k], k, toks)
             for r in range(toks.size):
                 rho[i, r] = np.abs(np.linalg.eigvals(A[r])).max()
@@ -360,7 +371,7 @@ def recovery(
         return rho, sig, one
 
     rho, sig, one = timed("block Jacobian spectra", 0.45, 0.7, spectra,
-                          lambda out: {"blocks": list(range(layer + 1, cfg.n_layers + 1)), "tokens": toks.tolist(),
+                          lambda out: {"blocks": list(range(block + 1, cfg.n_layers + 1)), "tokens": toks.tolist(),
                                        "rho": out[0].tolist(), "sigma_max": out[1].tolist(),
                                        "ones_residual": out[2].tolist()})
 
@@ -385,7 +396,7 @@ def recovery(
         fit_exact=ex.fit(read, j), fit_linear=li.fit(read, j),
         spectral_tokens=toks, rho=rho, sigma=sig, ones_residual=one, linear_gap=gap,
         linear_regime=_regime(sc, gap), no_residual=no_res, eps_sweep=eps_sweep, gamma_sweep=gamma_sweep,
-        verdicts=[], seconds=seconds, tokens=tokens,
+        verdicts=[], seconds=seconds, tokens=tokens, site=ex.site,
     )
     rep.verdicts = _verdicts(rep)
     seconds["total"] = time.perf_counter() - t_start

@@ -36,55 +36,16 @@ import os
 import sys
 from typing import Any
 
-import dataclasses
-import warnings
-
 import numpy as np
 
 from . import _families, _hf, _streaming
 from ._hf import INSTALL_COMMAND
 from .config import StackConfig, _check_arrays
 from .stack import Stack
+from .tokenized import TokenizedText, Tokenizing, tokenizer_json
 
 __all__ = ["KNOWN_MODELS", "PretrainedModel", "TokenizedText", "load_pretrained"]
 
-
-@dataclasses.dataclass(frozen=True, eq=False)
-class TokenizedText:
-    """Text and its tokens: ``ids`` int64 (T,), ``tokens`` (their strings), ``offsets``
-    int64 (T, 2) character [start, end) of each token in ``text`` (special tokens: (0, 0))."""
-
-    text: str
-    ids: np.ndarray
-    tokens: list[str]
-    offsets: np.ndarray
-    special: np.ndarray  # bool (T,): a special token ([CLS], [SEP], BOS, EOS)
-
-    def __len__(self) -> int:
-        return int(self.ids.size)
-
-    def __array__(self, dtype: Any = None, copy: Any = None) -> np.ndarray:
-        return self.ids if dtype is None else self.ids.astype(dtype)
-
-    def span(self, substring: str, occurrence: int = 0) -> slice:
-        """Token indices (a slice) covering the ``occurrence``-th ``substring`` of the text.
-
-        Every token that overlaps the substring's characters is in the span. ValueError
-        if the substring is not in the text (or only inside special tokens).
-        """
-        if not isinstance(substring, str) or not substring:
-            raise TypeError(f"substring must be a non-empty str; got {substring!r}")
-        at = -1
-        for _ in range(int(occurrence) + 1):
-            at = self.text.find(substring, at + 1)
-            if at < 0:
-                raise ValueError(f"substring {substring!r} (occurrence {occurrence}) is not in the text")
-        end = at + len(substring)
-        s, e = self.offsets[:, 0], self.offsets[:, 1]
-        hit = np.flatnonzero(~self.special & (s < end) & (e > at))
-        if hit.size == 0:
-            raise ValueError(f"substring {substring!r} covers no token")
-        return slice(int(hit[0]), int(hit[-1]) + 1)
 
 #: name -> (distribution, path of the weights inside it, kind).
 KNOWN_MODELS: dict[str, tuple[str, str, str]] = {
@@ -93,7 +54,7 @@ KNOWN_MODELS: dict[str, tuple[str, str, str]] = {
 }
 
 
-class PretrainedModel(Stack):
+class PretrainedModel(Tokenizing, Stack):
     """A :class:`~pyengine.models.stack.Stack` with a name, its source and a tokenizer.
 
     Build one with :func:`load_pretrained`. Weights are float32 and read-only.
@@ -130,70 +91,6 @@ class PretrainedModel(Stack):
         """Not available: a ``.npz`` holds no tokenizer. Use :func:`load_pretrained` or ``Stack.load``."""
         raise TypeError("PretrainedModel.load is not available; use pyengine.load_pretrained or Stack.load")
 
-    def _encode_one(self, text: str) -> TokenizedText:
-        if not isinstance(text, str):
-            raise TypeError(f"text must be a str or a list of str; got {type(text).__name__}")
-        enc = self.tokenizer.encode(text, add_special_tokens=self.architecture == "bert")
-        ids, toks, offs = list(enc.ids), list(enc.tokens), [tuple(o) for o in enc.offsets]
-        spec = [bool(m) for m in enc.special_tokens_mask]
-        if self.architecture != "bert":
-            for flag, tid, front in ((self.add_bos, self.bos_token_id, True), (self.add_eos, self.eos_token_id, False)):
-                if flag:
-                    tok = self.tokenizer.id_to_token(tid) or ""
-                    for lst, v in ((ids, tid), (toks, tok), (offs, (0, 0)), (spec, True)):
-                        lst.insert(0, v) if front else lst.append(v)
-        return TokenizedText(text, np.array(ids, dtype=np.int64), toks,
-                             np.array(offs, dtype=np.int64).reshape(-1, 2), np.array(spec, dtype=bool))
-
-    def tokenize(self, text: str | list[str], return_offsets: bool = False) -> Any:
-        """Token ids of raw text (no chat template), int64 (T,); a list of strings gives a list.
-
-        BERT: ``[CLS] ... [SEP]`` as the model was trained (lower-cased WordPiece).
-        Llama: BOS/EOS only if the model's metadata asks for it (SmolLM2: neither).
-        Nothing is padded or truncated: sequences longer than ``config.max_seq_len``
-        (BERT: 512) are rejected by :meth:`hidden_states`. Batches of different lengths:
-        :meth:`tokenize_batch` (ids and attention_mask).
-
-        ``return_offsets=True``: a :class:`TokenizedText` (ids, token strings, character
-        offsets; ``.span(substring)`` gives a substring's tokens) instead of the ids.
-        """
-        self._need_tokenizer()
-        if isinstance(text, (list, tuple)) and all(isinstance(t, str) for t in text):
-            return [self.tokenize(t, return_offsets) for t in text]
-        out = self._encode_one(text)
-        return out if return_offsets else out.ids
-
-    def tokenize_batch(self, texts: list[str], padding: str = "right") -> tuple[np.ndarray, np.ndarray]:
-        """Ids (B, T) and attention_mask (B, T) of texts of different lengths, padded left or right."""
-        if padding not in ("left", "right"):
-            raise ValueError(f"padding must be 'left' or 'right'; got {padding!r}")
-        seqs = self.tokenize(list(texts))
-        if not seqs:
-            raise ValueError("texts must hold at least one text")
-        T = max(len(s) for s in seqs)
-        pad = self.eos_token_id if self.eos_token_id is not None else 0
-        ids, mask = np.full((len(seqs), T), pad, np.int64), np.zeros((len(seqs), T), np.int64)
-        for i, s in enumerate(seqs):
-            sl = slice(T - len(s), T) if padding == "left" else slice(0, len(s))
-            ids[i, sl], mask[i, sl] = s, 1
-        return ids, mask
-
-    def token_span(self, text: str, substring: str, occurrence: int = 0) -> slice:
-        """Token indices (a slice into ``tokenize(text)``) covering ``substring`` of ``text``."""
-        return self.tokenize(text, return_offsets=True).span(substring, occurrence)
-
-    def warn_if_special(self, ids: Any, position: int = -1) -> bool:
-        """Warn (UserWarning) if the read-out token ``ids[position]`` is special ([SEP], BOS, ...)."""
-        self._need_tokenizer()
-        arr = np.asarray(ids).reshape(-1)
-        tok = self.tokenizer.id_to_token(int(arr[position]))
-        special = tok is not None and tok in {t.content for t in self.tokenizer.get_added_tokens_decoder().values()
-                                              if t.special}
-        if special:
-            warnings.warn(f"the read-out token at position {position} is the special token {tok!r}; "
-                          "read out at a real token (e.g. position -2 for BERT's [SEP])", UserWarning, stacklevel=2)
-        return special
-
     def save(self, path: Any) -> None:
         """As :meth:`Stack.save`; BERT's token type 0 is folded into the positions (float32)."""
         if self.token_type_embeddings is None:
@@ -202,21 +99,6 @@ class PretrainedModel(Stack):
         w["embed.positions"] = w["embed.positions"] + self.token_type_embeddings[0].astype(w["embed.positions"].dtype)
         from . import _npz
         _npz.save(path, self.config.to_json(), w)
-
-    def detokenize(self, ids: Any, skip_special_tokens: bool = False) -> str:
-        """Text of token ids (T,) (special tokens kept unless ``skip_special_tokens``)."""
-        self._need_tokenizer()
-        arr = np.asarray(ids)
-        if arr.dtype.kind not in "iu" or arr.ndim != 1:
-            raise ValueError(f"ids must be a 1-d integer array; got dtype {arr.dtype}, shape {arr.shape}")
-        if arr.size and (arr.min() < 0 or arr.max() >= self.config.vocab_size):
-            raise ValueError(f"ids must lie in [0, vocab_size = {self.config.vocab_size})")
-        return self.tokenizer.decode([int(i) for i in arr], skip_special_tokens=skip_special_tokens)
-
-    def _need_tokenizer(self) -> None:
-        if self.tokenizer is None:
-            raise ValueError(f"model {self.name!r} has no tokenizer (none was found next to its weights)")
-
 
 # --------------------------------------------------------------------------- finding the files
 
@@ -343,13 +225,13 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
         cfg, _ = _families.read_family(hf, shards, cfg_path, dt, layers=(), glob=False)
         new = _streaming.streamed(PretrainedModel).__new__(_streaming.streamed(PretrainedModel))
         new._init_streamed(cfg, hf, shards, cfg_path, dt)
-        new.name, new.source, new.architecture, new.tokenizer = name, path, arch, _tokenizer_json(path)
+        new.name, new.source, new.architecture, new.tokenizer = name, path, arch, tokenizer_json(path)
         new.add_bos = new.add_eos = False
         new.bos_token_id = new.eos_token_id = None
         return new
     else:
         cfg, weights = _families.read_family(hf, _hf.Shards(path), cfg_path, dt)
-    return _finish(cfg, weights, name, path, arch, _tokenizer_json(path))
+    return _finish(cfg, weights, name, path, arch, tokenizer_json(path))
 
 
 def _finish(cfg: StackConfig, weights: dict[str, np.ndarray], name: str, source: str, arch: str,
@@ -366,20 +248,6 @@ def _finish(cfg: StackConfig, weights: dict[str, np.ndarray], name: str, source:
     new.add_bos, new.add_eos = bool(policy.get("add_bos")), bool(policy.get("add_eos"))
     new.bos_token_id, new.eos_token_id = policy.get("bos_token_id"), policy.get("eos_token_id")
     return new
-
-
-def _tokenizer_json(folder: str) -> Any:
-    path = os.path.join(folder, "tokenizer.json")
-    if not os.path.isfile(path):
-        return None
-    tokenizers = _hf.need("tokenizers")
-    try:
-        tok = tokenizers.Tokenizer.from_file(path)
-    except Exception as exc:  # the Rust parser's errors are plain Exceptions
-        raise ValueError(f"tokenizer file {path!r} is not readable ({exc})") from None
-    tok.no_padding()  # the MiniLM file pads every text to 128 tokens
-    tok.no_truncation()  # and truncates to 128; too-long input is refused by hidden_states instead
-    return tok
 
 
 #: HF Llama tensor names (after ``model.layers.<k>.``) -> GGUF names (after ``blk.<k>.``).

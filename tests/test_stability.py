@@ -35,6 +35,18 @@ def test_measurement_follows_the_mean_field_prediction(norm, residual):
     assert f < 0.3 and b < 0.4
 
 
+@pytest.mark.parametrize("scheme", ["kaiming_normal", "torch_default", "orthogonal"])
+def test_mlp_stack_is_the_same_for_any_thread_count(scheme):
+    """The layers are drawn in parallel (one seeded stream per layer): the same weights as one thread."""
+    many = mlp_stack(5, 32, scheme, residual=True, dtype=np.float32, seed=3)
+    with pe.num_threads(1):
+        one = mlp_stack(5, 32, scheme, residual=True, dtype=np.float32, seed=3)
+    assert len(many) == len(one) == 5
+    for a, b in zip(many, one):
+        assert len(a) == 2 and all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not np.array_equal(many[0][0], many[1][0])  # every layer its own stream
+
+
 def test_backward_is_the_exact_vjp():
     """<dL/dh_0, δ> = d/dε <u, h_L(h_0 + ε δ)> with the same cotangent u (central difference, float64)."""
     from pyengine.analysis import stability as st

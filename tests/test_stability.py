@@ -185,3 +185,19 @@ def test_report_states_the_departures():
     assert "Departures from the init formula" in text and "GELU is not ReLU" in text
     assert text.count("kaiming_normal relu") >= 8 and "0.4252" in text
     assert rep.gelu_runs and rep.gelu_runs[0].activation == "gelu"
+
+
+def test_one_blas_thread_limits_every_blas_library_and_restores():
+    """NumPy's and SciPy's OpenBLAS are separate pools: both are single-threaded inside, as before after."""
+    import scipy.linalg  # noqa: F401  (its BLAS loaded)
+    from threadpoolctl import threadpool_info
+
+    from pyengine.backends import one_blas_thread
+
+    before = {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+    assert before
+    with one_blas_thread():
+        inside = {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+    after = {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+    assert set(inside) == set(before) and all(n == 1 for n in inside.values())
+    assert after == before

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..backends import one_blas_thread
 from ._dense_radius import dense_radii, use_dense
 from .operators import BatchedOperator
 
@@ -54,18 +55,10 @@ STALL_RATIO = 0.5
 #: explicit residual test (ARPACK tests its Ritz estimate, not the residual).
 ARNOLDI_TOL_FACTOR = 0.1
 
-_BLAS = None
-
-
 def _one_blas_thread():
     """Single-threaded BLAS for the many tiny dense problems (projected SVDs, Gram-Schmidt):
     threaded OpenBLAS on 40 x 40 matrices is slower by orders of magnitude on a busy machine."""
-    global _BLAS
-    if _BLAS is None:
-        from threadpoolctl import ThreadpoolController
-
-        _BLAS = ThreadpoolController()
-    return _BLAS.limit(limits=1, user_api="blas")
+    return one_blas_thread()
 
 
 def _rowdot(a: np.ndarray, b: np.ndarray) -> np.ndarray:

@@ -40,6 +40,7 @@ import numpy as np
 from .config import StackConfig, _check_arrays, expected_arrays
 from .stack import Stack
 from .. import _validate as _v
+from ..backends import one_blas_thread
 
 __all__ = ["SCHEMES", "calculate_gain", "forward_gain", "init_matrix", "init_needs_blas", "init_variance", "init_weights"]
 
@@ -150,7 +151,9 @@ def _haar_columns(a: np.ndarray) -> np.ndarray:
             # Every product here is scipy's BLAS (the Gram by syrk on the F-ordered qᵀ, no copy):
             # mixing in a NumPy product leaves NumPy's OpenBLAS threads spinning while scipy's
             # Cholesky runs, which made it 4x slower on two cores.
-            r = scipy.linalg.cholesky(dsyrk(1.0, q.T), lower=False, check_finite=False)
+            gram = dsyrk(1.0, q.T)
+            with one_blas_thread():  # as fast at these sizes, and no stalls on a busy machine
+                r = scipy.linalg.cholesky(gram, lower=False, check_finite=False)
             q = scipy.linalg.solve_triangular(r, q.T, trans="T", lower=False, check_finite=False).T
         if np.all(np.isfinite(q)):
             return q

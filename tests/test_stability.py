@@ -118,6 +118,25 @@ def test_report_and_cli(tmp_path, capsys):
     assert (tmp_path / "stability.png").exists() and (tmp_path / "descent.png").exists()
     assert (tmp_path / "stack_stability.png").exists()
     assert main(["stability", "--schemes", "he", "--out", str(tmp_path), "--no-demo", "--depth", "2"]) == 2
+    assert "--schemes: unknown scheme 'he'" in capsys.readouterr().err
+
+
+def test_cli_default_includes_the_real_model_table(tmp_path, capsys):
+    """The default run has the spectral-condition table of MiniLM (or says why it skipped it)."""
+    from pyengine.cli import main
+
+    assert main(["stability", "--depth", "3", "--width", "16", "--tokens", "4", "--schemes", "kaiming_normal",
+                 "--no-stacks", "--no-demo", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    try:
+        pe.load_pretrained("all-MiniLM-L6-v2")
+    except (OSError, ImportError):
+        assert "spectral condition of a real model: skipped" in out
+        return
+    assert "Spectral condition of all-MiniLM-L6-v2" in out and "down" in out
+    assert main(["stability", "--depth", "3", "--width", "16", "--tokens", "4", "--schemes", "kaiming_normal",
+                 "--no-stacks", "--no-demo", "--model", "none", "--out", str(tmp_path)]) == 0
+    assert "Spectral condition of" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(placement="post", positions="rotary"), dict(layout="parallel", causal=False),

@@ -135,6 +135,8 @@ def stability(
             from ..models.pretrained import load_pretrained
 
             name, model = model, load_pretrained(model)
+        else:
+            name = str(getattr(model, "name", ""))
         spectra = weight_spectra(model)
     return Stability(runs, spectra, name, descent_demo() if demo else None, time.perf_counter() - t0, stack_runs,
                      gelu_runs)

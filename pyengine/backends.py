@@ -20,6 +20,7 @@ import functools
 import importlib
 import inspect
 import os
+import sys
 from collections.abc import Callable, Iterator
 from typing import Any, NamedTuple, TypeVar
 
@@ -30,6 +31,7 @@ __all__ = [
     "available_backends",
     "get_num_threads",
     "num_threads",
+    "one_blas_thread",
     "register",
     "resolve",
     "set_num_threads",
@@ -314,6 +316,27 @@ def num_threads(n: int) -> Iterator[None]:
         yield
     finally:
         set_num_threads(before)
+
+
+_BLAS_CONTROLLER: tuple[Any, bool] | None = None  # (threadpoolctl controller, made after scipy.linalg loaded)
+
+
+def one_blas_thread() -> contextlib.AbstractContextManager[Any]:
+    """Single-threaded BLAS/LAPACK inside a ``with`` block, in every BLAS library loaded (NumPy's
+    and SciPy's OpenBLAS are two libraries with two thread pools).
+
+    For many small or block-sized dense problems: threaded OpenBLAS on them gains little on a
+    quiet machine and loses orders of magnitude on a busy one (its barriers wait for
+    descheduled threads), and one library's pool still spinning after a call slows the
+    other's threads.
+    """
+    global _BLAS_CONTROLLER
+    scipy_loaded = "scipy.linalg" in sys.modules
+    if _BLAS_CONTROLLER is None or _BLAS_CONTROLLER[1] != scipy_loaded:
+        from threadpoolctl import ThreadpoolController
+
+        _BLAS_CONTROLLER = (ThreadpoolController(), scipy_loaded)
+    return _BLAS_CONTROLLER[0].limit(limits=1, user_api="blas")
 
 
 def get_num_threads() -> int:

@@ -64,7 +64,8 @@ def test_positions(tmp_path):
 
 def test_stability(tmp_path):
     line = _interrupt(tmp_path, "stability", "--schemes", "kaiming_normal,orthogonal", "--depth", "4", "--width",
-                      "16", "--tokens", "8", "--stack-depth", "2", "--stack-width", "16", "--out", "o")
+                      "16", "--tokens", "8", "--stack-depth", "2", "--stack-width", "16", "--model", "none",
+                      "--out", "o")
     assert "1 finished stage(s)" in line
     (st,) = _stages(tmp_path / "o")
     assert st["stage"] == "signal propagation" and len(st["runs"]) >= 2

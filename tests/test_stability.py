@@ -35,6 +35,18 @@ def test_measurement_follows_the_mean_field_prediction(norm, residual):
     assert f < 0.3 and b < 0.4
 
 
+@pytest.mark.parametrize("scheme", ["kaiming_normal", "torch_default", "orthogonal"])
+def test_mlp_stack_is_the_same_for_any_thread_count(scheme):
+    """The layers are drawn in parallel (one seeded stream per layer): the same weights as one thread."""
+    many = mlp_stack(5, 32, scheme, residual=True, dtype=np.float32, seed=3)
+    with pe.num_threads(1):
+        one = mlp_stack(5, 32, scheme, residual=True, dtype=np.float32, seed=3)
+    assert len(many) == len(one) == 5
+    for a, b in zip(many, one):
+        assert len(a) == 2 and all(np.array_equal(x, y) for x, y in zip(a, b))
+    assert not np.array_equal(many[0][0], many[1][0])  # every layer its own stream
+
+
 def test_backward_is_the_exact_vjp():
     """<dL/dh_0, δ> = d/dε <u, h_L(h_0 + ε δ)> with the same cotangent u (central difference, float64)."""
     from pyengine.analysis import stability as st
@@ -106,6 +118,25 @@ def test_report_and_cli(tmp_path, capsys):
     assert (tmp_path / "stability.png").exists() and (tmp_path / "descent.png").exists()
     assert (tmp_path / "stack_stability.png").exists()
     assert main(["stability", "--schemes", "he", "--out", str(tmp_path), "--no-demo", "--depth", "2"]) == 2
+    assert "--schemes: unknown scheme 'he'" in capsys.readouterr().err
+
+
+def test_cli_default_includes_the_real_model_table(tmp_path, capsys):
+    """The default run has the spectral-condition table of MiniLM (or says why it skipped it)."""
+    from pyengine.cli import main
+
+    assert main(["stability", "--depth", "3", "--width", "16", "--tokens", "4", "--schemes", "kaiming_normal",
+                 "--no-stacks", "--no-demo", "--out", str(tmp_path)]) == 0
+    out = capsys.readouterr().out
+    try:
+        pe.load_pretrained("all-MiniLM-L6-v2")
+    except (OSError, ImportError):
+        assert "spectral condition of a real model: skipped" in out
+        return
+    assert "Spectral condition of all-MiniLM-L6-v2" in out and "down" in out
+    assert main(["stability", "--depth", "3", "--width", "16", "--tokens", "4", "--schemes", "kaiming_normal",
+                 "--no-stacks", "--no-demo", "--model", "none", "--out", str(tmp_path)]) == 0
+    assert "Spectral condition of" not in capsys.readouterr().out
 
 
 @pytest.mark.parametrize("kw", [dict(), dict(placement="post", positions="rotary"), dict(layout="parallel", causal=False),
@@ -173,3 +204,19 @@ def test_report_states_the_departures():
     assert "Departures from the init formula" in text and "GELU is not ReLU" in text
     assert text.count("kaiming_normal relu") >= 8 and "0.4252" in text
     assert rep.gelu_runs and rep.gelu_runs[0].activation == "gelu"
+
+
+def test_one_blas_thread_limits_every_blas_library_and_restores():
+    """NumPy's and SciPy's OpenBLAS are separate pools: both are single-threaded inside, as before after."""
+    import scipy.linalg  # noqa: F401  (its BLAS loaded)
+    from threadpoolctl import threadpool_info
+
+    from pyengine.backends import one_blas_thread
+
+    before = {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+    assert before
+    with one_blas_thread():
+        inside = {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+    after = {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
+    assert set(inside) == set(before) and all(n == 1 for n in inside.values())
+    assert after == before

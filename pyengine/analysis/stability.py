@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import numpy as np
@@ -39,7 +40,8 @@ from scipy import special
 
 from .. import _validate as _v
 from ..kernels.layernorm import layer_norm, layer_norm_vjp, rms_norm, rms_norm_vjp
-from ..models.initialization import init_matrix, init_variance
+from ..backends import get_num_threads
+from ..models.initialization import init_matrix, init_needs_blas, init_variance
 
 __all__ = ["ACTIVATIONS", "SignalPropagation", "gelu_second_moment", "mlp_stack", "signal_propagation"]
 
@@ -151,15 +153,22 @@ def mlp_stack(depth: int, width: int, scheme: str, *, residual: bool = False, d_
     depth, width = _v.count("depth", depth), _v.count("width", width)
     dm = _v.count("d_mlp", d_mlp) if d_mlp is not None else 4 * width
     dt = _v.float_dtype("dtype", dtype)
-    layers = []
-    for k in range(depth):
-        rng = np.random.default_rng([_v.int_seed(seed), k])
+    seed = _v.int_seed(seed)
+
+    def layer(k: int) -> tuple[np.ndarray, ...]:
+        rng = np.random.default_rng([seed, k])
         if residual:
-            layers.append((init_matrix(rng, scheme, width, dm, dtype=dt, **init),
-                           init_matrix(rng, scheme, dm, width, gpt2_std=0.02 / math.sqrt(2 * depth), dtype=dt, **init)))
-        else:
-            layers.append((init_matrix(rng, scheme, width, width, dtype=dt, **init),))
-    return layers
+            return (init_matrix(rng, scheme, width, dm, dtype=dt, **init),
+                    init_matrix(rng, scheme, dm, width, gpt2_std=0.02 / math.sqrt(2 * depth), dtype=dt, **init))
+        return (init_matrix(rng, scheme, width, width, dtype=dt, **init),)
+
+    threads = get_num_threads()
+    if threads < 2 or depth < 2 or init_needs_blas(scheme):
+        return [layer(k) for k in range(depth)]
+    # Pure draws: NumPy's generators release the GIL while filling, and every layer has its
+    # own stream, so the layers are drawn in parallel with the same result.
+    with ThreadPoolExecutor(min(threads, depth)) as pool:
+        return list(pool.map(layer, range(depth)))
 
 
 def _norm_fwd(norm: str, h: np.ndarray) -> np.ndarray:

@@ -12,6 +12,9 @@ from ._stages import Stages
 
 __all__ = ["add_parser", "run"]
 
+#: The real model of the spectral-condition table by default (small: 6 layers, d = 384).
+DEFAULT_MODEL = "all-MiniLM-L6-v2"
+
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("stability", help="signal propagation by init scheme, spectral condition, steepest descent",
@@ -27,7 +30,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="blocks of the transformer stacks (attention + MLP; default 12)")
     p.add_argument("--stack-width", type=positive, default=256, help="d_model of the transformer stacks (default 256)")
     p.add_argument("--no-stacks", action="store_true", help="skip the transformer stacks")
-    p.add_argument("--model", default=None, help="a load_pretrained name or path for the spectral-condition table")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"a load_pretrained name or path for the spectral-condition table (default {DEFAULT_MODEL}, "
+                        "skipped with a note if its package is not installed; 'none' skips it)")
     p.add_argument("--no-demo", action="store_true", help="skip the steepest-descent comparison")
     p.add_argument("--out", default="stability-out", help="folder for the figures and stability.json")
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (default 0)")
@@ -37,10 +42,24 @@ def run(args: argparse.Namespace) -> int:
     from ..experiments.stability import STACK_PLACEMENTS, format_stability, stability, write_stability
 
     schemes = tuple(s.strip() for s in args.schemes.split(",") if s.strip())
+    from ..models.initialization import ALIASES, SCHEMES
+
+    for s in schemes:  # before any work, the default model's loading included
+        if s.lower() not in SCHEMES and s.lower() not in ALIASES:
+            raise ValueError(f"--schemes: unknown scheme {s!r}; expected one of {', '.join(SCHEMES)}")
+    model = None if args.model.lower() == "none" else args.model
+    if model is not None and model == DEFAULT_MODEL:
+        from ..models.pretrained import load_pretrained
+
+        try:
+            model = load_pretrained(model)
+        except (FileNotFoundError, ImportError) as e:  # the default only: a model asked for must load
+            print(f"spectral condition of a real model: skipped ({e})")
+            model = None
     bar = Progress("auto")
     stages = Stages(args.out)  # each finished part on disk at once
     with stages.keep():
-        rep = stability(schemes, args.depth, args.width, args.tokens, activation=args.activation, model=args.model,
+        rep = stability(schemes, args.depth, args.width, args.tokens, activation=args.activation, model=model,
                         demo=not args.no_demo, seed=args.seed, progress=bar.step,
                         stack_depth=args.stack_depth, stack_width=args.stack_width,
                         placements=() if args.no_stacks else STACK_PLACEMENTS, on_stage=stages)

@@ -140,6 +140,8 @@ def stability(
             from ..models.pretrained import load_pretrained
 
             name, model = model, load_pretrained(model)
+        else:
+            name = str(getattr(model, "name", ""))
         spectra = weight_spectra(model)
         keep("weight spectra", {"model": name, "spectra": spectra.to_dict()})
     descent = descent_demo() if demo else None

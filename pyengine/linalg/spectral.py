@@ -41,7 +41,8 @@ import numpy as np
 
 from .. import _validate as _v
 from ..backends import check_name, resolve
-from ._solvers import LANCZOS_MAX_SUBSPACE, _lanczos, _power, _radius
+from ._lanczos import _lanczos
+from ._solvers import LANCZOS_MAX_SUBSPACE, _power, _radius
 from .convert import as_batched_operator
 from .norm_jacobians import LayerNormJacobian, RMSNormJacobian, _NormJacobian, row_scales
 from .operators import BatchedOperator

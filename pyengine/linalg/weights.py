@@ -8,12 +8,14 @@ ratio to the spectral-condition target ``sqrt(d_out / d_in)``.
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Mapping, Sequence
 from typing import Any
 
 import numpy as np
 
 from .. import _validate as _v
+from ._solvers import _one_blas_thread
 from .results import WeightScan
 from .spectral import spectral_norm
 
@@ -21,6 +23,8 @@ __all__ = ["weight_scan"]
 
 #: weight_scan: matrices up to this min(d_out, d_in) get a dense SVD, larger ones Lanczos.
 WEIGHT_SVD_MAX = 1024
+#: ... and those of at most this many entries it in one BLAS thread.
+WEIGHT_SVD_ONE_THREAD = 1 << 23
 
 
 def weight_scan(
@@ -71,7 +75,10 @@ def weight_scan(
         _v.finite(arg, arr)
         do, di = arr.shape if layout == "out_in" else arr.shape[::-1]
         if min(arr.shape) <= WEIGHT_SVD_MAX:
-            s, ok = float(scipy.linalg.svdvals(arr.astype(np.float64, copy=False), check_finite=False)[0]), True
+            # Threaded LAPACK on block-sized matrices stalls on a busy machine (barriers wait
+            # for descheduled threads) and gains little on a quiet one; embeddings keep threads.
+            with _one_blas_thread() if arr.size <= WEIGHT_SVD_ONE_THREAD else contextlib.nullcontext():
+                s, ok = float(scipy.linalg.svdvals(arr.astype(np.float64, copy=False), check_finite=False)[0]), True
         else:
             r = spectral_norm(arr, method="lanczos", tol=tol, seed=seed)
             s, ok = float(r.sigma[0]), bool(r.converged[0])

@@ -25,6 +25,10 @@ from numba import prange
 
 from ...backends import register
 from ._jit import jit, pjit
+from ._reduce import LANES, _fold
+from ._vecmath import _exp_neg
+
+_QUAD = 4 * LANES
 
 __all__ = ["attention_advantage", "attention_backward", "attention_forward", "attention_score_grad"]
 
@@ -90,36 +94,36 @@ def attention_advantage(p, u, v, offset, out, advantage):
 
 
 @pjit
-def attention_forward_kernel(q, k, v, offset, scale, out, lse, entropy):
+def attention_forward_kernel(q, kt, vt, offset, scale, out, lse, entropy):
+    """The forward pass on the padded transposes kt (n, dk, tk + LANES), vt (n, dv, tk + LANES)."""
     n, tq, dk = q.shape
-    tk, dv = k.shape[1], v.shape[2]
+    tk, dv = kt.shape[2] - LANES, vt.shape[1]
     nbad = 0
     for row in prange(n * tq):
         h, i = row // tq, row % tq
+        s = np.empty(tk + LANES, dtype=np.float64)  # hoisted by the parfor pass: once per thread
+        e = np.empty(tk + LANES, dtype=np.float64)
+        acc = np.empty(LANES, dtype=np.float64)
         vis = _visible(i, offset, tk)
-        s = np.empty(tk, dtype=np.float64)
-        o = np.zeros(dv, dtype=np.float64)
+        npad = _padded(vis)
+        for j in range(npad):
+            s[j] = 0.0
+            e[j] = 0.0
+        _accumulate(s, q[h, i], kt[h], vis)
         m = -np.inf
         for j in range(vis):
-            acc = 0.0
-            for c in range(dk):
-                acc += _f64(q[h, i, c]) * _f64(k[h, j, c])
-            s[j] = scale * acc
+            s[j] *= scale
             m = max(m, s[j])
-        z = 0.0
-        zs = 0.0
         for j in range(vis):
-            e = math.exp(s[j] - m)
-            z += e
-            zs += e * s[j]
-            for c in range(dv):
-                o[c] += e * _f64(v[h, j, c])
+            e[j] = _exp_neg(s[j] - m)
+        z = _sum_lanes(e, npad, acc)
+        zs = _dot_lanes(e, s, npad, acc)
         lv = m + math.log(z)
         lse[h, i] = lv
         entropy[h, i] = lv - zs / z
         bad = not np.isfinite(lv)
         for c in range(dv):
-            oc = o[c] / z
+            oc = _dot_lanes(e, vt[h, c], npad, acc) / z
             out[h, i, c] = oc
             bad = bad or not np.isfinite(oc)
         if bad:
@@ -141,7 +145,7 @@ def _as64(*arrays):
 def attention_forward(q, k, v, offset, scale, out, lse, entropy):
     """Fused forward: out = softmax(scale q k^T) v, lse and entropy per row. Returns the bad-row count."""
     q, k, v = _as64(q, k, v)
-    return attention_forward_kernel(q, k, v, offset, scale, out, lse, entropy)
+    return attention_forward_kernel(q, _transposed(k), _transposed(v), offset, scale, out, lse, entropy)
 
 
 @pjit
@@ -155,73 +159,156 @@ def _backward_delta(o, d_o, delta):
         delta[h, i] = d
 
 
+# The backward pass, vectorized along the token axis: the kernels read transposed,
+# zero-padded copies (features, tokens + LANES) of k, v (the row pass) and of q, d_o (the
+# column pass), so a row of scores is a loop of elementwise multiply-adds over tokens
+# (s_j += q_c kT[c, j]), p comes from the branch-free _exp_neg (libm's exp stays scalar),
+# and every sum over tokens is _dot_lanes: LANES partial sums in a fixed order, over a
+# length rounded up to a multiple of LANES (the scratch and the copies are 0 there), so
+# there is no scalar tail. The order of every addition is fixed by the source: the results
+# do not depend on the machine or the number of threads.
+
+
+@jit
+def _dot_lanes(a, b, n, acc):
+    """sum_x a[x] b[x], x < n (a multiple of LANES), in LANES partial sums folded pairwise."""
+    for k in range(LANES):
+        acc[k] = 0.0
+    nq = n // _QUAD
+    for jb in range(nq):
+        o = jb * _QUAD
+        for k in range(LANES):
+            acc[k] += (a[o + k] * b[o + k] + a[o + LANES + k] * b[o + LANES + k]) + (
+                a[o + 2 * LANES + k] * b[o + 2 * LANES + k] + a[o + 3 * LANES + k] * b[o + 3 * LANES + k])
+    for jb in range(4 * nq, n // LANES):
+        o = jb * LANES
+        for k in range(LANES):
+            acc[k] += a[o + k] * b[o + k]
+    return _fold(acc)
+
+
+@jit
+def _sum_lanes(a, n, acc):
+    """sum_x a[x], x < n (a multiple of LANES), in the order of _dot_lanes."""
+    for k in range(LANES):
+        acc[k] = 0.0
+    nq = n // _QUAD
+    for jb in range(nq):
+        o = jb * _QUAD
+        for k in range(LANES):
+            acc[k] += (a[o + k] + a[o + LANES + k]) + (a[o + 2 * LANES + k] + a[o + 3 * LANES + k])
+    for jb in range(4 * nq, n // LANES):
+        o = jb * LANES
+        for k in range(LANES):
+            acc[k] += a[o + k]
+    return _fold(acc)
+
+
+@jit
+def _accumulate(s, w, bt, n):
+    """s[x] += sum_c w[c] bt[c, x] for x < n, two features per pass over s (c in order)."""
+    m = w.size
+    for c in range(0, m - 1, 2):
+        w0, w1 = w[c], w[c + 1]
+        b0, b1 = bt[c], bt[c + 1]
+        for x in range(n):
+            s[x] += w0 * b0[x] + w1 * b1[x]
+    if m % 2:
+        w0 = w[m - 1]
+        b0 = bt[m - 1]
+        for x in range(n):
+            s[x] += w0 * b0[x]
+
+
+@jit
+def _padded(n):
+    return (n + LANES - 1) // LANES * LANES
+
+
 @pjit
-def _backward_rows(q, k, v, d_o, lse, offset, scale, dq, spread, delta):
+def _backward_rows(q, kt, vt, d_o, lse, offset, scale, dq, spread, delta):
     n, tq, dk = q.shape
-    tk, dv = k.shape[1], v.shape[2]
+    dv = vt.shape[1]
+    tk = kt.shape[2] - LANES
     nbad = 0
     for row in prange(n * tq):
         h, i = row // tq, row % tq
+        s = np.empty(tk + LANES, dtype=np.float64)  # hoisted by the parfor pass: once per thread
+        a = np.empty(tk + LANES, dtype=np.float64)
+        acc = np.empty(LANES, dtype=np.float64)
         vis = _visible(i, offset, tk)
+        npad = _padded(vis)
+        for j in range(npad):
+            s[j] = 0.0
+            a[j] = 0.0
+        _accumulate(s, q[h, i], kt[h], vis)
+        _accumulate(a, d_o[h, i], vt[h], vis)
+        li = lse[h, i]
         d = delta[h, i]
-        sp = 0.0
-        gq = np.zeros(dk, dtype=np.float64)
         for j in range(vis):
-            acc = 0.0
-            for c in range(dk):
-                acc += _f64(q[h, i, c]) * _f64(k[h, j, c])
-            pp = math.exp(min(scale * acc - lse[h, i], 0.0))  # <= 0 up to rounding; clamped so p <= 1
-            g = 0.0
-            for c in range(dv):
-                g += _f64(d_o[h, i, c]) * _f64(v[h, j, c])
-            a = g - d
-            gs = pp * a
-            sp += gs * a
-            for c in range(dk):
-                gq[c] += gs * _f64(k[h, j, c])
+            pp = _exp_neg(min(scale * s[j] - li, 0.0))  # <= 0 up to rounding; clamped so p <= 1
+            ad = a[j] - d  # the advantage
+            g = pp * ad
+            s[j] = g
+            a[j] = g * ad
+        sp = _sum_lanes(a, npad, acc)
         spread[h, i] = math.sqrt(sp)
         bad = not (np.isfinite(d) and np.isfinite(sp))
         for c in range(dk):
-            dq[h, i, c] = scale * gq[c]
-            bad = bad or not np.isfinite(gq[c])
+            gq = _dot_lanes(s, kt[h, c], npad, acc)
+            dq[h, i, c] = scale * gq
+            bad = bad or not np.isfinite(gq)
         if bad:
             nbad += 1
     return nbad
 
 
 @pjit
-def _backward_columns(q, k, v, d_o, lse, offset, scale, delta, dk_out, dv_out):
-    n, tq, dk = q.shape
-    tk, dv = k.shape[1], v.shape[2]
+def _backward_columns(k, v, qt, gt, lse, offset, scale, delta, dk_out, dv_out):
+    n, tk, dk = k.shape
+    dv = v.shape[2]
+    tq = qt.shape[2] - LANES
     nbad = 0
     for col in prange(n * tk):
         h, j = col // tk, col % tk
+        s = np.empty(tq + LANES, dtype=np.float64)  # hoisted: once per thread
+        a = np.empty(tq + LANES, dtype=np.float64)
+        pv = np.empty(tq + LANES, dtype=np.float64)
+        acc = np.empty(LANES, dtype=np.float64)
         i0 = min(tq, max(0, j - offset))  # queries i >= j - offset see key j
-        gk = np.zeros(dk, dtype=np.float64)
-        gv = np.zeros(dv, dtype=np.float64)
-        for i in range(i0, tq):
-            acc = 0.0
-            for c in range(dk):
-                acc += _f64(q[h, i, c]) * _f64(k[h, j, c])
-            p = math.exp(min(scale * acc - lse[h, i], 0.0))
-            g = 0.0
-            for c in range(dv):
-                g += _f64(d_o[h, i, c]) * _f64(v[h, j, c])
-            gs = p * (g - delta[h, i])
-            for c in range(dk):
-                gk[c] += gs * _f64(q[h, i, c])
-            for c in range(dv):
-                gv[c] += p * _f64(d_o[h, i, c])
+        cnt = tq - i0
+        npad = _padded(cnt)
+        for x in range(npad):
+            s[x] = 0.0
+            a[x] = 0.0
+            pv[x] = 0.0
+        _accumulate(s, k[h, j], qt[h, :, i0:], cnt)
+        _accumulate(a, v[h, j], gt[h, :, i0:], cnt)
+        lh = lse[h, i0:]
+        dh = delta[h, i0:]
+        for x in range(cnt):
+            p = _exp_neg(min(scale * s[x] - lh[x], 0.0))
+            s[x] = p * (a[x] - dh[x])
+            pv[x] = p
         bad = False
         for c in range(dk):
-            dk_out[h, j, c] = scale * gk[c]
-            bad = bad or not np.isfinite(gk[c])
+            gk = _dot_lanes(s, qt[h, c, i0:], npad, acc)
+            dk_out[h, j, c] = scale * gk
+            bad = bad or not np.isfinite(gk)
         for c in range(dv):
-            dv_out[h, j, c] = gv[c]
-            bad = bad or not np.isfinite(gv[c])
+            gv = _dot_lanes(pv, gt[h, c, i0:], npad, acc)
+            dv_out[h, j, c] = gv
+            bad = bad or not np.isfinite(gv)
         if bad:
             nbad += 1
     return nbad
+
+
+def _transposed(x):
+    """x (n, t, d) as float64 (n, d, t + LANES), zero past t: the backward pass's padded copies."""
+    out = np.zeros((x.shape[0], x.shape[2], x.shape[1] + LANES))
+    out[:, :, : x.shape[1]] = x.transpose(0, 2, 1)
+    return out
 
 
 @register("attention_backward", "numba")
@@ -230,6 +317,6 @@ def attention_backward(q, k, v, o, d_o, lse, offset, scale, dq, dk, dv, spread):
     q, k, v, o, d_o = _as64(q, k, v, o, d_o)
     delta = np.empty(lse.shape, dtype=np.float64)
     _backward_delta(o, d_o, delta)
-    nbad = _backward_rows(q, k, v, d_o, lse, offset, scale, dq, spread, delta)
-    colbad = _backward_columns(q, k, v, d_o, lse, offset, scale, delta, dk, dv)
+    nbad = _backward_rows(q, _transposed(k), _transposed(v), d_o, lse, offset, scale, dq, spread, delta)
+    colbad = _backward_columns(k, v, _transposed(q), _transposed(d_o), lse, offset, scale, delta, dk, dv)
     return nbad if nbad or not colbad else 1

@@ -12,8 +12,12 @@ column pass over the (head, key) pairs (dk, dv), each recomputing p and dp: no
 reduction across threads, so the results do not depend on the number of threads (the
 C++ backend makes one pass, with fixed chunks of keys). The fused head keeps one row (or column)
 of scores in a per-iteration scratch of length Tk (Tq) and never stores a (Tq, Tk)
-matrix. The inner loops are plain: this backend is the portable fallback, the C++ one
-the fast path (tiles of four rows in registers).
+matrix. The fused head's loops run along the token axis on padded transposes of the
+keys and values (queries and d_o for the column pass), so they are elementwise and
+vectorize; sums over tokens are kept in ``LANES`` partial sums in a fixed order and e^x
+is the branch-free ``_vecmath._exp_neg`` (see the comment above ``_dot_lanes``). The C++
+backend is still the fast path (tiles of four rows in registers). Numba's disk cache
+does not see edits to ``_reduce`` / ``_vecmath``: delete ``kernels/_numba/__pycache__``.
 """
 
 from __future__ import annotations

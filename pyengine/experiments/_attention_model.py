@@ -55,14 +55,14 @@ class Model:
         self.bwd = resolve("attention_backward", backend)
         T, dt = self.T, X.dtype
         self.lse, self.ent, self.spread = np.empty((1, T)), np.empty((1, T)), np.empty((1, T))
-        self.o = np.empty((1, T, D_V), dt)
+        self._out: dict[int, np.ndarray] = {}  # the forward pass's outputs, by width
 
     def attend(self, W: dict[str, np.ndarray], V: np.ndarray | None = None):
         """(Q, K, V, O) of the head; V defaults to X W_V (pass X itself for Z = softmax(.) X)."""
         X = self.X
         Q, K = (X @ W["W_Q"])[None], (X @ W["W_K"])[None]
         V = (X @ W["W_V"])[None] if V is None else V[None]
-        O = self.o if V.shape[-1] == D_V else np.empty((1, self.T, V.shape[-1]), X.dtype)
+        O = self._out.setdefault(V.shape[-1], np.empty((1, self.T, V.shape[-1]), X.dtype))
         if self.fwd(Q, K, V, 0, self.scale, O, self.lse, self.ent):
             raise FloatingPointError("the attention scores overflowed")
         return Q, K, V, O[0]
@@ -81,17 +81,25 @@ class Model:
         With ``want_z`` the forward pass attends over X itself (Z, 20 features) and
         O = Z W_V, which is the same O (o is linear in the values): the M-step needs Z.
         """
+        # The head is linear after the attention: logits = softmax(.) V W_O. Both passes
+        # therefore run on the values seen through W_O, V W_O (T, n_out = 8), not on V
+        # (T, 15): the forward pass gives the logits directly, and the backward pass on
+        # (V W_O, logits, dL/dlogits) computes the same p, dp_ij = d_o_i.v_j =
+        # dlogits_i.(W_O^T v_j) and D_i = d_o_i.o_i = dlogits_i.logits_i, so the same dq,
+        # dk and spread, and dvo = A^T dlogits, from which dL/dV = dvo W_O^T and
+        # dL/dW_O = O^T dlogits = V^T dvo. 8 instead of 15 features in two of the
+        # forward's and four of the backward's per-(query, key) products.
+        X = self.X
+        V = X @ W["W_V"]
+        Vo = V @ W["W_O"]
         if want_z:
-            Q, K, _, Z = self.attend(W, V=self.X)
+            Q, K, _, Z = self.attend(W, V=X)
             Z = Z.copy()
-            O = Z @ W["W_V"]
-            V = (self.X @ W["W_V"])[None]
+            logits = (Z @ W["W_V"]) @ W["W_O"]
         else:
-            Q, K, V, O = self.attend(W)
+            Q, K, _, logits = self.attend(W, V=Vo)
             Z = None
-        # The loss head laid out (n_out, T) in float64 (see _log_softmax_cols); logits
-        # computed as before, (T, n_out), then transposed once.
-        logits = O @ W["W_O"]
+        # The loss head laid out (n_out, T) in float64 (see _log_softmax_cols).
         lt = np.ascontiguousarray(logits.T, dtype=np.float64)
         logp, p = _log_softmax_cols(lt)
         T, rows, y = self.T, self.rows, self.y
@@ -102,14 +110,12 @@ class Model:
             "attn_entropy": float(self.ent.mean()),
         }
         p[y, rows] -= 1.0  # dL/dlogits^T = (p - onehot(y)) / T, in place
-        dlt = (p / T).astype(self.X.dtype)
-        d_o = (dlt.T @ W["W_O"].T)[None]  # C-ordered (T, dv)
-        dq, dk, dv = np.empty_like(Q), np.empty_like(K), np.empty_like(V)
-        if self.bwd(Q, K, V, O[None], d_o, self.lse, 0, self.scale, dq, dk, dv, self.spread):
+        dlog = np.ascontiguousarray((p / T).T, dtype=X.dtype)  # (T, n_out)
+        dq, dk, dvo = np.empty_like(Q), np.empty_like(K), np.empty((1,) + Vo.shape, X.dtype)
+        if self.bwd(Q, K, Vo[None], logits[None], dlog[None], self.lse, 0, self.scale, dq, dk, dvo, self.spread):
             raise FloatingPointError("the attention backward pass overflowed")
         metrics["adv_spread"] = float(self.spread.mean() * T)  # per-token loss: u = T dL/do
-        X = self.X
-        grads = {"W_Q": X.T @ dq[0], "W_K": X.T @ dk[0], "W_V": X.T @ dv[0], "W_O": O.T @ dlt.T}
+        grads = {"W_Q": X.T @ dq[0], "W_K": X.T @ dk[0], "W_V": (X.T @ dvo[0]) @ W["W_O"].T, "W_O": V.T @ dvo[0]}
         return metrics, grads, Z
 
 

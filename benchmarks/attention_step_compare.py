@@ -40,8 +40,11 @@ def median_ms(fn, repeat: int, warmup: int = 3) -> float:
 
 
 def parts_ms(m, W, repeat: int) -> dict[str, float]:
-    """Median ms of the step's two fused kernel calls alone, on the step's own arrays; the rest is NumPy."""
-    Q, K, V, O = m.attend(W)
+    """Median ms of the step's two fused kernel calls alone, on the step's own shapes; the rest is NumPy.
+
+    ``Model.step`` attends over the values seen through W_O, X W_V W_O (T x 8).
+    """
+    Q, K, V, O = m.attend(W, V=(m.X @ W["W_V"]) @ W["W_O"])
     o = np.empty_like(O)[None]
     d_o = np.random.default_rng(1).standard_normal(o.shape).astype(O.dtype) * 1e-3
     dq, dk, dv = np.empty_like(Q), np.empty_like(K), np.empty_like(V)

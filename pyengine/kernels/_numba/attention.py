@@ -7,15 +7,17 @@ in float64 and cast to the dtype of the output on the store.
 
 Parallelism: ``prange`` over the (head, query row) pairs for the score gradient and the
 forward pass; the backward pass takes the row sums D_i = d_o_i.o_i from the forward
-pass's o, then makes a row pass over the (head, query) pairs (dq, the spread) and a
-column pass over the (head, key) pairs (dk, dv), each recomputing p and dp: no
-reduction across threads, so the results do not depend on the number of threads (the
-C++ backend makes one pass, with fixed chunks of keys). The fused head keeps one row (or column)
-of scores in a per-iteration scratch of length Tk (Tq) and never stores a (Tq, Tk)
-matrix. The fused head's loops run along the token axis on padded transposes of the
-keys and values (queries and d_o for the column pass), so they are elementwise and
-vectorize; sums over tokens are kept in ``LANES`` partial sums in a fixed order and e^x
-is the branch-free ``_vecmath._exp_neg`` (see the comment above ``_dot_lanes``). The C++
+pass's o, then makes one pass over the visible pairs, key-major, as the C++ backend
+does: ``prange`` over (head, chunk of keys), the chunks (at most ``CHUNKS``, of about
+equal work) fixed by the shape alone; a chunk computes dk, dv of its keys whole and adds
+its share of dq and of the spread into its own partial, and the partials are summed in
+chunk order afterwards, so the results do not depend on the number of threads. The
+fused head keeps one row (or column) of scores in a per-iteration scratch of length Tk
+(Tq) and never stores a (Tq, Tk) matrix (the backward pass's partials are O(chunks Tq
+dk)). Its loops run along the token axis on padded transposes of the keys and values
+(of the queries and d_o in the backward pass), so they are elementwise and vectorize;
+sums over tokens are kept in ``LANES`` partial sums in a fixed order and e^x is the
+branch-free ``_vecmath._exp_neg`` (see the comment above ``_dot_lanes``). The C++
 backend is still the fast path (tiles of four rows in registers). Numba's disk cache
 does not see edits to ``_reduce`` / ``_vecmath``: delete ``kernels/_numba/__pycache__``.
 """
@@ -164,8 +166,8 @@ def _backward_delta(o, d_o, delta):
 
 
 # The backward pass, vectorized along the token axis: the kernels read transposed,
-# zero-padded copies (features, tokens + LANES) of k, v (the row pass) and of q, d_o (the
-# column pass), so a row of scores is a loop of elementwise multiply-adds over tokens
+# zero-padded copies (features, tokens + LANES) of k, v (the forward pass) and of q, d_o (the
+# backward pass), so a row of scores is a loop of elementwise multiply-adds over tokens
 # (s_j += q_c kT[c, j]), p comes from the branch-free _exp_neg (libm's exp stays scalar),
 # and every sum over tokens is _dot_lanes: LANES partial sums in a fixed order, over a
 # length rounded up to a multiple of LANES (the scratch and the copies are 0 there), so
@@ -230,82 +232,104 @@ def _padded(n):
 
 
 @pjit
-def _backward_rows(q, kt, vt, d_o, lse, offset, scale, dq, spread, delta):
-    n, tq, dk = q.shape
-    dv = vt.shape[1]
-    tk = kt.shape[2] - LANES
-    nbad = 0
-    for row in prange(n * tq):
-        h, i = row // tq, row % tq
-        s = np.empty(tk + LANES, dtype=np.float64)  # hoisted by the parfor pass: once per thread
-        a = np.empty(tk + LANES, dtype=np.float64)
-        acc = np.empty(LANES, dtype=np.float64)
-        vis = _visible(i, offset, tk)
-        npad = _padded(vis)
-        for j in range(npad):
-            s[j] = 0.0
-            a[j] = 0.0
-        _accumulate(s, q[h, i], kt[h], vis)
-        _accumulate(a, d_o[h, i], vt[h], vis)
-        li = lse[h, i]
-        d = delta[h, i]
-        for j in range(vis):
-            pp = _exp_neg(min(scale * s[j] - li, 0.0))  # <= 0 up to rounding; clamped so p <= 1
-            ad = a[j] - d  # the advantage
-            g = pp * ad
-            s[j] = g
-            a[j] = g * ad
-        sp = _sum_lanes(a, npad, acc)
-        spread[h, i] = math.sqrt(sp)
-        bad = not (np.isfinite(d) and np.isfinite(sp))
-        for c in range(dk):
-            gq = _dot_lanes(s, kt[h, c], npad, acc)
-            dq[h, i, c] = scale * gq
-            bad = bad or not np.isfinite(gq)
-        if bad:
-            nbad += 1
-    return nbad
-
-
-@pjit
-def _backward_columns(k, v, qt, gt, lse, offset, scale, delta, dk_out, dv_out):
+def _backward_chunks(k, v, qt, gt, lse, offset, scale, delta, bounds, dk_out, dv_out, part):
+    """One pass over the visible pairs, key-major: per chunk of keys (bounds, fixed by the
+    shape), dk and dv of its keys whole, and its share of dq^T and of the spread into its
+    own partial part[h, chunk] (dk + 1, tq + LANES), from the chunk's first query on."""
     n, tk, dk = k.shape
     dv = v.shape[2]
     tq = qt.shape[2] - LANES
+    nch = bounds.size - 1
     nbad = 0
-    for col in prange(n * tk):
-        h, j = col // tk, col % tk
+    for job in prange(n * nch):
+        h, ch = job // nch, job % nch
         s = np.empty(tq + LANES, dtype=np.float64)  # hoisted: once per thread
         a = np.empty(tq + LANES, dtype=np.float64)
         pv = np.empty(tq + LANES, dtype=np.float64)
         acc = np.empty(LANES, dtype=np.float64)
-        i0 = min(tq, max(0, j - offset))  # queries i >= j - offset see key j
-        cnt = tq - i0
-        npad = _padded(cnt)
-        for x in range(npad):
-            s[x] = 0.0
-            a[x] = 0.0
-            pv[x] = 0.0
-        _accumulate(s, k[h, j], qt[h, :, i0:], cnt)
-        _accumulate(a, v[h, j], gt[h, :, i0:], cnt)
-        lh = lse[h, i0:]
-        dh = delta[h, i0:]
-        for x in range(cnt):
-            p = _exp_neg(min(scale * s[x] - lh[x], 0.0))
-            s[x] = p * (a[x] - dh[x])
-            pv[x] = p
-        bad = False
-        for c in range(dk):
-            gk = _dot_lanes(s, qt[h, c, i0:], npad, acc)
-            dk_out[h, j, c] = scale * gk
-            bad = bad or not np.isfinite(gk)
-        for c in range(dv):
-            gv = _dot_lanes(pv, gt[h, c, i0:], npad, acc)
-            dv_out[h, j, c] = gv
-            bad = bad or not np.isfinite(gv)
+        pq = part[h, ch]
+        f0 = min(tq, max(0, bounds[ch] - offset))
+        for c in range(dk + 1):
+            row = pq[c]
+            for x in range(f0, tq):
+                row[x] = 0.0
+        for j in range(bounds[ch], bounds[ch + 1]):
+            i0 = min(tq, max(0, j - offset))  # queries i >= j - offset see key j
+            cnt = tq - i0
+            npad = _padded(cnt)
+            for x in range(npad):
+                s[x] = 0.0
+                a[x] = 0.0
+                pv[x] = 0.0
+            _accumulate(s, k[h, j], qt[h, :, i0:], cnt)
+            _accumulate(a, v[h, j], gt[h, :, i0:], cnt)
+            lh = lse[h, i0:]
+            dh = delta[h, i0:]
+            for x in range(cnt):
+                p = _exp_neg(min(scale * s[x] - lh[x], 0.0))
+                ad = a[x] - dh[x]  # the advantage
+                g = p * ad
+                s[x] = g
+                a[x] = g * ad  # the spread's term
+                pv[x] = p
+            bad = False
+            for c in range(dk):
+                gk = _dot_lanes(s, qt[h, c, i0:], npad, acc)
+                dk_out[h, j, c] = scale * gk
+                bad = bad or not np.isfinite(gk)
+            for c in range(dv):
+                gv = _dot_lanes(pv, gt[h, c, i0:], npad, acc)
+                dv_out[h, j, c] = gv
+                bad = bad or not np.isfinite(gv)
+            if bad:
+                nbad += 1
+            for c in range(dk):
+                kc = k[h, j, c]
+                row = pq[c, i0:]
+                for x in range(cnt):
+                    row[x] += s[x] * kc
+            row = pq[dk, i0:]
+            for x in range(cnt):
+                row[x] += a[x]
+    return nbad
+
+
+@pjit
+def _backward_gather(part, bounds, offset, scale, delta, dq, spread):
+    """dq and the spread of each query: the chunks' partials summed in chunk order."""
+    n, tq, dk = dq.shape
+    nch = bounds.size - 1
+    nbad = 0
+    for row in prange(n * tq):
+        h, i = row // tq, row % tq
+        bad = not np.isfinite(delta[h, i])
+        for c in range(dk + 1):
+            t = 0.0
+            for ch in range(nch):
+                if min(tq, max(0, bounds[ch] - offset)) > i:
+                    break  # this chunk's keys (and every later chunk's) are not visible to i
+                t += part[h, ch, c, i]
+            bad = bad or not np.isfinite(t)
+            if c < dk:
+                dq[h, i, c] = scale * t
+            else:
+                spread[h, i] = math.sqrt(t)
         if bad:
             nbad += 1
     return nbad
+
+
+#: Chunks of keys of the backward pass (of about equal work, fixed by the shape alone).
+CHUNKS = 16
+
+
+def _chunk_bounds(tq, tk, offset):
+    """Key bounds of at most CHUNKS contiguous chunks of about equal work (visible queries + 1 per key)."""
+    j = np.arange(tk)
+    work = np.cumsum(tq - np.minimum(tq, np.maximum(0, j - offset)) + 1.0)
+    nch = min(tk, CHUNKS)
+    cuts = np.searchsorted(work, work[-1] * np.arange(1, nch) / nch, side="left") + 1
+    return np.unique(np.concatenate(([0], np.minimum(cuts, tk), [tk]))).astype(np.int64)
 
 
 def _transposed(x):
@@ -321,6 +345,10 @@ def attention_backward(q, k, v, o, d_o, lse, offset, scale, dq, dk, dv, spread):
     q, k, v, o, d_o = _as64(q, k, v, o, d_o)
     delta = np.empty(lse.shape, dtype=np.float64)
     _backward_delta(o, d_o, delta)
-    nbad = _backward_rows(q, _transposed(k), _transposed(v), d_o, lse, offset, scale, dq, spread, delta)
-    colbad = _backward_columns(k, v, _transposed(q), _transposed(d_o), lse, offset, scale, delta, dk, dv)
+    n, tq = lse.shape
+    bounds = _chunk_bounds(tq, k.shape[1], offset)
+    part = np.empty((n, bounds.size - 1, q.shape[2] + 1, tq + LANES))
+    colbad = _backward_chunks(k, v, _transposed(q), _transposed(d_o), lse, offset, scale, delta, bounds, dk, dv,
+                              part)
+    nbad = _backward_gather(part, bounds, offset, scale, delta, dq, spread)
     return nbad if nbad or not colbad else 1

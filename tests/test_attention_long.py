@@ -12,8 +12,10 @@ import pytest
 from pyengine.kernels import attention as pa
 
 # (Tq, Tk, dk, dv, offset): odd lengths; 301 = 256 + 45 (one 4-LANES block, no whole LANES
-# block, a padded tail); 641 = 2 x 256 + 2 x 64 + 1 (every path); Tq != Tk with an offset.
-LONG_CASES = [(301, 301, 10, 15, 0), (641, 641, 3, 5, None), (199, 333, 7, 9, 134), (257, 257, 1, 1, 0)]
+# block, a padded tail); 641 = 2 x 256 + 2 x 64 + 1 (every path); Tq != Tk with an offset;
+# 199 and 255 queries: the backward pass on the short-sequence kernels (attention.SHORT = 256).
+LONG_CASES = [(301, 301, 10, 15, 0), (641, 641, 3, 5, None), (263, 333, 7, 9, 134), (199, 333, 7, 9, 134),
+              (257, 257, 1, 1, 0), (255, 255, 4, 4, 0)]
 LONG_IDS = [f"{c[0]}x{c[1]}-dk{c[2]}dv{c[3]}-off{c[4]}" for c in LONG_CASES]
 
 

@@ -82,3 +82,31 @@ class AttentionBackward(_Attention):
 
     def time_attention_backward(self, *params):
         self.fn(*self.args)
+
+
+class AttentionTrainingStep:
+    """One full-batch training step of the attention-dynamics model (T = 2000, float32):
+    ``Model.step`` as the experiment runs it (single-threaded BLAS; the kernels' threads).
+    The comparison with torch autograd is ``benchmarks/attention_step_compare.py``."""
+
+    params = [[b for b in BACKENDS if b != "numpy"]]
+    param_names = ["backend"]
+    timeout = 600
+
+    def setup(self, backend):
+        import importlib
+
+        from threadpoolctl import threadpool_limits
+
+        require_backend(backend)
+        ad = importlib.import_module("pyengine.experiments.attention_dynamics")
+        mu = np.random.default_rng(0).standard_normal((8, ad.D_IN))
+        rng = np.random.default_rng(42)
+        X, y = ad.make_data(ad.markov_chain(), 2000, mu, rng)
+        self.model = ad.Model(X.astype(np.float32), y, 8, backend)
+        self.W = ad.init_params(rng, 8, "float32")
+        self.limit = threadpool_limits(1)  # kept for the process: asv runs each benchmark in its own
+        self.model.step(self.W)  # warm-up: JIT compilation is not timed
+
+    def time_training_step(self, backend):
+        self.model.step(self.W)

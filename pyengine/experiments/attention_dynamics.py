@@ -52,20 +52,15 @@ from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
-from scipy.linalg import cho_factor, cho_solve
-from scipy.linalg.blas import dsyrk  # imported here: threadpool_limits only limits loaded BLAS
 from threadpoolctl import threadpool_limits
 
-from ..backends import resolve
+from ._attention_model import D_IN, D_K, D_V, LINE_SEARCH, Model, m_step, value_hessian  # noqa: F401 (re-exported)
 
 __all__ = ["ARMS", "AttentionDynamics", "attention_dynamics", "bayes_entropy", "markov_chain"]
 
 ARMS = ("gd", "value_lr", "m_step")
 DEFAULT_SEEDS = (42, 2024, 1337, 7777, 9999)
-D_IN, D_K, D_V = 20, 10, 15
 INIT_STD = 0.1
-#: Halvings of the Newton step before the M-step gives up on a step.
-LINE_SEARCH = 20
 #: Steps at which the attention heat map (first HEATMAP_TOKENS tokens, first seed) is kept.
 HEATMAP_TOKENS = 48
 METRICS = ("loss", "accuracy", "pred_entropy", "attn_entropy", "adv_spread")
@@ -117,124 +112,6 @@ def make_data(P: np.ndarray, T: int, mu: np.ndarray, rng: np.random.Generator) -
 def init_params(rng: np.random.Generator, n_symbols: int, dtype) -> dict[str, np.ndarray]:
     shapes = {"W_Q": (D_IN, D_K), "W_K": (D_IN, D_K), "W_V": (D_IN, D_V), "W_O": (D_V, n_symbols)}
     return {k: (INIT_STD * rng.standard_normal(s)).astype(dtype) for k, s in shapes.items()}
-
-
-def _log_softmax(z: np.ndarray) -> np.ndarray:
-    z = z - z.max(axis=1, keepdims=True)
-    return z - np.log(np.exp(z).sum(axis=1, keepdims=True))
-
-
-class Model:
-    """The one-head model's loss, metrics and exact gradient on fixed data, via the fused kernels."""
-
-    def __init__(self, X: np.ndarray, y: np.ndarray, n_symbols: int, backend: str = "auto") -> None:
-        self.X, self.y, self.T = X, y, X.shape[0]
-        self.Y = np.eye(n_symbols, dtype=X.dtype)[y]
-        self.scale = 1.0 / math.sqrt(D_K)
-        self.fwd = resolve("attention_forward", backend)
-        self.bwd = resolve("attention_backward", backend)
-        T, dt = self.T, X.dtype
-        self.lse, self.ent, self.spread = np.empty((1, T)), np.empty((1, T)), np.empty((1, T))
-        self.o = np.empty((1, T, D_V), dt)
-
-    def attend(self, W: dict[str, np.ndarray], V: np.ndarray | None = None):
-        """(Q, K, V, O) of the head; V defaults to X W_V (pass X itself for Z = softmax(.) X)."""
-        X = self.X
-        Q, K = (X @ W["W_Q"])[None], (X @ W["W_K"])[None]
-        V = (X @ W["W_V"])[None] if V is None else V[None]
-        O = self.o if V.shape[-1] == D_V else np.empty((1, self.T, V.shape[-1]), X.dtype)
-        if self.fwd(Q, K, V, 0, self.scale, O, self.lse, self.ent):
-            raise FloatingPointError("the attention scores overflowed")
-        return Q, K, V, O[0]
-
-    def loss(self, logits: np.ndarray) -> float:
-        return float(-(_log_softmax(logits.astype(np.float64)) * self.Y).sum() / self.T)
-
-    def step(self, W: dict[str, np.ndarray], want_z: bool = False
-             ) -> tuple[dict[str, float], dict[str, np.ndarray], np.ndarray | None]:
-        """(metrics, gradients of the mean loss, Z = softmax(.) X or None) at the weights W.
-
-        With ``want_z`` the forward pass attends over X itself (Z, 20 features) and
-        O = Z W_V, which is the same O (o is linear in the values): the M-step needs Z.
-        """
-        if want_z:
-            Q, K, _, Z = self.attend(W, V=self.X)
-            Z = Z.copy()
-            O = Z @ W["W_V"]
-            V = (self.X @ W["W_V"])[None]
-        else:
-            Q, K, V, O = self.attend(W)
-            Z = None
-        logits = O @ W["W_O"]
-        logp = _log_softmax(logits.astype(np.float64))
-        p = np.exp(logp)
-        T = self.T
-        metrics = {
-            "loss": float(-(logp * self.Y).sum() / T),
-            "accuracy": float((logits.argmax(axis=1) == self.y).mean()),
-            "pred_entropy": float(-(p * logp).sum() / T),
-            "attn_entropy": float(self.ent.mean()),
-        }
-        dlogits = ((p - self.Y) / T).astype(self.X.dtype)
-        d_o = (dlogits @ W["W_O"].T)[None]
-        dq, dk, dv = np.empty_like(Q), np.empty_like(K), np.empty_like(V)
-        if self.bwd(Q, K, V, O[None], d_o, self.lse, 0, self.scale, dq, dk, dv, self.spread):
-            raise FloatingPointError("the attention backward pass overflowed")
-        metrics["adv_spread"] = float(self.spread.mean() * T)  # per-token loss: u = T dL/do
-        X = self.X
-        grads = {"W_Q": X.T @ dq[0], "W_K": X.T @ dk[0], "W_V": X.T @ dv[0], "W_O": O.T @ dlogits}
-        return metrics, grads, Z
-
-
-def value_hessian(Z: np.ndarray, p: np.ndarray, Wo: np.ndarray) -> np.ndarray:
-    """The Hessian in vec(W_V) (row-major) of the mean cross-entropy of Z W_V Wo: J H_L J^T.
-
-    H_L, in the logit weights W_V Wo (160 instead of 300 parameters), is one product G^T Z
-    (G_t = z_t ⊗ p_t) minus the symmetric G^T G (BLAS syrk: the largest cost); J = kron(I, Wo)
-    is applied as two contractions with Wo, never formed.
-    """
-    T, dz = Z.shape
-    dv, n_out = Wo.shape
-    G = (Z[:, :, None] * p[:, None, :]).reshape(T, dz * n_out)
-    C = dsyrk(1.0, G.T, trans=0)  # G^T G, upper triangle (G.T is Fortran-ordered: no copy)
-    HL = -(np.triu(C) + np.triu(C, 1).T).reshape(dz, n_out, dz, n_out)  # sum_t (z z^T) ⊗ (p p^T)
-    idx = np.arange(n_out)  # the diag(p_t) term, k = l: [a, k, b] = sum_t z_a p_k z_b
-    HL[:, idx, :, idx] += (G.T @ Z).reshape(dz, n_out, dz).transpose(1, 0, 2)
-    HL /= T
-    # H[a, i, b, j] = sum_{k, l} Wo[i, k] HL[a, k, b, l] Wo[j, l]
-    H = np.einsum("ik,akbj->aibj", Wo, HL @ Wo.T, optimize=True).reshape(dz * dv, dz * dv)
-    return 0.5 * (H + H.T)  # symmetric to the last bit (the contraction order is not)
-
-
-def m_step(model: Model, W: dict[str, np.ndarray], damping: float, Z: np.ndarray | None = None
-           ) -> tuple[np.ndarray, bool, float, float]:
-    """One damped Newton step in W_V with routing and W_O fixed: (new W_V, taken, loss before, after).
-
-    ``Z`` = softmax(Q K^T / sqrt(dk), causal) X at W (from ``Model.step(W, want_z=True)``;
-    computed here if None).
-    """
-    if Z is None:
-        Z = model.attend(W, V=model.X)[3]
-    Z = Z.astype(np.float64)
-    Wo, Wv = W["W_O"].astype(np.float64), W["W_V"].astype(np.float64)
-    T, dz, dv = Z.shape[0], Z.shape[1], Wv.shape[1]
-    base = Z @ Wv @ Wo
-    logp = _log_softmax(base)
-    p = np.exp(logp)
-    f0 = float(-(logp * model.Y).sum() / T)
-    g = Z.T @ ((p - model.Y) @ Wo.T) / T  # (dz, dv)
-    H = value_hessian(Z, p, Wo)
-    lam = damping * np.trace(H) / H.shape[0] + 1e-12
-    H[np.diag_indices_from(H)] += lam
-    delta = -cho_solve(cho_factor(H), g.reshape(-1)).reshape(dz, dv)
-    dlog = Z @ delta @ Wo
-    t = 1.0
-    for _ in range(LINE_SEARCH):
-        f = model.loss(base + t * dlog)
-        if f <= f0:
-            return (Wv + t * delta).astype(W["W_V"].dtype), True, f0, f
-        t *= 0.5
-    return W["W_V"], False, f0, f0
 
 
 @dataclasses.dataclass

@@ -7,13 +7,19 @@ in float64 and cast to the dtype of the output on the store.
 
 Parallelism: ``prange`` over the (head, query row) pairs for the score gradient and the
 forward pass; the backward pass takes the row sums D_i = d_o_i.o_i from the forward
-pass's o, then makes a row pass over the (head, query) pairs (dq, the spread) and a
-column pass over the (head, key) pairs (dk, dv), each recomputing p and dp: no
-reduction across threads, so the results do not depend on the number of threads (the
-C++ backend makes one pass, with fixed chunks of keys). The fused head keeps one row (or column)
-of scores in a per-iteration scratch of length Tk (Tq) and never stores a (Tq, Tk)
-matrix. The inner loops are plain: this backend is the portable fallback, the C++ one
-the fast path (tiles of four rows in registers).
+pass's o, then makes one pass over the visible pairs, key-major, as the C++ backend
+does: ``prange`` over (head, chunk of keys), the chunks (at most ``CHUNKS``, of about
+equal work) fixed by the shape alone; a chunk computes dk, dv of its keys whole and adds
+its share of dq and of the spread into its own partial, and the partials are summed in
+chunk order afterwards, so the results do not depend on the number of threads. The
+fused head keeps one row (or column) of scores in a per-iteration scratch of length Tk
+(Tq) and never stores a (Tq, Tk) matrix (the backward pass's partials are O(chunks Tq
+dk)). Its loops run along the token axis on padded transposes of the keys and values
+(of the queries and d_o in the backward pass), so they are elementwise and vectorize;
+sums over tokens are kept in ``LANES`` partial sums in a fixed order and e^x is the
+branch-free ``_vecmath._exp_neg`` (see the comment above ``_dot_lanes``). The C++
+backend is still the fast path (tiles of four rows in registers). Numba's disk cache
+does not see edits to ``_reduce`` / ``_vecmath``: delete ``kernels/_numba/__pycache__``.
 """
 
 from __future__ import annotations
@@ -24,7 +30,12 @@ import numpy as np
 from numba import prange
 
 from ...backends import register
+from . import _attention_short as _short
 from ._jit import jit, pjit
+from ._reduce import LANES, _fold
+from ._vecmath import _exp_neg
+
+_QUAD = 4 * LANES
 
 __all__ = ["attention_advantage", "attention_backward", "attention_forward", "attention_score_grad"]
 
@@ -90,36 +101,36 @@ def attention_advantage(p, u, v, offset, out, advantage):
 
 
 @pjit
-def attention_forward_kernel(q, k, v, offset, scale, out, lse, entropy):
+def attention_forward_kernel(q, kt, vt, offset, scale, out, lse, entropy):
+    """The forward pass on the padded transposes kt (n, dk, tk + LANES), vt (n, dv, tk + LANES)."""
     n, tq, dk = q.shape
-    tk, dv = k.shape[1], v.shape[2]
+    tk, dv = kt.shape[2] - LANES, vt.shape[1]
     nbad = 0
     for row in prange(n * tq):
         h, i = row // tq, row % tq
+        s = np.empty(tk + LANES, dtype=np.float64)  # hoisted by the parfor pass: once per thread
+        e = np.empty(tk + LANES, dtype=np.float64)
+        acc = np.empty(LANES, dtype=np.float64)
         vis = _visible(i, offset, tk)
-        s = np.empty(tk, dtype=np.float64)
-        o = np.zeros(dv, dtype=np.float64)
+        npad = _padded(vis)
+        for j in range(npad):
+            s[j] = 0.0
+            e[j] = 0.0
+        _accumulate(s, q[h, i], kt[h], vis)
         m = -np.inf
         for j in range(vis):
-            acc = 0.0
-            for c in range(dk):
-                acc += _f64(q[h, i, c]) * _f64(k[h, j, c])
-            s[j] = scale * acc
+            s[j] *= scale
             m = max(m, s[j])
-        z = 0.0
-        zs = 0.0
         for j in range(vis):
-            e = math.exp(s[j] - m)
-            z += e
-            zs += e * s[j]
-            for c in range(dv):
-                o[c] += e * _f64(v[h, j, c])
+            e[j] = _exp_neg(s[j] - m)
+        z = _sum_lanes(e, npad, acc)
+        zs = _dot_lanes(e, s, npad, acc)
         lv = m + math.log(z)
         lse[h, i] = lv
         entropy[h, i] = lv - zs / z
         bad = not np.isfinite(lv)
         for c in range(dv):
-            oc = o[c] / z
+            oc = _dot_lanes(e, vt[h, c], npad, acc) / z
             out[h, i, c] = oc
             bad = bad or not np.isfinite(oc)
         if bad:
@@ -141,7 +152,9 @@ def _as64(*arrays):
 def attention_forward(q, k, v, offset, scale, out, lse, entropy):
     """Fused forward: out = softmax(scale q k^T) v, lse and entropy per row. Returns the bad-row count."""
     q, k, v = _as64(q, k, v)
-    return attention_forward_kernel(q, k, v, offset, scale, out, lse, entropy)
+    if k.shape[1] < SHORT:
+        return _short.attention_forward_kernel(q, k, v, offset, scale, out, lse, entropy)
+    return attention_forward_kernel(q, _transposed(k), _transposed(v), offset, scale, out, lse, entropy)
 
 
 @pjit
@@ -155,73 +168,185 @@ def _backward_delta(o, d_o, delta):
         delta[h, i] = d
 
 
+# The backward pass, vectorized along the token axis: the kernels read transposed,
+# zero-padded copies (features, tokens + LANES) of k, v (the forward pass) and of q, d_o (the
+# backward pass), so a row of scores is a loop of elementwise multiply-adds over tokens
+# (s_j += q_c kT[c, j]), p comes from the branch-free _exp_neg (libm's exp stays scalar),
+# and every sum over tokens is _dot_lanes: LANES partial sums in a fixed order, over a
+# length rounded up to a multiple of LANES (the scratch and the copies are 0 there), so
+# there is no scalar tail. The order of every addition is fixed by the source: the results
+# do not depend on the machine or the number of threads.
+
+
+@jit
+def _dot_lanes(a, b, n, acc):
+    """sum_x a[x] b[x], x < n (a multiple of LANES), in LANES partial sums folded pairwise."""
+    for k in range(LANES):
+        acc[k] = 0.0
+    nq = n // _QUAD
+    for jb in range(nq):
+        o = jb * _QUAD
+        for k in range(LANES):
+            acc[k] += (a[o + k] * b[o + k] + a[o + LANES + k] * b[o + LANES + k]) + (
+                a[o + 2 * LANES + k] * b[o + 2 * LANES + k] + a[o + 3 * LANES + k] * b[o + 3 * LANES + k])
+    for jb in range(4 * nq, n // LANES):
+        o = jb * LANES
+        for k in range(LANES):
+            acc[k] += a[o + k] * b[o + k]
+    return _fold(acc)
+
+
+@jit
+def _sum_lanes(a, n, acc):
+    """sum_x a[x], x < n (a multiple of LANES), in the order of _dot_lanes."""
+    for k in range(LANES):
+        acc[k] = 0.0
+    nq = n // _QUAD
+    for jb in range(nq):
+        o = jb * _QUAD
+        for k in range(LANES):
+            acc[k] += (a[o + k] + a[o + LANES + k]) + (a[o + 2 * LANES + k] + a[o + 3 * LANES + k])
+    for jb in range(4 * nq, n // LANES):
+        o = jb * LANES
+        for k in range(LANES):
+            acc[k] += a[o + k]
+    return _fold(acc)
+
+
+@jit
+def _accumulate(s, w, bt, n):
+    """s[x] += sum_c w[c] bt[c, x] for x < n, two features per pass over s (c in order)."""
+    m = w.size
+    for c in range(0, m - 1, 2):
+        w0, w1 = w[c], w[c + 1]
+        b0, b1 = bt[c], bt[c + 1]
+        for x in range(n):
+            s[x] += w0 * b0[x] + w1 * b1[x]
+    if m % 2:
+        w0 = w[m - 1]
+        b0 = bt[m - 1]
+        for x in range(n):
+            s[x] += w0 * b0[x]
+
+
+@jit
+def _padded(n):
+    return (n + LANES - 1) // LANES * LANES
+
+
 @pjit
-def _backward_rows(q, k, v, d_o, lse, offset, scale, dq, spread, delta):
-    n, tq, dk = q.shape
-    tk, dv = k.shape[1], v.shape[2]
+def _backward_chunks(k, v, qt, gt, lse, offset, scale, delta, bounds, dk_out, dv_out, part):
+    """One pass over the visible pairs, key-major: per chunk of keys (bounds, fixed by the
+    shape), dk and dv of its keys whole, and its share of dq^T and of the spread into its
+    own partial part[h, chunk] (dk + 1, tq + LANES), from the chunk's first query on."""
+    n, tk, dk = k.shape
+    dv = v.shape[2]
+    tq = qt.shape[2] - LANES
+    nch = bounds.size - 1
+    nbad = 0
+    for job in prange(n * nch):
+        h, ch = job // nch, job % nch
+        s = np.empty(tq + LANES, dtype=np.float64)  # hoisted: once per thread
+        a = np.empty(tq + LANES, dtype=np.float64)
+        pv = np.empty(tq + LANES, dtype=np.float64)
+        acc = np.empty(LANES, dtype=np.float64)
+        pq = part[h, ch]
+        f0 = min(tq, max(0, bounds[ch] - offset))
+        for c in range(dk + 1):
+            row = pq[c]
+            for x in range(f0, tq):
+                row[x] = 0.0
+        for j in range(bounds[ch], bounds[ch + 1]):
+            i0 = min(tq, max(0, j - offset))  # queries i >= j - offset see key j
+            cnt = tq - i0
+            npad = _padded(cnt)
+            for x in range(npad):
+                s[x] = 0.0
+                a[x] = 0.0
+                pv[x] = 0.0
+            _accumulate(s, k[h, j], qt[h, :, i0:], cnt)
+            _accumulate(a, v[h, j], gt[h, :, i0:], cnt)
+            lh = lse[h, i0:]
+            dh = delta[h, i0:]
+            for x in range(cnt):
+                p = _exp_neg(min(scale * s[x] - lh[x], 0.0))
+                ad = a[x] - dh[x]  # the advantage
+                g = p * ad
+                s[x] = g
+                a[x] = g * ad  # the spread's term
+                pv[x] = p
+            bad = False
+            for c in range(dk):
+                gk = _dot_lanes(s, qt[h, c, i0:], npad, acc)
+                dk_out[h, j, c] = scale * gk
+                bad = bad or not np.isfinite(gk)
+            for c in range(dv):
+                gv = _dot_lanes(pv, gt[h, c, i0:], npad, acc)
+                dv_out[h, j, c] = gv
+                bad = bad or not np.isfinite(gv)
+            if bad:
+                nbad += 1
+            for c in range(dk):
+                kc = k[h, j, c]
+                row = pq[c, i0:]
+                for x in range(cnt):
+                    row[x] += s[x] * kc
+            row = pq[dk, i0:]
+            for x in range(cnt):
+                row[x] += a[x]
+    return nbad
+
+
+@pjit
+def _backward_gather(part, bounds, offset, scale, delta, dq, spread):
+    """dq and the spread of each query: the chunks' partials summed in chunk order."""
+    n, tq, dk = dq.shape
+    nch = bounds.size - 1
     nbad = 0
     for row in prange(n * tq):
         h, i = row // tq, row % tq
-        vis = _visible(i, offset, tk)
-        d = delta[h, i]
-        sp = 0.0
-        gq = np.zeros(dk, dtype=np.float64)
-        for j in range(vis):
-            acc = 0.0
-            for c in range(dk):
-                acc += _f64(q[h, i, c]) * _f64(k[h, j, c])
-            pp = math.exp(min(scale * acc - lse[h, i], 0.0))  # <= 0 up to rounding; clamped so p <= 1
-            g = 0.0
-            for c in range(dv):
-                g += _f64(d_o[h, i, c]) * _f64(v[h, j, c])
-            a = g - d
-            gs = pp * a
-            sp += gs * a
-            for c in range(dk):
-                gq[c] += gs * _f64(k[h, j, c])
-        spread[h, i] = math.sqrt(sp)
-        bad = not (np.isfinite(d) and np.isfinite(sp))
-        for c in range(dk):
-            dq[h, i, c] = scale * gq[c]
-            bad = bad or not np.isfinite(gq[c])
+        bad = not np.isfinite(delta[h, i])
+        for c in range(dk + 1):
+            t = 0.0
+            for ch in range(nch):
+                if min(tq, max(0, bounds[ch] - offset)) > i:
+                    break  # this chunk's keys (and every later chunk's) are not visible to i
+                t += part[h, ch, c, i]
+            bad = bad or not np.isfinite(t)
+            if c < dk:
+                dq[h, i, c] = scale * t
+            else:
+                spread[h, i] = math.sqrt(t)
         if bad:
             nbad += 1
     return nbad
 
 
-@pjit
-def _backward_columns(q, k, v, d_o, lse, offset, scale, delta, dk_out, dv_out):
-    n, tq, dk = q.shape
-    tk, dv = k.shape[1], v.shape[2]
-    nbad = 0
-    for col in prange(n * tk):
-        h, j = col // tk, col % tk
-        i0 = min(tq, max(0, j - offset))  # queries i >= j - offset see key j
-        gk = np.zeros(dk, dtype=np.float64)
-        gv = np.zeros(dv, dtype=np.float64)
-        for i in range(i0, tq):
-            acc = 0.0
-            for c in range(dk):
-                acc += _f64(q[h, i, c]) * _f64(k[h, j, c])
-            p = math.exp(min(scale * acc - lse[h, i], 0.0))
-            g = 0.0
-            for c in range(dv):
-                g += _f64(d_o[h, i, c]) * _f64(v[h, j, c])
-            gs = p * (g - delta[h, i])
-            for c in range(dk):
-                gk[c] += gs * _f64(q[h, i, c])
-            for c in range(dv):
-                gv[c] += p * _f64(d_o[h, i, c])
-        bad = False
-        for c in range(dk):
-            dk_out[h, j, c] = scale * gk[c]
-            bad = bad or not np.isfinite(gk[c])
-        for c in range(dv):
-            dv_out[h, j, c] = gv[c]
-            bad = bad or not np.isfinite(gv[c])
-        if bad:
-            nbad += 1
-    return nbad
+#: Below this many tokens on the axis of their sums (keys in the forward pass, queries in
+#: the backward pass) the kernels are the row-at-a-time ones of :mod:`._attention_short`:
+#: the token-axis kernels' fixed cost per sum (clearing and folding LANES partial sums)
+#: outweighs their vectorized loops there (measured: 3x slower forward at T = 128, d = 64;
+#: faster from T = 512 on, 3.3x in the backward pass at T = 2000, d = 10).
+SHORT = 4 * LANES
+
+#: Chunks of keys of the backward pass (of about equal work, fixed by the shape alone).
+CHUNKS = 16
+
+
+def _chunk_bounds(tq, tk, offset):
+    """Key bounds of at most CHUNKS contiguous chunks of about equal work (visible queries + 1 per key)."""
+    j = np.arange(tk)
+    work = np.cumsum(tq - np.minimum(tq, np.maximum(0, j - offset)) + 1.0)
+    nch = min(tk, CHUNKS)
+    cuts = np.searchsorted(work, work[-1] * np.arange(1, nch) / nch, side="left") + 1
+    return np.unique(np.concatenate(([0], np.minimum(cuts, tk), [tk]))).astype(np.int64)
+
+
+def _transposed(x):
+    """x (n, t, d) as float64 (n, d, t + LANES), zero past t: the backward pass's padded copies."""
+    out = np.zeros((x.shape[0], x.shape[2], x.shape[1] + LANES))
+    out[:, :, : x.shape[1]] = x.transpose(0, 2, 1)
+    return out
 
 
 @register("attention_backward", "numba")
@@ -230,6 +355,14 @@ def attention_backward(q, k, v, o, d_o, lse, offset, scale, dq, dk, dv, spread):
     q, k, v, o, d_o = _as64(q, k, v, o, d_o)
     delta = np.empty(lse.shape, dtype=np.float64)
     _backward_delta(o, d_o, delta)
-    nbad = _backward_rows(q, k, v, d_o, lse, offset, scale, dq, spread, delta)
-    colbad = _backward_columns(q, k, v, d_o, lse, offset, scale, delta, dk, dv)
+    n, tq = lse.shape
+    if tq < SHORT:  # the backward pass's sums run over queries
+        nbad = _short.backward_rows(q, k, v, d_o, lse, offset, scale, dq, spread, delta)
+        colbad = _short.backward_columns(q, k, v, d_o, lse, offset, scale, delta, dk, dv)
+        return nbad if nbad or not colbad else 1
+    bounds = _chunk_bounds(tq, k.shape[1], offset)
+    part = np.empty((n, bounds.size - 1, q.shape[2] + 1, tq + LANES))
+    colbad = _backward_chunks(k, v, _transposed(q), _transposed(d_o), lse, offset, scale, delta, bounds, dk, dv,
+                              part)
+    nbad = _backward_gather(part, bounds, offset, scale, delta, dq, spread)
     return nbad if nbad or not colbad else 1

@@ -1,0 +1,249 @@
+// Dense layers with a fused epilogue (kernel ids linear, linear_act, linear_mul); the contract
+// is pyengine/kernels/_reference/linear.py:
+//   linear:      out = x @ w (+ b) (+ r)                 x (N, k), w (k, n), b (n,), r and out (N, n)
+//   linear_act:  u = x @ w (+ b); out = act(u)            act in {none, gelu, gelu_tanh, relu}
+//   linear_mul:  out = (x @ w) * coef                     coef (N, n): the MLP JVP's du *= coef
+// Each returns the number of rows of the product (after bias and residual; before the
+// activation or coefficient) that hold NaN or Inf.
+//
+// Pure C++17 on raw pointers. The product is a row-major CBLAS gemm through a function
+// pointer the caller supplies (the bindings find NumPy's OpenBLAS at run time: nothing
+// is linked). One OpenMP parallel region: the rows are cut into tiles, and each thread
+// calls single-threaded BLAS on its tile (set_threads_local(1), OpenBLAS's per-thread
+// setting) and then applies the epilogue to the tile while it is still in cache. So no
+// BLAS thread pool runs (or spins after the call) next to ours, and the (N, n) result is
+// written once and read once in cache instead of being streamed again by separate
+// bias, activation and residual passes.
+//
+// Rounding: the gemm of a row tile computes every output element with the same k-order
+// as one gemm over all rows (OpenBLAS splits M and N between threads and blocks, never
+// k), and the epilogue adds b, then r, in that order, in T; the activation is the one of
+// activations.hpp, element for element. The results equal those of numpy's matmul
+// followed by the separate kernels (tested), independently of the number of threads.
+#pragma once
+
+#include <omp.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <type_traits>
+
+#include "activations.hpp"
+#include "parallel.hpp"
+
+namespace pyengine {
+
+// CBLAS entry points: ILP64 (64-bit integer) or LP64 (int) dimensions.
+struct LinearBlas {
+    using sgemm64_t = void (*)(int, int, int, std::int64_t, std::int64_t, std::int64_t, float, const float*,
+                               std::int64_t, const float*, std::int64_t, float, float*, std::int64_t);
+    using dgemm64_t = void (*)(int, int, int, std::int64_t, std::int64_t, std::int64_t, double, const double*,
+                               std::int64_t, const double*, std::int64_t, double, double*, std::int64_t);
+    using sgemm32_t = void (*)(int, int, int, int, int, int, float, const float*, int, const float*, int, float,
+                               float*, int);
+    using dgemm32_t = void (*)(int, int, int, int, int, int, double, const double*, int, const double*, int,
+                               double, double*, int);
+    using local_t = int (*)(int);
+    void* sgemm = nullptr;
+    void* dgemm = nullptr;
+    local_t set_threads_local = nullptr;
+    bool ilp64 = true;
+    bool ready() const { return sgemm != nullptr && dgemm != nullptr && set_threads_local != nullptr; }
+};
+
+inline constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111;
+
+enum class Act { none = 0, gelu = 1, gelu_tanh = 2, relu = 3 };
+
+namespace linear_detail {
+
+template <class T>
+void gemm(const LinearBlas& b, index_t m, index_t n, index_t k, const T* x, const T* w, T beta, T* c) {
+    if (b.ilp64) {
+        if constexpr (std::is_same_v<T, float>) {
+            reinterpret_cast<LinearBlas::sgemm64_t>(b.sgemm)(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, m, n, k,
+                                                            1.0f, x, k, w, n, beta, c, n);
+        } else {
+            reinterpret_cast<LinearBlas::dgemm64_t>(b.dgemm)(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, m, n, k,
+                                                            1.0, x, k, w, n, beta, c, n);
+        }
+    } else {
+        const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
+        if constexpr (std::is_same_v<T, float>) {
+            reinterpret_cast<LinearBlas::sgemm32_t>(b.sgemm)(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, mi, ni,
+                                                            ki, 1.0f, x, ki, w, ni, beta, c, ni);
+        } else {
+            reinterpret_cast<LinearBlas::dgemm32_t>(b.dgemm)(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, mi, ni,
+                                                            ki, 1.0, x, ki, w, ni, beta, c, ni);
+        }
+    }
+}
+
+// o = F(x) on one row of d elements (o may be x), as activations.hpp's elementwise does it.
+template <class F, class T>
+PYENGINE_ALWAYS_INLINE void act_row(const T* xr, index_t d, T* o) {
+    using namespace activations_detail;
+    if constexpr (in_storage_type<F>::value) {
+#pragma omp simd
+        for (index_t j = 0; j < d; ++j) o[j] = F::f(xr[j]);
+    } else if constexpr (std::is_same_v<T, float> && has_f32<F>::value) {
+#pragma omp simd
+        for (index_t j = 0; j < d; ++j) o[j] = F::f32(xr[j]);
+    } else {
+#pragma omp simd
+        for (index_t j = 0; j < d; ++j) o[j] = static_cast<T>(F::f(static_cast<double>(xr[j])));
+    }
+}
+
+template <class T>
+void act_row(Act act, const T* xr, index_t d, T* o) {
+    using namespace activations_detail;
+    switch (act) {
+        case Act::gelu: act_row<Gelu>(xr, d, o); break;
+        case Act::gelu_tanh: act_row<GeluTanh>(xr, d, o); break;
+        case Act::relu: act_row<Relu>(xr, d, o); break;
+        case Act::none:
+            if (o != xr) std::copy(xr, xr + d, o);
+            break;
+    }
+}
+
+// The epilogue of one row p (n,) of the product: p += b, p += r (in that order); whether it
+// holds NaN/Inf afterwards.
+template <class T>
+PYENGINE_ALWAYS_INLINE bool bias_residual_row(T* p, index_t n, const T* b, const T* r) {
+    int bad = 0;
+    if (b != nullptr && r != nullptr) {
+#pragma omp simd reduction(| : bad)
+        for (index_t j = 0; j < n; ++j) {
+            const T v = (p[j] + b[j]) + r[j];
+            p[j] = v;
+            bad |= activations_detail::nonfinite(v);
+        }
+    } else if (b != nullptr || r != nullptr) {
+        const T* a = b != nullptr ? b : r;
+#pragma omp simd reduction(| : bad)
+        for (index_t j = 0; j < n; ++j) {
+            const T v = p[j] + a[j];
+            p[j] = v;
+            bad |= activations_detail::nonfinite(v);
+        }
+    } else {
+#pragma omp simd reduction(| : bad)
+        for (index_t j = 0; j < n; ++j) bad |= activations_detail::nonfinite(p[j]);
+    }
+    return bad != 0;
+}
+
+// Rows per tile: a tile's result (rows x n) should stay in a core's L2 for the epilogue,
+// and be large enough that the single-threaded gemm packs w rarely compared with its flops.
+inline index_t tile_rows(index_t N, index_t n, int threads) {
+    const index_t by_cache = std::max<index_t>(32, (index_t{1} << 19) / std::max<index_t>(1, n));  // ~512K values
+    const index_t by_share = (N + 2 * threads - 1) / (2 * threads);  // at least two tiles per thread
+    index_t r = std::min<index_t>({by_cache, std::max<index_t>(16, by_share), 512});
+    return std::max<index_t>(1, (r + 15) / 16 * 16);
+}
+
+// Runs tile(r0, r1) -> bad rows over row tiles of [0, N) in one parallel region, each
+// thread with single-threaded BLAS.
+template <class TileFn>
+std::int64_t over_tiles(const LinearBlas& blas, index_t N, index_t n, index_t k, TileFn&& tile) {
+    const int threads = (N * n * k >= (index_t{1} << 18)) ? g_num_threads : 1;
+    const index_t rows = tile_rows(N, n, threads);
+    const index_t tiles = (N + rows - 1) / rows;
+    std::int64_t nbad = 0;
+#pragma omp parallel num_threads(std::max(1, static_cast<int>(std::min<index_t>(threads, tiles)))) \
+    reduction(+ : nbad)
+    {
+        const int prev = blas.set_threads_local(1);
+#pragma omp for schedule(dynamic, 1)
+        for (index_t t = 0; t < tiles; ++t) {
+            const index_t r0 = t * rows, r1 = std::min(N, r0 + rows);
+            nbad += tile(r0, r1);
+        }
+        blas.set_threads_local(prev);
+    }
+    return nbad;
+}
+
+}  // namespace linear_detail
+
+/// out = x @ w (+ b) (+ r); r may be out itself (then the gemm adds the product to it, with
+/// beta = 1, and b after: (x w + r) + b).
+template <class T>
+std::int64_t linear(const LinearBlas& blas, const T* x, const T* w, const T* b, const T* r, index_t N, index_t k,
+                    index_t n, T* out) {
+    using namespace linear_detail;
+    const bool inplace = r == out;
+    return over_tiles(blas, N, n, k, [&](index_t r0, index_t r1) -> std::int64_t {
+        T* o = out + r0 * n;
+        gemm<T>(blas, r1 - r0, n, k, x + r0 * k, w, inplace ? T(1) : T(0), o);
+        std::int64_t bad = 0;
+        for (index_t i = r0; i < r1; ++i) {
+            bad += bias_residual_row(out + i * n, n, b, (r == nullptr || inplace) ? nullptr : r + i * n);
+        }
+        return bad;
+    });
+}
+
+/// u = x @ w (+ b), out = act(u); u may be nullptr (not kept: the product lives in out).
+template <class T>
+std::int64_t linear_act(const LinearBlas& blas, const T* x, const T* w, const T* b, Act act, index_t N, index_t k,
+                        index_t n, T* u, T* out) {
+    using namespace linear_detail;
+    T* dst = u != nullptr ? u : out;
+    return over_tiles(blas, N, n, k, [&](index_t r0, index_t r1) -> std::int64_t {
+        gemm<T>(blas, r1 - r0, n, k, x + r0 * k, w, T(0), dst + r0 * n);
+        std::int64_t bad = 0;
+        for (index_t i = r0; i < r1; ++i) {
+            bad += bias_residual_row(dst + i * n, n, b, static_cast<const T*>(nullptr));
+            act_row(act, dst + i * n, n, out + i * n);
+        }
+        return bad;
+    });
+}
+
+/// out = (x @ w) * coef.
+template <class T>
+std::int64_t linear_mul(const LinearBlas& blas, const T* x, const T* w, const T* coef, index_t N, index_t k,
+                        index_t n, T* out) {
+    using namespace linear_detail;
+    return over_tiles(blas, N, n, k, [&](index_t r0, index_t r1) -> std::int64_t {
+        gemm<T>(blas, r1 - r0, n, k, x + r0 * k, w, T(0), out + r0 * n);
+        std::int64_t bad = 0;
+        for (index_t i = r0; i < r1; ++i) {
+            T* o = out + i * n;
+            const T* c = coef + i * n;
+            int rb = 0;
+#pragma omp simd reduction(| : rb)
+            for (index_t j = 0; j < n; ++j) {
+                rb |= activations_detail::nonfinite(o[j]);
+                o[j] *= c[j];
+            }
+            bad += rb != 0;
+        }
+        return bad;
+    });
+}
+
+/// The epilogues alone, for the fallback path (the product already in p, by numpy):
+/// p += b, p += r, then out = act(p) or out = p * coef (out may be p); returns the bad rows of p.
+template <class T>
+std::int64_t linear_epilogue(T* p, const T* b, const T* r, Act act, const T* coef, index_t N, index_t n, T* out) {
+    using namespace linear_detail;
+    return count_bad_rows(N, n, [=](index_t i) {
+        T* pr = p + i * n;
+        T* o = out + i * n;
+        const bool bad = bias_residual_row(pr, n, b, r == nullptr ? nullptr : r + i * n);
+        if (coef != nullptr) {
+            const T* c = coef + i * n;
+#pragma omp simd
+            for (index_t j = 0; j < n; ++j) o[j] = pr[j] * c[j];
+        } else if (act != Act::none || o != pr) {
+            act_row(act, pr, n, o);
+        }
+        return bad;
+    });
+}
+
+}  // namespace pyengine

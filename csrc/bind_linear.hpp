@@ -122,11 +122,11 @@ std::int64_t linear(const carray<T>& x, const carray<T>& w, const std::optional<
         matmul_into(x, w, prod);
         T* pp = prod.mutable_data();
         py::gil_scoped_release release;
-        return pyengine::linear_epilogue<T>(pp, bp, op, pyengine::Act::none, nullptr, N, n, op);
+        return pyengine::linear_epilogue<T>(pp, bp, op, pyengine::Act::none, nullptr, 1, N, n, op);
     }
     matmul_into(x, w, out);
     py::gil_scoped_release release;
-    return pyengine::linear_epilogue<T>(op, bp, rp, pyengine::Act::none, nullptr, N, n, op);
+    return pyengine::linear_epilogue<T>(op, bp, rp, pyengine::Act::none, nullptr, 1, N, n, op);
 }
 
 template <class T>
@@ -153,13 +153,17 @@ std::int64_t linear_act(const carray<T>& x, const carray<T>& w, const std::optio
     matmul_into(x, w, u ? *u : out);
     T* pp = up != nullptr ? up : op;
     py::gil_scoped_release release;
-    return pyengine::linear_epilogue<T>(pp, bp, nullptr, act, nullptr, N, n, op);
+    return pyengine::linear_epilogue<T>(pp, bp, nullptr, act, nullptr, 1, N, n, op);
 }
 
 template <class T>
 std::int64_t linear_mul(const carray<T>& x, const carray<T>& w, const carray<T>& coef, carray<T>& out) {
     const auto [N, k, n] = linear_dims(x, w, std::optional<carray<T>>(), out);
-    expect_shape(coef, "coef", {N, n});
+    if (coef.ndim() != 2 || coef.shape(1) != n || (N > 0 && (coef.shape(0) == 0 || N % coef.shape(0) != 0))) {
+        throw std::invalid_argument("coef must have shape (M, " + std::to_string(n) + ") with M dividing N = " +
+                                    std::to_string(N) + ", got " + shape_str(coef));
+    }
+    const index_t M = coef.shape(0);
     no_overlap(out, "out", coef, "coef");
     if (N == 0 || n == 0) return 0;
     const T *xp = x.data(), *wp = w.data(), *cp = coef.data();
@@ -167,11 +171,11 @@ std::int64_t linear_mul(const carray<T>& x, const carray<T>& w, const carray<T>&
     if (linear_fast(k)) {
         const pyengine::LinearBlas blas = linear_state().blas;
         py::gil_scoped_release release;
-        return pyengine::linear_mul(blas, xp, wp, cp, N, k, n, op);
+        return pyengine::linear_mul(blas, xp, wp, cp, M, N, k, n, op);
     }
     matmul_into(x, w, out);
     py::gil_scoped_release release;
-    return pyengine::linear_epilogue<T>(op, nullptr, nullptr, pyengine::Act::none, cp, N, n, op);
+    return pyengine::linear_epilogue<T>(op, nullptr, nullptr, pyengine::Act::none, cp, M, N, n, op);
 }
 
 template <class T>
@@ -185,7 +189,7 @@ void def_linear(py::module_& m) {
           "u = x @ w (+ b) (kept in u unless None), out = activation(u); returns the rows of u with NaN/Inf.");
     m.def("linear_mul", &linear_mul<T>, py::arg("x").noconvert(), py::arg("w").noconvert(),
           py::arg("coef").noconvert(), py::arg("out").noconvert(),
-          "out = (x @ w) * coef; returns the rows of x @ w with NaN/Inf.");
+          "out = (x @ w) * coef (coef (M, n), M | N: row i uses coef[i % M]); returns the rows of x @ w with NaN/Inf.");
 }
 
 inline void register_linear(py::module_& m) {

@@ -2,7 +2,8 @@
 // is pyengine/kernels/_reference/linear.py:
 //   linear:      out = x @ w (+ b) (+ r)                 x (N, k), w (k, n), b (n,), r and out (N, n)
 //   linear_act:  u = x @ w (+ b); out = act(u)            act in {none, gelu, gelu_tanh, relu}
-//   linear_mul:  out = (x @ w) * coef                     coef (N, n): the MLP JVP's du *= coef
+//   linear_mul:  out = (x @ w) * coef                     coef (M, n), M | N: row i uses coef[i % M]
+//                (the MLP JVP's du *= f'(u): K tangents against the base's T rows)
 // Each returns the number of rows of the product (after bias and residual; before the
 // activation or coefficient) that hold NaN or Inf.
 //
@@ -203,17 +204,17 @@ std::int64_t linear_act(const LinearBlas& blas, const T* x, const T* w, const T*
     });
 }
 
-/// out = (x @ w) * coef.
+/// out = (x @ w) * coef, coef (M, n) with N a multiple of M: row i uses coef[i % M].
 template <class T>
-std::int64_t linear_mul(const LinearBlas& blas, const T* x, const T* w, const T* coef, index_t N, index_t k,
-                        index_t n, T* out) {
+std::int64_t linear_mul(const LinearBlas& blas, const T* x, const T* w, const T* coef, index_t M, index_t N,
+                        index_t k, index_t n, T* out) {
     using namespace linear_detail;
     return over_tiles(blas, N, n, k, [&](index_t r0, index_t r1) -> std::int64_t {
         gemm<T>(blas, r1 - r0, n, k, x + r0 * k, w, T(0), out + r0 * n);
         std::int64_t bad = 0;
         for (index_t i = r0; i < r1; ++i) {
             T* o = out + i * n;
-            const T* c = coef + i * n;
+            const T* c = coef + (i % M) * n;
             int rb = 0;
 #pragma omp simd reduction(| : rb)
             for (index_t j = 0; j < n; ++j) {
@@ -229,14 +230,15 @@ std::int64_t linear_mul(const LinearBlas& blas, const T* x, const T* w, const T*
 /// The epilogues alone, for the fallback path (the product already in p, by numpy):
 /// p += b, p += r, then out = act(p) or out = p * coef (out may be p); returns the bad rows of p.
 template <class T>
-std::int64_t linear_epilogue(T* p, const T* b, const T* r, Act act, const T* coef, index_t N, index_t n, T* out) {
+std::int64_t linear_epilogue(T* p, const T* b, const T* r, Act act, const T* coef, index_t M, index_t N, index_t n,
+                             T* out) {
     using namespace linear_detail;
     return count_bad_rows(N, n, [=](index_t i) {
         T* pr = p + i * n;
         T* o = out + i * n;
         const bool bad = bias_residual_row(pr, n, b, r == nullptr ? nullptr : r + i * n);
         if (coef != nullptr) {
-            const T* c = coef + i * n;
+            const T* c = coef + (i % M) * n;
 #pragma omp simd
             for (index_t j = 0; j < n; ++j) o[j] = pr[j] * c[j];
         } else if (act != Act::none || o != pr) {

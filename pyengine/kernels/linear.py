@@ -43,7 +43,7 @@ def kernel(name: str, backend: str = "auto"):
 
         linear(x (N, k), w (k, n), b (n,) | None, r (N, n) | None, out (N, n)) -> int
         linear_act(x, w, b | None, activation: str, u (N, n) | None, out (N, n)) -> int
-        linear_mul(x (N, k), w (k, n), coef (N, n), out (N, n)) -> int
+        linear_mul(x (N, k), w (k, n), coef (M, n), M | N, out (N, n)) -> int
     """
     return resolve(name, backend)
 
@@ -120,12 +120,16 @@ def linear(x: Any, w: Any, b: Any = None, *, activation: str = "none", residual:
 
 
 def linear_mul(x: Any, w: Any, coef: Any, *, out: np.ndarray | None = None, backend: str = "auto") -> np.ndarray:
-    """``(x @ w) * coef`` (an activation's JVP at its coefficients ``coef``, shape (..., n))."""
+    """``(x @ w) * coef`` (an activation's JVP at its coefficients ``coef``).
+
+    ``coef`` has the result's shape (..., n) or a trailing part of it (T, n), broadcast
+    over the leading axes (the base's T rows shared by K tangents).
+    """
     x0, c0 = x, coef
     x, w, _, shape = _operands(x, w, None)
     c = _v.float_array("coef", coef)
-    if c.shape != shape:
-        raise ValueError(f"coef must have shape {shape}; got {c.shape}")
+    if c.ndim == 0 or c.shape != shape[-c.ndim :]:
+        raise ValueError(f"coef must have shape {shape} or a trailing part of it (..., {shape[-1]}); got {c.shape}")
     c = np.ascontiguousarray(c, dtype=x.dtype)
     res, _ = _v.output(out, shape, x.dtype, (x0, x, w, c0, c), None)
     if res.size == 0:

@@ -38,7 +38,7 @@ def _epilogue(p, b, has_b, r, has_r, act, coef, has_coef, out):
             pr[j] = v
             bad |= _nonfinite(v)
             if has_coef:
-                o[j] = v * coef[i, j]
+                o[j] = v * coef[i % coef.shape[0], j]
             elif act == 1:
                 o[j] = gelu_t(v)
             elif act == 2:

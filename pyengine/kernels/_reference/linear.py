@@ -9,8 +9,9 @@ float64), C-contiguous, and out (N, n):
   activation one of "none", "gelu" (exact), "gelu_tanh", "relu" (the kernels of
   :mod:`pyengine.kernels._reference.activations`). ``u`` (N, n) keeps the pre-activation,
   or is None (not kept). u and out must not overlap each other or the inputs.
-- ``linear_mul(x, w, coef, out)``: out = (x @ w) * coef, coef (N, n): an activation's
-  JVP, du = (dx @ w) * f'(u).
+- ``linear_mul(x, w, coef, out)``: out = (x @ w) * coef, coef (M, n) with M dividing N:
+  row i uses coef[i % M] (an activation's JVP du = (dx @ w) * f'(u), for N = K*T rows
+  of K tangents against the M = T rows of the base).
 
 Each returns the number of rows of the product (after b and r, before the activation
 or coefficient) holding NaN or Inf; those rows of out are unspecified. Products in the
@@ -70,5 +71,6 @@ def linear_act(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, activation: s
 def linear_mul(x: np.ndarray, w: np.ndarray, coef: np.ndarray, out: np.ndarray) -> int:
     """out = (x @ w) * coef; the rows of x @ w with NaN/Inf."""
     p = x @ w
-    np.multiply(p, coef, out=out)
+    m, n = coef.shape
+    np.multiply(p.reshape(-1, m, n), coef, out=out.reshape(-1, m, n))
     return _bad_rows(p)

@@ -16,11 +16,11 @@
 // written once and read once in cache instead of being streamed again by separate
 // bias, activation and residual passes.
 //
-// Rounding: the gemm of a row tile computes every output element with the same k-order
-// as one gemm over all rows (OpenBLAS splits M and N between threads and blocks, never
-// k), and the epilogue adds b, then r, in that order, in T; the activation is the one of
-// activations.hpp, element for element. The results equal those of numpy's matmul
-// followed by the separate kernels (tested), independently of the number of threads.
+// Rounding: the tiling depends on (N, n) only, so results do not depend on the number of
+// threads. The epilogue adds b, then r, in that order, in T; the activation is the one of
+// activations.hpp, element for element (tested). The product itself agrees with one numpy
+// matmul over all rows to rounding, not bit for bit: OpenBLAS's rounding depends on where a
+// row or column falls in the tile (the model keeps float64 on numpy's products for that).
 #pragma once
 
 #include <omp.h>
@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "activations.hpp"
 #include "parallel.hpp"
@@ -58,24 +59,26 @@ enum class Act { none = 0, gelu = 1, gelu_tanh = 2, relu = 3 };
 
 namespace linear_detail {
 
+// c (m, nn; row stride ldc) = x (m, k; lda) @ w (k, nn; ldb) + beta c, row-major.
 template <class T>
-void gemm(const LinearBlas& b, index_t m, index_t n, index_t k, const T* x, const T* w, T beta, T* c) {
+void gemm(const LinearBlas& b, index_t m, index_t nn, index_t k, const T* x, index_t lda, const T* w, index_t ldb,
+          T beta, T* c, index_t ldc) {
     if (b.ilp64) {
         if constexpr (std::is_same_v<T, float>) {
-            reinterpret_cast<LinearBlas::sgemm64_t>(b.sgemm)(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, m, n, k,
-                                                            1.0f, x, k, w, n, beta, c, n);
+            reinterpret_cast<LinearBlas::sgemm64_t>(b.sgemm)(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, m, nn, k,
+                                                            1.0f, x, lda, w, ldb, beta, c, ldc);
         } else {
-            reinterpret_cast<LinearBlas::dgemm64_t>(b.dgemm)(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, m, n, k,
-                                                            1.0, x, k, w, n, beta, c, n);
+            reinterpret_cast<LinearBlas::dgemm64_t>(b.dgemm)(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, m, nn, k,
+                                                            1.0, x, lda, w, ldb, beta, c, ldc);
         }
     } else {
-        const int mi = static_cast<int>(m), ni = static_cast<int>(n), ki = static_cast<int>(k);
+        const auto i = [](index_t v) { return static_cast<int>(v); };
         if constexpr (std::is_same_v<T, float>) {
-            reinterpret_cast<LinearBlas::sgemm32_t>(b.sgemm)(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, mi, ni,
-                                                            ki, 1.0f, x, ki, w, ni, beta, c, ni);
+            reinterpret_cast<LinearBlas::sgemm32_t>(b.sgemm)(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, i(m),
+                                                            i(nn), i(k), 1.0f, x, i(lda), w, i(ldb), beta, c, i(ldc));
         } else {
-            reinterpret_cast<LinearBlas::dgemm32_t>(b.dgemm)(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, mi, ni,
-                                                            ki, 1.0, x, ki, w, ni, beta, c, ni);
+            reinterpret_cast<LinearBlas::dgemm32_t>(b.dgemm)(kCblasRowMajor, kCblasNoTrans, kCblasNoTrans, i(m),
+                                                            i(nn), i(k), 1.0, x, i(lda), w, i(ldb), beta, c, i(ldc));
         }
     }
 }
@@ -136,33 +139,54 @@ PYENGINE_ALWAYS_INLINE bool bias_residual_row(T* p, index_t n, const T* b, const
     return bad != 0;
 }
 
-// Rows per tile: a tile's result (rows x n) should stay in a core's L2 for the epilogue,
-// and be large enough that the single-threaded gemm packs w rarely compared with its flops.
-inline index_t tile_rows(index_t N, index_t n, int threads) {
-    const index_t by_cache = std::max<index_t>(32, (index_t{1} << 19) / std::max<index_t>(1, n));  // ~512K values
-    const index_t by_share = (N + 2 * threads - 1) / (2 * threads);  // at least two tiles per thread
-    index_t r = std::min<index_t>({by_cache, std::max<index_t>(16, by_share), 512});
-    return std::max<index_t>(1, (r + 15) / 16 * 16);
+// The tiles of the (N, n) result: rows x cols each. A tile's result should stay in a core's
+// L2 for the epilogue, and be tall enough that the single-threaded gemm's packing of its
+// w columns is small next to its flops; there should be >= 8 tiles to share. Small N
+// (a single sequence) splits the columns instead, so w is still packed once in all. The
+// tiling depends on (N, n) only, never on the thread count: every element is computed the
+// same way whatever the number of threads (the gemm's rounding can depend on where a
+// row or column falls in its tile).
+struct Tiling {
+    index_t rows, cols;
+};
+
+inline index_t round16(index_t v) { return std::max<index_t>(16, (v + 15) / 16 * 16); }
+
+inline Tiling tiling(index_t N, index_t n) {
+    const index_t by_cache = std::min<index_t>(512, round16(std::max<index_t>(32, (index_t{1} << 19) / n)));
+    if (N >= 8 * by_cache) return {by_cache, n};
+    if (N >= 256) return {std::min(by_cache, round16((N + 7) / 8)), n};
+    return {N, std::min(n, std::max<index_t>(64, round16((n + 7) / 8)))};
 }
 
-// Runs tile(r0, r1) -> bad rows over row tiles of [0, N) in one parallel region, each
-// thread with single-threaded BLAS.
+// Runs tile(r0, r1, c0, c1) -> row r of the tile is bad (via flags[r * ctiles + ct]) over the
+// tiles of [0, N) x [0, n) in one parallel region, each thread with single-threaded BLAS;
+// returns the number of rows with a bad tile.
 template <class TileFn>
 std::int64_t over_tiles(const LinearBlas& blas, index_t N, index_t n, index_t k, TileFn&& tile) {
-    const int threads = (N * n * k >= (index_t{1} << 18)) ? g_num_threads : 1;
-    const index_t rows = tile_rows(N, n, threads);
-    const index_t tiles = (N + rows - 1) / rows;
-    std::int64_t nbad = 0;
-#pragma omp parallel num_threads(std::max(1, static_cast<int>(std::min<index_t>(threads, tiles)))) \
-    reduction(+ : nbad)
+    const Tiling t = tiling(N, n);
+    const index_t rtiles = (N + t.rows - 1) / t.rows, ctiles = (n + t.cols - 1) / t.cols, tiles = rtiles * ctiles;
+    const int threads = (N * n * k >= (index_t{1} << 18)) ? static_cast<int>(std::min<index_t>(g_num_threads, tiles))
+                                                          : 1;
+    std::vector<unsigned char> flags(static_cast<std::size_t>(N * ctiles), 0);
+    unsigned char* fl = flags.data();
+#pragma omp parallel num_threads(std::max(1, threads))
     {
         const int prev = blas.set_threads_local(1);
 #pragma omp for schedule(dynamic, 1)
-        for (index_t t = 0; t < tiles; ++t) {
-            const index_t r0 = t * rows, r1 = std::min(N, r0 + rows);
-            nbad += tile(r0, r1);
+        for (index_t i = 0; i < tiles; ++i) {
+            const index_t rt = i / ctiles, ct = i % ctiles;
+            const index_t r0 = rt * t.rows, r1 = std::min(N, r0 + t.rows);
+            const index_t c0 = ct * t.cols, c1 = std::min(n, c0 + t.cols);
+            tile(r0, r1, c0, c1, fl + ct, ctiles);
         }
         blas.set_threads_local(prev);
+    }
+    std::int64_t nbad = 0;
+    for (index_t r = 0; r < N; ++r) {
+        bool bad = false;
+        for (index_t c = 0; c < ctiles; ++c) bad = bad || fl[r * ctiles + c] != 0;
+        nbad += bad;
     }
     return nbad;
 }
@@ -176,14 +200,13 @@ std::int64_t linear(const LinearBlas& blas, const T* x, const T* w, const T* b, 
                     index_t n, T* out) {
     using namespace linear_detail;
     const bool inplace = r == out;
-    return over_tiles(blas, N, n, k, [&](index_t r0, index_t r1) -> std::int64_t {
-        T* o = out + r0 * n;
-        gemm<T>(blas, r1 - r0, n, k, x + r0 * k, w, inplace ? T(1) : T(0), o);
-        std::int64_t bad = 0;
+    return over_tiles(blas, N, n, k, [&](index_t r0, index_t r1, index_t c0, index_t c1, unsigned char* fl,
+                                         index_t fs) {
+        gemm<T>(blas, r1 - r0, c1 - c0, k, x + r0 * k, k, w + c0, n, inplace ? T(1) : T(0), out + r0 * n + c0, n);
         for (index_t i = r0; i < r1; ++i) {
-            bad += bias_residual_row(out + i * n, n, b, (r == nullptr || inplace) ? nullptr : r + i * n);
+            fl[i * fs] = bias_residual_row(out + i * n + c0, c1 - c0, b == nullptr ? nullptr : b + c0,
+                                           (r == nullptr || inplace) ? nullptr : r + i * n + c0);
         }
-        return bad;
     });
 }
 
@@ -193,14 +216,14 @@ std::int64_t linear_act(const LinearBlas& blas, const T* x, const T* w, const T*
                         index_t n, T* u, T* out) {
     using namespace linear_detail;
     T* dst = u != nullptr ? u : out;
-    return over_tiles(blas, N, n, k, [&](index_t r0, index_t r1) -> std::int64_t {
-        gemm<T>(blas, r1 - r0, n, k, x + r0 * k, w, T(0), dst + r0 * n);
-        std::int64_t bad = 0;
+    return over_tiles(blas, N, n, k, [&](index_t r0, index_t r1, index_t c0, index_t c1, unsigned char* fl,
+                                         index_t fs) {
+        gemm<T>(blas, r1 - r0, c1 - c0, k, x + r0 * k, k, w + c0, n, T(0), dst + r0 * n + c0, n);
         for (index_t i = r0; i < r1; ++i) {
-            bad += bias_residual_row(dst + i * n, n, b, static_cast<const T*>(nullptr));
-            act_row(act, dst + i * n, n, out + i * n);
+            T* p = dst + i * n + c0;
+            fl[i * fs] = bias_residual_row(p, c1 - c0, b == nullptr ? nullptr : b + c0, static_cast<const T*>(nullptr));
+            act_row(act, p, c1 - c0, out + i * n + c0);
         }
-        return bad;
     });
 }
 
@@ -209,21 +232,20 @@ template <class T>
 std::int64_t linear_mul(const LinearBlas& blas, const T* x, const T* w, const T* coef, index_t M, index_t N,
                         index_t k, index_t n, T* out) {
     using namespace linear_detail;
-    return over_tiles(blas, N, n, k, [&](index_t r0, index_t r1) -> std::int64_t {
-        gemm<T>(blas, r1 - r0, n, k, x + r0 * k, w, T(0), out + r0 * n);
-        std::int64_t bad = 0;
+    return over_tiles(blas, N, n, k, [&](index_t r0, index_t r1, index_t c0, index_t c1, unsigned char* fl,
+                                         index_t fs) {
+        gemm<T>(blas, r1 - r0, c1 - c0, k, x + r0 * k, k, w + c0, n, T(0), out + r0 * n + c0, n);
         for (index_t i = r0; i < r1; ++i) {
-            T* o = out + i * n;
-            const T* c = coef + (i % M) * n;
+            T* o = out + i * n + c0;
+            const T* c = coef + (i % M) * n + c0;
             int rb = 0;
 #pragma omp simd reduction(| : rb)
-            for (index_t j = 0; j < n; ++j) {
+            for (index_t j = 0; j < c1 - c0; ++j) {
                 rb |= activations_detail::nonfinite(o[j]);
                 o[j] *= c[j];
             }
-            bad += rb != 0;
+            fl[i * fs] = rb != 0;
         }
-        return bad;
     });
 }
 

@@ -12,8 +12,11 @@ Temporaries that do not outlive a block (the MLP hidden activations, the project
 forward whose cache is discarded, the JVP's hidden tangents) come from :func:`workspace`:
 per thread, one array per (role, shape, dtype), reused by the next block instead of being
 allocated (and page-faulted in) afresh, at the price of keeping a few of them alive
-between calls (:func:`release_workspaces` frees them). Results are those of
-``x @ w + b`` and the separate kernels, bit for bit where the BLAS is NumPy's (tested).
+between calls (:func:`release_workspaces` frees them).
+
+float32 only: the tile's gemm can round differently from one gemm over all rows (where a
+row falls in its tile), within float32 rounding of the product. float64 keeps NumPy's
+``x @ w + b`` and the separate kernels, bit for bit as before (but with the workspaces).
 """
 
 from __future__ import annotations
@@ -23,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from ..kernels.activations import kernel as activation_kernel
 from ..kernels.linear import kernel
 
 __all__ = ["FUSED_ACTIVATIONS", "dense", "dense_act", "dense_mul", "release_workspaces", "workspace"]
@@ -58,22 +62,41 @@ def release_workspaces() -> None:
     _local.__dict__.pop("pool", None)
 
 
+def _fused(dtype: np.dtype) -> bool:
+    """float32 takes the linear kernels; float64 keeps NumPy's ``x @ w + b``, bit for bit as before."""
+    return dtype == np.float32
+
+
 def dense(x2: np.ndarray, w: np.ndarray, b: np.ndarray | None, r: np.ndarray | None = None,
           out: np.ndarray | None = None) -> np.ndarray:
     """x2 @ w (+ b) (+ r), (N, n), into ``out`` (fresh if None)."""
     if out is None:
         out = np.empty((x2.shape[0], w.shape[1]), x2.dtype)
-    kernel("linear")(np.ascontiguousarray(x2), w, b, r, out)
+    if _fused(x2.dtype):
+        kernel("linear")(np.ascontiguousarray(x2), w, b, r, out)
+        return out
+    np.matmul(x2, w, out=out)
+    if b is not None:
+        out += b
+    if r is not None:
+        out += r
     return out
 
 
 def dense_act(x2: np.ndarray, w: np.ndarray, b: np.ndarray | None, activation: str, u: np.ndarray | None,
               out: np.ndarray) -> int:
     """u = x2 @ w (+ b) (kept in u unless None), out = activation(u); the rows of u with NaN/Inf."""
-    return kernel("linear_act")(np.ascontiguousarray(x2), w, b, activation, u, out)
+    if _fused(x2.dtype):
+        return kernel("linear_act")(np.ascontiguousarray(x2), w, b, activation, u, out)
+    p = dense(x2, w, b, out=out if u is None else u)
+    return activation_kernel(activation)(p, out)
 
 
 def dense_mul(x2: np.ndarray, w: np.ndarray, coef: np.ndarray, out: np.ndarray) -> np.ndarray:
-    """(x2 @ w) * coef into ``out``."""
-    kernel("linear_mul")(np.ascontiguousarray(x2), w, coef, out)
+    """(x2 @ w) * coef into ``out``; coef (M, n) with M dividing N: row i uses coef[i % M]."""
+    if _fused(x2.dtype):
+        kernel("linear_mul")(np.ascontiguousarray(x2), w, coef, out)
+        return out
+    np.matmul(x2, w, out=out)
+    out.reshape((-1,) + coef.shape)[...] *= coef
     return out

@@ -15,8 +15,8 @@ float64), C-contiguous, and out (N, n):
 
 Each returns the number of rows of the product (after b and r, before the activation
 or coefficient) holding NaN or Inf; those rows of out are unspecified. Products in the
-dtype of x (BLAS); the sums b, then r, in that order, in that dtype, so the compiled
-kernels equal NumPy's ``x @ w + b + r`` bit for bit where their BLAS is NumPy's.
+dtype of x (BLAS); the sums b, then r, in that order, in that dtype; the compiled kernels
+agree with this to the rounding of the product (their BLAS calls are tiled differently).
 """
 
 from __future__ import annotations

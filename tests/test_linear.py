@@ -256,3 +256,11 @@ def test_raw_cpp_kernel_checks(dtype):
     with pytest.raises(TypeError):
         _core.linear(x, w.astype(np.float32 if dtype == np.float64 else np.float64), None, None,
                      np.empty((10, 4), dtype))
+
+
+def test_pyengine_backends_says_which_path_is_active(capsys):
+    from pyengine import cli
+
+    assert cli.main(["backends"]) == 0
+    line = capsys.readouterr().out.splitlines()[-1]
+    assert line.startswith("linear kernels' products (cpp): ") and line.endswith(L.blas_info())

@@ -6,7 +6,7 @@ dependency: run this where it is installed, e.g.
 
     python3 -m venv --system-site-packages /tmp/venv-torch
     /tmp/venv-torch/bin/pip install torch==2.13.0
-    /tmp/venv-torch/bin/python benchmarks/torch_compare.py [--threads 2] [--k 64] [--no-fused]
+    /tmp/venv-torch/bin/python benchmarks/torch_compare.py [--threads 2] [--k 64] [--no-fused] [--no-linear]
 
 It checks that both compute the same hidden states, then times (median of
 --repeat runs, ms per sequence or tangent):
@@ -44,7 +44,15 @@ def main() -> None:
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--no-fused", action="store_true",
                     help="float32 forward through the batched q k^T, softmax, P v products (before issue 18)")
+    ap.add_argument("--no-linear", action="store_true",
+                    help="weight products by numpy.matmul (NumPy's BLAS threads) and a separate epilogue pass, "
+                         "instead of single-threaded BLAS per row tile in pyengine's threads (before issue 18)")
     args = ap.parse_args()
+    if args.no_linear:  # an A/B switch for this script only
+        from pyengine import _core
+
+        _core.linear_force_fallback(True)
+    print("linear kernels:", pe.kernels.linear.blas_info())
     if args.no_fused:  # an A/B switch for this script only
         import pyengine.models._attention as _attention
 

@@ -118,65 +118,92 @@ std::int64_t attention_score_grad(const T* p, const T* u, const T* v, index_t of
 
 /// The fused forward pass of one head per batch index: out = softmax(scale q k^T) v, and
 /// the row log-partition lse and entropy. Returns the number of bad rows.
+///
+/// Many heads (n >= 4 per thread: a batch of sequences) are shared out whole, each thread
+/// transposing its heads' k, v into its own scratch: no barrier per head (at T = 128 the
+/// two per head cost more than the head's work on a loaded machine; issue 18). Few heads
+/// share each head's tiles instead, as before. Either way each tile is computed the same
+/// way by one thread, so the results are identical.
 template <class T>
 std::int64_t attention_forward(const T* q, const T* k, const T* v, index_t offset, double scale,
                                index_t n, index_t tq, index_t tk, index_t dk, index_t dv, T* out,
                                double* lse, double* entropy) {
     using namespace attention_detail;
     using C = T;  // the compute type (see the header comment)
-    C* kt = scratch<C>(0, dk * tk);  // shared: the caller's slots
-    C* vt = scratch<C>(1, dv * tk);
     const C cscale = static_cast<C>(scale);
     const index_t tiles = (tq + kTile - 1) / kTile;
+    const int threads = threads_for(n * tq, tk * (dk + dv));
+    const bool by_head = n >= 4 * static_cast<index_t>(threads);
     std::int64_t nbad = 0;
-#pragma omp parallel num_threads(threads_for(n * tq, tk * (dk + dv))) reduction(+ : nbad)
+    // One tile of queries of head h against the transposed keys kt and values vt.
+    auto tile = [&](index_t h, index_t t, const C* kt, const C* vt, C* st, C* et, C* qt, C* ot) -> std::int64_t {
+        std::int64_t bad_rows = 0;
+        const index_t i0 = t * kTile;
+        const index_t real = load_tile(q + h * tq * dk, i0, tq, dk, qt);
+        const index_t nmax = visible_keys(i0 + real - 1, offset, tk);
+        dot_rows(qt, kt, dk, tk, nmax, st, tk);
+        C inv[kTile] = {};
+        double stat[kTile][2] = {};
+        for (index_t r = 0; r < kTile; ++r) {
+            const index_t vis = r < real ? visible_keys(i0 + r, offset, tk) : 0;
+            C* s = st + r * tk;
+            C* e = et + r * tk;
+            const C m = scale_max(s, vis, cscale);
+            double z = 0.0, zs = 0.0;  // in double also for float: T terms
+#pragma omp simd reduction(+ : z, zs)
+            for (index_t j = 0; j < vis; ++j) {
+                const C x = exp_c(static_cast<C>(s[j] - m));
+                e[j] = x;
+                z += static_cast<double>(x);
+                zs += static_cast<double>(x * s[j]);
+            }
+            std::fill(e + vis, e + nmax, C(0));  // masked (and padding rows): weight 0
+            inv[r] = r < real ? static_cast<C>(1.0 / z) : C(0);
+            stat[r][0] = static_cast<double>(m) + std::log(z);
+            stat[r][1] = stat[r][0] - zs / z;
+        }
+        weighted_sums(et, tk, vt, dv, tk, nmax, inv, ot);
+        for (index_t r = 0; r < real; ++r) {
+            const index_t row = h * tq + i0 + r;
+            lse[row] = stat[r][0];
+            entropy[row] = stat[r][1];
+            bool bad = !std::isfinite(stat[r][0]) || !std::isfinite(stat[r][1]);
+            for (index_t c = 0; c < dv; ++c) {
+                const C o = ot[sz(r * dv + c)];
+                out[row * dv + c] = static_cast<T>(o);
+                bad = bad || !std::isfinite(o);
+            }
+            bad_rows += bad ? 1 : 0;
+        }
+        return bad_rows;
+    };
+    C* kt = scratch<C>(0, dk * tk);  // shared (tile mode): the caller's slots
+    C* vt = scratch<C>(1, dv * tk);
+#pragma omp parallel num_threads(threads) reduction(+ : nbad)
     {
         C* st = scratch<C>(2, kTile * tk);
         C* et = scratch<C>(3, kTile * tk);
         C* qt = scratch<C>(4, kTile * dk);
         C* ot = scratch<C>(5, kTile * dv);
-        for (index_t h = 0; h < n; ++h) {
-            transpose_into(k + h * tk * dk, tk, dk, kt);
-            transpose_into(v + h * tk * dv, tk, dv, vt);
+        if (by_head) {
+            C* kt_own = scratch<C>(6, dk * tk);
+            C* vt_own = scratch<C>(7, dv * tk);
+#pragma omp for schedule(dynamic, 1)
+            for (index_t h = 0; h < n; ++h) {
+                const T* kh = k + h * tk * dk;
+                const T* vh = v + h * tk * dv;
+                for (index_t r = 0; r < tk; ++r) {
+                    for (index_t c = 0; c < dk; ++c) kt_own[c * tk + r] = static_cast<C>(kh[r * dk + c]);
+                    for (index_t c = 0; c < dv; ++c) vt_own[c * tk + r] = static_cast<C>(vh[r * dv + c]);
+                }
+                for (index_t t = 0; t < tiles; ++t) nbad += tile(h, t, kt_own, vt_own, st, et, qt, ot);
+            }
+        } else {
+            for (index_t h = 0; h < n; ++h) {
+                transpose_into(k + h * tk * dk, tk, dk, kt);
+                transpose_into(v + h * tk * dv, tk, dv, vt);
 #pragma omp for schedule(static, 1)
-            for (index_t t = 0; t < tiles; ++t) {
-                const index_t i0 = t * kTile;
-                const index_t real = load_tile(q + h * tq * dk, i0, tq, dk, qt);
-                const index_t nmax = visible_keys(i0 + real - 1, offset, tk);
-                dot_rows(qt, kt, dk, tk, nmax, st, tk);
-                C inv[kTile] = {};
-                double stat[kTile][2] = {};
-                for (index_t r = 0; r < kTile; ++r) {
-                    const index_t vis = r < real ? visible_keys(i0 + r, offset, tk) : 0;
-                    C* s = st + r * tk;
-                    C* e = et + r * tk;
-                    const C m = scale_max(s, vis, cscale);
-                    double z = 0.0, zs = 0.0;  // in double also for float: T terms
-#pragma omp simd reduction(+ : z, zs)
-                    for (index_t j = 0; j < vis; ++j) {
-                        const C x = exp_c(static_cast<C>(s[j] - m));
-                        e[j] = x;
-                        z += static_cast<double>(x);
-                        zs += static_cast<double>(x * s[j]);
-                    }
-                    std::fill(e + vis, e + nmax, C(0));  // masked (and padding rows): weight 0
-                    inv[r] = r < real ? static_cast<C>(1.0 / z) : C(0);
-                    stat[r][0] = static_cast<double>(m) + std::log(z);
-                    stat[r][1] = stat[r][0] - zs / z;
-                }
-                weighted_sums(et, tk, vt, dv, tk, nmax, inv, ot);
-                for (index_t r = 0; r < real; ++r) {
-                    const index_t row = h * tq + i0 + r;
-                    lse[row] = stat[r][0];
-                    entropy[row] = stat[r][1];
-                    bool bad = !std::isfinite(stat[r][0]) || !std::isfinite(stat[r][1]);
-                    for (index_t c = 0; c < dv; ++c) {
-                        const C o = ot[sz(r * dv + c)];
-                        out[row * dv + c] = static_cast<T>(o);
-                        bad = bad || !std::isfinite(o);
-                    }
-                    nbad += bad ? 1 : 0;
-                }
+                for (index_t t = 0; t < tiles; ++t) nbad += tile(h, t, kt, vt, st, et, qt, ot);
             }
         }
     }

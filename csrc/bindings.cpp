@@ -15,6 +15,7 @@
 #include "bind_activations.hpp"
 #include "bind_attention.hpp"
 #include "bind_layernorm.hpp"
+#include "bind_linear.hpp"
 #include "bind_machine.hpp"
 #include "bind_orthogonalize.hpp"
 #include "bind_spectral.hpp"
@@ -28,4 +29,5 @@ PYBIND11_MODULE(_core, m) {
     register_activations(m);
     register_attention(m);
     register_orthogonalize(m);
+    register_linear(m);
 }

@@ -83,9 +83,13 @@ ATTENTION_KERNELS: tuple[str, ...] = (
 #: Batched Newton–Schulz orthogonalization of gradient matrices (Muon; steepest descent
 #: under the spectral norm): products in BLAS, everything else fused around them.
 ORTHOGONALIZE_KERNELS: tuple[str, ...] = ("newton_schulz",)
+#: Dense layers x @ w with a fused epilogue (bias, residual, activation, JVP coefficient):
+#: the block engine's GEMMs (issue 18).
+LINEAR_KERNELS: tuple[str, ...] = ("linear", "linear_act", "linear_mul")
 #: Every kernel id; each must have a ``numpy`` (reference) entry.
 KERNELS: tuple[str, ...] = (
     NORM_KERNELS + SPECTRAL_KERNELS + ACTIVATION_KERNELS + ATTENTION_KERNELS + ORTHOGONALIZE_KERNELS
+    + LINEAR_KERNELS
 )
 
 #: Backend name -> the module that registers its kernels when imported.

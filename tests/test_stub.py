@@ -52,6 +52,8 @@ _STUB_ARRAY = re.compile(r"(?:numpy\.typing\.|npt\.)?NDArray\[(?:np|numpy)\.(\w+
 
 
 def _runtime_type(text: str) -> str:
+    if text.strip().endswith(" | None"):  # an optional argument (std::optional in the bindings)
+        return _runtime_type(text.strip()[: -len(" | None")]) + " | None"
     m = _RUNTIME_ARRAY.fullmatch(text.strip())
     if m:
         return f"{m.group(1)}[]"
@@ -63,6 +65,8 @@ def _stub_type(node: ast.expr | None, aliases: dict[str, ast.expr]) -> str:
         return "?missing"
     if isinstance(node, ast.Name) and node.id in aliases:
         node = aliases[node.id]
+    if isinstance(node, ast.BinOp) and isinstance(node.op, ast.BitOr) and ast.unparse(node.right) == "None":
+        return _stub_type(node.left, aliases) + " | None"  # an optional argument
     text = ast.unparse(node)
     m = _STUB_ARRAY.fullmatch(text)
     if m:

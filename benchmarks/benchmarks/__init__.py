@@ -6,12 +6,12 @@ numpy's bench_ufunc.py does for ufuncs), so a new kernel cannot land unmeasured.
 
 from pyengine import backends
 
-from . import (bench_activations, bench_attention, bench_layernorm, bench_model, bench_operators, bench_orthogonalize,
-               bench_spectral)
+from . import (bench_activations, bench_attention, bench_layernorm, bench_linear, bench_model, bench_operators,
+               bench_orthogonalize, bench_spectral)
 from .common import camel
 
-_SUITES = (bench_activations, bench_attention, bench_layernorm, bench_model, bench_operators, bench_orthogonalize,
-           bench_spectral)
+_SUITES = (bench_activations, bench_attention, bench_layernorm, bench_linear, bench_model, bench_operators,
+           bench_orthogonalize, bench_spectral)
 _classes = {name for mod in _SUITES for name in vars(mod)}
 _missing = [k for k in backends.KERNELS if camel(k) not in _classes]
 if _missing:

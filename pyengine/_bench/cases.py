@@ -27,6 +27,7 @@ __all__ = ["ARGUMENTS", "Case", "SIZES", "THRESHOLD", "all_cases", "register_cas
 _ATTENTION = frozenset(getattr(backends, "ATTENTION_KERNELS", ()))
 _ORTHOGONALIZE = frozenset(getattr(backends, "ORTHOGONALIZE_KERNELS", ()))
 _ACTIVATION = frozenset(getattr(backends, "ACTIVATION_KERNELS", ()))
+_LINEAR = frozenset(getattr(backends, "LINEAR_KERNELS", ()))
 
 
 def _provides(kernel: str, backend: str) -> bool:
@@ -182,7 +183,23 @@ def _newton_schulz_case(kernel: str) -> Case:
                 backends=tuple(b for b in backends.BACKENDS if _provides(kernel, b)))
 
 
+def _linear_case(kernel: str) -> Case:
+    """An MLP's first product (tokens, d) @ (d, MLP_RATIO d) with the kernel's epilogue (issue 18)."""
+    def setup(backend: str, dtype: str, size: tuple[int, int]):
+        (n, d), fn, rng = size, backends.resolve(kernel, backend), np.random.default_rng(0)
+        m = MLP_RATIO * d
+        x, w = rng.standard_normal((n, d)).astype(dtype), (rng.standard_normal((d, m)) / d**0.5).astype(dtype)
+        b, r, out = rng.standard_normal(m).astype(dtype), rng.standard_normal((n, m)).astype(dtype), np.empty((n, m), dtype)
+        call = {"linear": lambda: fn(x, w, b, r, out), "linear_act": lambda: fn(x, w, b, "gelu_tanh", None, out),
+                "linear_mul": lambda: fn(x, w, r, out)}[kernel]
+        return call, x.nbytes + w.nbytes + 2 * out.nbytes, 2.0 * n * d * m
+    return Case(kernel, setup, limit="gemm", label=lambda size: f"{size[0]}x{size[1]}x{MLP_RATIO * size[1]}",
+                backends=tuple(b for b in backends.BACKENDS if _provides(kernel, b)))
+
+
 def _kernel_case(kernel: str) -> Case:
+    if kernel in _LINEAR:
+        return _linear_case(kernel)
     if kernel in _ATTENTION:
         return _attention_case(kernel)
     if kernel in _ORTHOGONALIZE:

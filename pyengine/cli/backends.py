@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from .. import backends
+from ..kernels.linear import blas_info
 
 __all__ = ["add_parser", "run"]
 
@@ -16,4 +17,5 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     for info in backends.available_backends().values():
         print(f"{info.name:<6} {'available' if info.available else 'unavailable: ' + info.reason}")
+    print(f"linear kernels' products (cpp): {blas_info()}")  # issue 18: which BLAS path is active
     return 0

@@ -17,6 +17,7 @@ import numpy as np
 from ..kernels.activations import kernel
 from ..kernels.attention import kernel as attention_kernel
 from ._fast import DISCARD, attn_jvp_gemm, fused_dtype, fused_heads
+from ._linear import dense, workspace
 
 if TYPE_CHECKING:
     from ._blocks import Cache, Context, Weights
@@ -73,8 +74,8 @@ def _heads_out(B: int, T: int, cfg: Any, dtype: np.dtype) -> tuple[np.ndarray, n
     return buf, buf.reshape(B, T, Hkv, H // Hkv, dh).transpose(0, 2, 3, 1, 4)
 
 
-def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
-    """Multi-head (grouped-query) self-attention of a (B, T, d) -> (B, T, d).
+def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | None = None) -> np.ndarray:
+    """Multi-head (grouped-query) self-attention of a (B, T, d) -> (B, T, d), plus ``r`` if given.
 
     With ``ctx.start`` = s > 0, ``a`` holds rows s..T-1 only and the keys and
     values of rows < s come from ``cache["attn.past"]`` (the base sequence's cache
@@ -83,9 +84,11 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
     cfg = ctx.cfg
     B, T, d = a.shape
     H, Hkv = cfg.n_heads, cfg.n_kv_heads
-    qkv = a.reshape(B * T, d) @ w["attn.w_qkv"]
-    if cfg.bias:
-        qkv += w["attn.b_qkv"]
+    discard, hook = cache.get(DISCARD, False), ctx.hook
+    # The projections live in a workspace when nothing keeps them (no cache, no hook): issue 18
+    shape = (B * T, w["attn.w_qkv"].shape[1])
+    qkv = dense(a.reshape(B * T, d), w["attn.w_qkv"], w["attn.b_qkv"] if cfg.bias else None,
+                out=workspace("attn.qkv", shape, a.dtype) if discard and hook is None else None)
     q, k, v = _split_heads(qkv, B, T, cfg)
     q, k = _qk(ctx, q, k)
     # Query heads h = j*g + i share key/value head j: (B, Hkv, g, T, dh) against (B, Hkv, 1, T, dh).
@@ -96,7 +99,7 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
         past = cache.pop("attn.past")
         k5, v5 = (_prepend(p[..., :s, :], x) for p, x in zip((past["attn.k"], past["attn.v"]), (k5, v5)))
     buf, view = _heads_out(B, T, cfg, a.dtype)
-    p, discard, hook = None, cache.pop(DISCARD, False), ctx.hook
+    p = None
     # Sites inside the heads (models/sites.py: scores and pattern as (B, H, T, Tk), head_out as
     # (B, T, H, dh)): read, or changed by an intervention (which needs the unfused products).
     read = hook is not None and getattr(hook, "heads", True)
@@ -123,9 +126,8 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
         np.matmul(p, v5, out=view)
         if read:
             buf = np.ascontiguousarray(hook("attn.head_out", buf))
-    out = buf.reshape(B * T, H * cfg.head_dim) @ w["attn.w_o"]
-    if cfg.bias:
-        out += w["attn.b_o"]
+    out = dense(buf.reshape(B * T, H * cfg.head_dim), w["attn.w_o"], w["attn.b_o"] if cfg.bias else None,
+                None if r is None else r.reshape(B * T, d))
     cache.update({"attn.q": q5, "attn.k": k5, "attn.v": v5, "attn.p": p, "attn.in": a})
     return out.reshape(B, T, d)
 
@@ -138,8 +140,8 @@ def _prepend(head: np.ndarray, tail: np.ndarray) -> np.ndarray:
     return out
 
 
-def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarray:
-    """Tangent of :func:`attn`: (K, T, d) -> (K, T, d), including the softmax JVP.
+def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache, r: np.ndarray | None = None) -> np.ndarray:
+    """Tangent of :func:`attn`: (K, T, d) -> (K, T, d), including the softmax JVP; plus ``r`` if given.
 
     With ``ctx.start`` = s the tangent rows are s..T-1 (zero before); with
     ``ctx.rows`` the per-token diagonal blocks (see :func:`diagonal`).
@@ -147,13 +149,15 @@ def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarr
     cfg = ctx.cfg
     K, T, d = da.shape
     H, Hkv = cfg.n_heads, cfg.n_kv_heads
-    dqkv = da.reshape(K * T, d) @ w["attn.w_qkv"]
+    dqkv = dense(da.reshape(K * T, d), w["attn.w_qkv"], None,
+                 out=workspace("attn.dqkv", (K * T, w["attn.w_qkv"].shape[1]), da.dtype))  # used here only
+    r2 = None if r is None else r.reshape(K * T, d)
     if ctx.rows is None and fused_dtype(da.dtype):  # issue 18: head-major GEMMs (models/_fast.py)
         x = dqkv.reshape(K, T, H + 2 * Hkv, cfg.head_dim)
         dq, dk = _qk(ctx, x[:, :, :H].transpose(2, 0, 1, 3), x[:, :, H : H + Hkv].transpose(2, 0, 1, 3))
         buf = attn_jvp_gemm(ctx, dq, np.ascontiguousarray(dk), x[:, :, H + Hkv :], cache,
                             kernel("softmax_jvp"), check)
-        return (buf.reshape(K * T, H * cfg.head_dim) @ w["attn.w_o"]).reshape(K, T, d)
+        return dense(buf.reshape(K * T, H * cfg.head_dim), w["attn.w_o"], None, r2).reshape(K, T, d)
     dq, dk, dv = _split_heads(dqkv, K, T, cfg)
     dq, dk = _qk(ctx, dq, dk)  # rotation and scaling are linear
     q5, k5, v5, p = cache["attn.q"], cache["attn.k"], cache["attn.v"], cache["attn.p"]
@@ -175,7 +179,7 @@ def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarr
         view += p[..., np.arange(T), ctx.rows][..., None] * dv5
     else:
         view += np.matmul(p[..., ctx.start :], dv5)
-    return (buf.reshape(K * T, H * cfg.head_dim) @ w["attn.w_o"]).reshape(K, T, d)
+    return dense(buf.reshape(K * T, H * cfg.head_dim), w["attn.w_o"], None, r2).reshape(K, T, d)
 
 
 def _qk_t(ctx: Context, dq: np.ndarray, dk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -31,6 +31,8 @@ from .. import _validate as _v
 from ..kernels.activations import kernel
 from ..kernels.layernorm import kernel as norm_kernel
 from ._attention import attn, attn_jvp, check
+from ._fast import DISCARD
+from ._linear import FUSED_ACTIVATIONS, dense, dense_act, dense_mul, workspace
 
 
 Weights = dict[str, np.ndarray]
@@ -251,19 +253,24 @@ def _act_coef(name: str, u: np.ndarray, n: int) -> tuple[np.ndarray, ...]:
     return (c,)
 
 
-def mlp(w: Weights, ctx: Context, a: np.ndarray, cache: Cache) -> np.ndarray:
-    """Two-layer MLP of a (B, T, d) -> (B, T, d)."""
+def mlp(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | None = None) -> np.ndarray:
+    """Two-layer MLP of a (B, T, d) -> (B, T, d), plus ``r`` (the residual) if given (one fused add)."""
     cfg = ctx.cfg
     B, T, d = a.shape
-    u = a.reshape(B * T, d) @ w["mlp.w_in"]
-    if cfg.bias:
-        u += w["mlp.b_in"]
-    z = _act(cfg.activation, u, cfg.d_mlp)
+    a2, bias = a.reshape(B * T, d), cfg.bias
+    shape = (B * T, w["mlp.w_in"].shape[1])
+    if cfg.activation in FUSED_ACTIVATIONS:  # issue 18: bias and activation fused (models/_linear.py)
+        u = None if cache.get(DISCARD) else np.empty(shape, a.dtype)  # only a JVP reads u
+        z = np.empty(shape, a.dtype) if ctx.hook is not None else workspace("mlp.z", shape, a.dtype)
+        check(dense_act(a2, w["mlp.w_in"], w["mlp.b_in"] if bias else None, cfg.activation, u, z),
+              "MLP pre-activations")
+    else:
+        u = dense(a2, w["mlp.w_in"], w["mlp.b_in"] if bias else None)
+        z = _act(cfg.activation, u, cfg.d_mlp)
     if ctx.hook is not None:
         z = site(ctx, "mlp.hidden", z.reshape(B, T, -1)).reshape(B * T, -1)
-    y = z @ w["mlp.w_out"]
-    if cfg.bias:
-        y += w["mlp.b_out"]
+    y = dense(np.ascontiguousarray(z), w["mlp.w_out"], w["mlp.b_out"] if bias else None,
+              None if r is None else r.reshape(B * T, d))
     cache["mlp.u"], cache["mlp.in"] = u, a
     return y.reshape(B, T, d)
 
@@ -277,19 +284,21 @@ def mlp_coef(ctx: Context, cache: Cache, T: int) -> tuple[np.ndarray, ...]:
     return cache["mlp.coef"]
 
 
-def mlp_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache) -> np.ndarray:
-    """Tangent of :func:`mlp`: (K, T, d) -> (K, T, d)."""
+def mlp_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache, r: np.ndarray | None = None) -> np.ndarray:
+    """Tangent of :func:`mlp`: (K, T, d) -> (K, T, d), plus ``r`` if given."""
     K, T, d = da.shape
     n = ctx.cfg.d_mlp
     coef = mlp_coef(ctx, cache, T)
-    du = (da.reshape(K * T, d) @ w["mlp.w_in"]).reshape(K, T, -1)
-    if len(coef) == 1:
-        du *= coef[0]
-        dz = du
+    da2 = da.reshape(K * T, d)
+    if len(coef) == 1:  # du = (da W) * f'(u), fused; a workspace (issue 18)
+        shape = (K * T, coef[0].shape[-1])  # coef (1 or K, T, n): row i of du uses row i % len
+        dz = dense_mul(da2, w["mlp.w_in"], coef[0].reshape(-1, shape[1]), workspace("mlp.dz", shape, da.dtype))
     else:
+        du = dense(da2, w["mlp.w_in"], None).reshape(K, T, -1)
         dz = du[..., :n] * coef[0]
         dz += du[..., n:] * coef[1]
-    return (dz.reshape(K * T, n) @ w["mlp.w_out"]).reshape(K, T, d)
+        dz = dz.reshape(K * T, n)
+    return dense(dz, w["mlp.w_out"], None, None if r is None else r.reshape(K * T, d)).reshape(K, T, d)
 
 
 # --------------------------------------------------------------------------- blocks
@@ -301,6 +310,8 @@ def _sublayer(w: Weights, ctx: Context, h: np.ndarray, sub: str, nname: str, cac
     cfg, f = ctx.cfg, _SUB[sub][0]
     if cfg.placement == "pre":  # h + F(N(h))
         a = site(ctx, nname + ".output", _norm(w, cfg, nname, site(ctx, nname + ".input", h), cache))
+        if cfg.residual and ctx.hook is None:  # the residual added in the last product's epilogue
+            return f(w, ctx, a, cache, h)
         y = site(ctx, sub + ".out", f(w, ctx, a, cache))
         if cfg.residual:
             y += h
@@ -316,10 +327,7 @@ def _sublayer_jvp(
 ) -> np.ndarray:
     cfg, f = ctx.cfg, _SUB[sub][1]
     if cfg.placement == "pre":
-        dy = f(w, ctx, _norm_jvp(w, cfg, nname, dh, cache, mode), cache)
-        if cfg.residual:
-            dy += dh
-        return dy
+        return f(w, ctx, _norm_jvp(w, cfg, nname, dh, cache, mode), cache, dh if cfg.residual else None)
     dy = f(w, ctx, dh, cache)
     if cfg.residual:
         dy += dh

@@ -1,0 +1,210 @@
+// Bindings of the dense-layer kernels (linear.hpp): register_linear(m) defines one overload per
+// dtype of linear, linear_act and linear_mul, with the reference's argument names, and
+// linear_blas_info / linear_force_fallback (which path the products take).
+//
+// BLAS: NumPy's own library, found at run time by pyengine.kernels._blas.find() (ctypes on
+// the library threadpoolctl reports): the CBLAS sgemm/dgemm entry points and OpenBLAS's
+// openblas_set_num_threads_local. They are looked up once, on the first call, with the GIL
+// held; NumPy stays loaded, so the pointers stay valid. Without them (NumPy on MKL or
+// Accelerate, an OpenBLAS older than 0.3.27, or linear_force_fallback(True)) the product
+// is numpy.matmul's (called here, with the GIL) and the epilogue a separate parallel pass.
+#pragma once
+
+#include <pybind11/numpy.h>
+#include <pybind11/pybind11.h>
+#include <pybind11/stl.h>
+
+#include <cstdint>
+#include <optional>
+#include <stdexcept>
+#include <string>
+
+#include "bind_util.hpp"
+#include "linear.hpp"
+
+namespace pyengine::bind {
+
+struct LinearState {
+    pyengine::LinearBlas blas;
+    bool looked_up = false;
+    bool forced = false;
+    std::string info;
+};
+
+inline LinearState& linear_state() {
+    static LinearState s;
+    if (!s.looked_up) {  // GIL held: every caller is a bound function
+        s.looked_up = true;
+        py::tuple t = py::module_::import("pyengine.kernels._blas").attr("find")();
+        s.blas.sgemm = reinterpret_cast<void*>(t[0].cast<std::uintptr_t>());
+        s.blas.dgemm = reinterpret_cast<void*>(t[1].cast<std::uintptr_t>());
+        s.blas.set_threads_local = reinterpret_cast<pyengine::LinearBlas::local_t>(t[2].cast<std::uintptr_t>());
+        s.blas.ilp64 = t[3].cast<bool>();
+        s.info = t[4].cast<std::string>();
+    }
+    return s;
+}
+
+inline bool linear_fast(index_t k) {
+    const LinearState& s = linear_state();
+    return !s.forced && s.blas.ready() && k > 0;
+}
+
+inline pyengine::Act parse_act(const std::string& a) {
+    if (a == "none") return pyengine::Act::none;
+    if (a == "gelu") return pyengine::Act::gelu;
+    if (a == "gelu_tanh") return pyengine::Act::gelu_tanh;
+    if (a == "relu") return pyengine::Act::relu;
+    throw std::invalid_argument("activation must be one of 'none', 'gelu', 'gelu_tanh', 'relu', got '" + a + "'");
+}
+
+inline bool overlaps(const py::array& a, const py::array& b) {
+    const auto* a0 = static_cast<const char*>(a.data());
+    const auto* b0 = static_cast<const char*>(b.data());
+    return a.nbytes() > 0 && b.nbytes() > 0 && a0 < b0 + b.nbytes() && b0 < a0 + a.nbytes();
+}
+
+inline void no_overlap(const py::array& out, const char* oname, const py::array& other, const char* name) {
+    if (overlaps(out, other)) {
+        throw std::invalid_argument(std::string(oname) + " must not overlap " + name);
+    }
+}
+
+// (N, k, n) of x (N, k) @ w (k, n); checks w, b and out.
+template <class T>
+std::array<index_t, 3> linear_dims(const carray<T>& x, const carray<T>& w, const std::optional<carray<T>>& b,
+                                   const carray<T>& out) {
+    if (x.ndim() != 2) throw std::invalid_argument("x must be 2-D (N, k), got shape " + shape_str(x));
+    const index_t N = x.shape(0), k = x.shape(1);
+    if (w.ndim() != 2 || w.shape(0) != k) {
+        throw std::invalid_argument("w must have shape (" + std::to_string(k) + ", n) to match x " +
+                                    shape_str(x) + ", got " + shape_str(w));
+    }
+    const index_t n = w.shape(1);
+    if (b) expect_shape(*b, "b", {n});
+    expect_shape(out, "out", {N, n});
+    no_overlap(out, "out", x, "x");
+    no_overlap(out, "out", w, "w");
+    if (b) no_overlap(out, "out", *b, "b");
+    return {N, k, n};
+}
+
+template <class T>
+const T* ptr(const std::optional<carray<T>>& a) {
+    return a ? a->data() : nullptr;
+}
+
+// numpy.matmul(x, w) into dst (GIL held): the fallback product.
+template <class T>
+void matmul_into(const carray<T>& x, const carray<T>& w, carray<T>& dst) {
+    py::module_::import("numpy").attr("matmul")(x, w, py::arg("out") = dst);
+}
+
+template <class T>
+std::int64_t linear(const carray<T>& x, const carray<T>& w, const std::optional<carray<T>>& b,
+                    const std::optional<carray<T>>& r, carray<T>& out) {
+    const auto [N, k, n] = linear_dims(x, w, b, out);
+    const bool inplace = r && r->data() == out.data();
+    if (r) {
+        expect_shape(*r, "r", {N, n});
+        if (!inplace) no_overlap(out, "out", *r, "r (unless r is out itself)");
+    }
+    if (N == 0 || n == 0) return 0;
+    const T *xp = x.data(), *wp = w.data(), *bp = ptr(b), *rp = ptr(r);
+    T* op = out.mutable_data();
+    if (linear_fast(k)) {
+        const pyengine::LinearBlas blas = linear_state().blas;
+        py::gil_scoped_release release;  // only raw buffers and BLAS from here on (see bind_util.hpp)
+        return pyengine::linear(blas, xp, wp, bp, rp, N, k, n, op);
+    }
+    if (inplace) {  // the product first, then added to out
+        carray<T> prod({N, n});
+        matmul_into(x, w, prod);
+        T* pp = prod.mutable_data();
+        py::gil_scoped_release release;
+        return pyengine::linear_epilogue<T>(pp, bp, op, pyengine::Act::none, nullptr, 1, N, n, op);
+    }
+    matmul_into(x, w, out);
+    py::gil_scoped_release release;
+    return pyengine::linear_epilogue<T>(op, bp, rp, pyengine::Act::none, nullptr, 1, N, n, op);
+}
+
+template <class T>
+std::int64_t linear_act(const carray<T>& x, const carray<T>& w, const std::optional<carray<T>>& b,
+                        const std::string& activation, std::optional<carray<T>>& u, carray<T>& out) {
+    const auto [N, k, n] = linear_dims(x, w, b, out);
+    const pyengine::Act act = parse_act(activation);
+    if (u) {
+        expect_shape(*u, "u", {N, n});
+        no_overlap(out, "out", *u, "u");
+        no_overlap(*u, "u", x, "x");
+        no_overlap(*u, "u", w, "w");
+        if (b) no_overlap(*u, "u", *b, "b");
+    }
+    if (N == 0 || n == 0) return 0;
+    const T *xp = x.data(), *wp = w.data(), *bp = ptr(b);
+    T* up = u ? u->mutable_data() : nullptr;
+    T* op = out.mutable_data();
+    if (linear_fast(k)) {
+        const pyengine::LinearBlas blas = linear_state().blas;
+        py::gil_scoped_release release;
+        return pyengine::linear_act(blas, xp, wp, bp, act, N, k, n, up, op);
+    }
+    matmul_into(x, w, u ? *u : out);
+    T* pp = up != nullptr ? up : op;
+    py::gil_scoped_release release;
+    return pyengine::linear_epilogue<T>(pp, bp, nullptr, act, nullptr, 1, N, n, op);
+}
+
+template <class T>
+std::int64_t linear_mul(const carray<T>& x, const carray<T>& w, const carray<T>& coef, carray<T>& out) {
+    const auto [N, k, n] = linear_dims(x, w, std::optional<carray<T>>(), out);
+    if (coef.ndim() != 2 || coef.shape(1) != n || (N > 0 && (coef.shape(0) == 0 || N % coef.shape(0) != 0))) {
+        throw std::invalid_argument("coef must have shape (M, " + std::to_string(n) + ") with M dividing N = " +
+                                    std::to_string(N) + ", got " + shape_str(coef));
+    }
+    const index_t M = coef.shape(0);
+    no_overlap(out, "out", coef, "coef");
+    if (N == 0 || n == 0) return 0;
+    const T *xp = x.data(), *wp = w.data(), *cp = coef.data();
+    T* op = out.mutable_data();
+    if (linear_fast(k)) {
+        const pyengine::LinearBlas blas = linear_state().blas;
+        py::gil_scoped_release release;
+        return pyengine::linear_mul(blas, xp, wp, cp, M, N, k, n, op);
+    }
+    matmul_into(x, w, out);
+    py::gil_scoped_release release;
+    return pyengine::linear_epilogue<T>(op, nullptr, nullptr, pyengine::Act::none, cp, M, N, n, op);
+}
+
+template <class T>
+void def_linear(py::module_& m) {
+    m.def("linear", &linear<T>, py::arg("x").noconvert(), py::arg("w").noconvert(),
+          py::arg("b").noconvert().none(true), py::arg("r").noconvert().none(true), py::arg("out").noconvert(),
+          "out = x @ w (+ b) (+ r) (b, r None: omitted; r may be out); returns the rows with NaN/Inf.");
+    m.def("linear_act", &linear_act<T>, py::arg("x").noconvert(), py::arg("w").noconvert(),
+          py::arg("b").noconvert().none(true), py::arg("activation"), py::arg("u").noconvert().none(true),
+          py::arg("out").noconvert(),
+          "u = x @ w (+ b) (kept in u unless None), out = activation(u); returns the rows of u with NaN/Inf.");
+    m.def("linear_mul", &linear_mul<T>, py::arg("x").noconvert(), py::arg("w").noconvert(),
+          py::arg("coef").noconvert(), py::arg("out").noconvert(),
+          "out = (x @ w) * coef (coef (M, n), M | N: row i uses coef[i % M]); returns the rows of x @ w with NaN/Inf.");
+}
+
+inline void register_linear(py::module_& m) {
+    def_linear<float>(m);
+    def_linear<double>(m);
+    m.def(
+        "linear_blas_info", [] {
+            const LinearState& s = linear_state();
+            if (s.forced) return std::string("numpy matmul + separate epilogue (forced by linear_force_fallback)");
+            return s.info;
+        },
+        "Which path the linear kernels' products take, in words.");
+    m.def(
+        "linear_force_fallback", [](bool on) { linear_state().forced = on; }, py::arg("on"),
+        "Force (True) or release (False) the numpy.matmul fallback of the linear kernels (for tests).");
+}
+
+}  // namespace pyengine::bind

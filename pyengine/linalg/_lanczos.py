@@ -6,8 +6,9 @@ from __future__ import annotations
 
 import numpy as np
 
+from ..backends import one_blas_thread
 from ._solvers import (BREAKDOWN, COMPACT_FRACTION, DGKS_ETA, GS_LOOP_MIN, LANCZOS_FIRST_TEST, LANCZOS_KEEP,
-                       LANCZOS_MAX_SUBSPACE, LANCZOS_TEST_GAP, _one_blas_thread, _power, _relative_residual,
+                       LANCZOS_MAX_SUBSPACE, LANCZOS_TEST_GAP, _power, _relative_residual,
                        _rowdot, _unit_rows)
 from .operators import BatchedOperator
 
@@ -104,7 +105,7 @@ def _lanczos(op: BatchedOperator, V0: np.ndarray, tol: float, max_iter: int, out
         a = len(ids)
         # -- extend by one: u = A v_j, orthogonalize against U, alpha; w = A^T u, beta --------
         u = act.matvec(np.ascontiguousarray(Vb[:a, j])).astype(np.float64)
-        with _one_blas_thread():
+        with one_blas_thread():
             c = _orthogonalize(u, Ub[:a], j)
         alpha = np.sqrt(_rowdot(u, u))
         tiny = alpha <= BREAKDOWN * np.maximum(scale[ids], 1e-300)
@@ -115,7 +116,7 @@ def _lanczos(op: BatchedOperator, V0: np.ndarray, tol: float, max_iter: int, out
         M[:a, :j, j] = c
         M[:a, j, j] = alpha
         w = act.rmatvec(u).astype(np.float64)
-        with _one_blas_thread():
+        with one_blas_thread():
             _orthogonalize(w, Vb[:a], j + 1)
         beta = np.sqrt(_rowdot(w, w))
         scale[ids] = np.maximum(scale[ids], np.maximum(alpha, beta))
@@ -136,7 +137,7 @@ def _lanczos(op: BatchedOperator, V0: np.ndarray, tol: float, max_iter: int, out
         if restart:
             ti = np.arange(a)
         if ti.size:
-            with _one_blas_thread():
+            with one_blas_thread():
                 P, theta, Qt = np.linalg.svd(M[ti, :j, :j])
             th = theta[:, 0]
             fp = np.abs(np.einsum("aj,aj->a", f[ti, :j], P[:, :, 0]))
@@ -173,7 +174,7 @@ def _lanczos(op: BatchedOperator, V0: np.ndarray, tol: float, max_iter: int, out
         # -- thick restart when the basis is full -------------------------------------------
         if restart:
             k = keep_k
-            with _one_blas_thread():
+            with one_blas_thread():
                 newV = np.einsum("aln,akl->akn", Vb[:a, :j], Qt[:, :k, :])  # V_j q_i, i < k
                 newU = np.einsum("alm,alk->akm", Ub[:a, :j], P[:, :, :k])  # U_j p_i
             nxt = Vb[:a, j].copy()

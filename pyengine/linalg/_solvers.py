@@ -55,11 +55,6 @@ STALL_RATIO = 0.5
 #: explicit residual test (ARPACK tests its Ritz estimate, not the residual).
 ARNOLDI_TOL_FACTOR = 0.1
 
-def _one_blas_thread():
-    """Single-threaded BLAS for the many tiny dense problems (projected SVDs, Gram-Schmidt):
-    threaded OpenBLAS on 40 x 40 matrices is slower by orders of magnitude on a busy machine."""
-    return one_blas_thread()
-
 
 def _rowdot(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     return np.einsum("ij,ij->i", a, b, dtype=np.float64)
@@ -209,7 +204,7 @@ def _radius(op: BatchedOperator, V: np.ndarray, tol: float, max_iter: int) -> di
             act, ids, Vw = act.take(sel), ids[sel], np.ascontiguousarray(Vw[sel])
     fallback |= ~converged
     todo = np.flatnonzero(fallback)
-    pairs = dict(zip(todo.tolist(), dense_radii(op, todo, _one_blas_thread))) if use_dense(n) and len(todo) else {}
+    pairs = dict(zip(todo.tolist(), dense_radii(op, todo, one_blas_thread))) if use_dense(n) and len(todo) else {}
     for i in todo:
         one = op.take(np.array([i]))
         if i in pairs:  # moderate n: the formed matrix and LAPACK (see _dense_radius)

@@ -15,7 +15,7 @@ from typing import Any
 import numpy as np
 
 from .. import _validate as _v
-from ._solvers import _one_blas_thread
+from ..backends import one_blas_thread
 from .results import WeightScan
 from .spectral import spectral_norm
 
@@ -77,7 +77,7 @@ def weight_scan(
         if min(arr.shape) <= WEIGHT_SVD_MAX:
             # Threaded LAPACK on block-sized matrices stalls on a busy machine (barriers wait
             # for descheduled threads) and gains little on a quiet one; embeddings keep threads.
-            with _one_blas_thread() if arr.size <= WEIGHT_SVD_ONE_THREAD else contextlib.nullcontext():
+            with one_blas_thread() if arr.size <= WEIGHT_SVD_ONE_THREAD else contextlib.nullcontext():
                 s, ok = float(scipy.linalg.svdvals(arr.astype(np.float64, copy=False), check_finite=False)[0]), True
         else:
             r = spectral_norm(arr, method="lanczos", tol=tol, seed=seed)

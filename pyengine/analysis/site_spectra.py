@@ -12,12 +12,12 @@ norm's gamma (``gamma_scale`` applied); :func:`site_spectra` scans them with
 from __future__ import annotations
 
 import dataclasses
-import fnmatch
 from typing import Any
 
 import numpy as np
 
 from ..linalg.spectral import layer_norm_spectral_norm, rms_norm_spectral_norm
+from ..models.sites import match_sites
 
 __all__ = ["SiteSpectra", "norm_input_sites", "norm_site_inputs", "select_norm_input_sites", "site_spectra"]
 
@@ -35,16 +35,9 @@ def select_norm_input_sites(model: Any, sites: Any) -> list[str]:
     pats = [sites] if isinstance(sites, str) else list(sites)
     if not pats:
         raise ValueError("sites must name at least one norm-input site")
-    out: list[str] = []
-    for p in pats:
-        if not isinstance(p, str):
-            raise TypeError(f"sites must be site names or globs (str); got {type(p).__name__}")
-        hit = [n for n in names if fnmatch.fnmatchcase(n, p)]
-        if not hit:
-            raise ValueError(f"sites: {p!r} matches no norm-input site of this model; they are "
-                             f"{', '.join(names[:6])}{', ...' if len(names) > 6 else ''} (globs like "
-                             f"{DEFAULT_SITES!r})")
-        out += [n for n in hit if n not in out]
+    out = match_sites(names, pats, lambda p: (
+        f"sites: {p!r} matches no norm-input site of this model; they are "
+        f"{', '.join(names[:6])}{', ...' if len(names) > 6 else ''} (globs like {DEFAULT_SITES!r})"))
     order = {n: i for i, n in enumerate(names)}
     return sorted(out, key=order.__getitem__)
 

@@ -56,12 +56,28 @@ from . import _blocks, _fast
 from .. import _validate as _v
 from .interventions import Intervention, parse_interventions
 
-__all__ = ["Sites", "as_input", "block_site_names"]
+__all__ = ["Sites", "as_input", "block_site_names", "match_sites"]
 
 _BLOCK = ("resid_pre", "norm1.input", "norm1.scale", "norm1.output", "attn.scores", "attn.pattern",
           "attn.head_out", "attn.out", "resid_mid", "norm2.input", "norm2.scale", "norm2.output",
           "mlp.hidden", "mlp.out", "resid_post")
 _NORM = ("input", "scale", "output")
+
+
+def match_sites(names: list[str], sites: Any, no_match: Callable[[str], str]) -> list[str]:
+    """The names of ``names`` that the site names or globs ``sites`` (a str or a list) match,
+    in the order of the patterns, each once; a pattern that is not a str is a TypeError, and
+    one that matches nothing a ValueError with the message ``no_match(pattern)``."""
+    pats = [sites] if isinstance(sites, str) else list(sites)
+    out: list[str] = []
+    for p in pats:
+        if not isinstance(p, str):
+            raise TypeError(f"sites must be site names or globs (str); got {type(p).__name__}")
+        hit = [n for n in names if fnmatch.fnmatchcase(n, p)]
+        if not hit:
+            raise ValueError(no_match(p))
+        out += [n for n in hit if n not in out]
+    return out
 
 
 def block_site_names(cfg: Any) -> tuple[str, ...]:
@@ -163,17 +179,9 @@ class Sites:
         return out + ([f"final_norm.{n}" for n in _NORM] if cfg.final_norm else [])
 
     def _match_sites(self, sites: Any) -> list[str]:
-        pats = [sites] if isinstance(sites, str) else list(sites)
-        names, out = self.site_names(), []
-        for p in pats:
-            if not isinstance(p, str):
-                raise TypeError(f"sites must be site names or globs (str); got {type(p).__name__}")
-            hit = [n for n in names if fnmatch.fnmatchcase(n, p)]
-            if not hit:
-                raise ValueError(f"sites: {p!r} matches no site of this stack (see site_names(); e.g. "
-                                 f"'blocks.0.resid_mid', 'blocks.*.attn.pattern')")
-            out += [n for n in hit if n not in out]
-        return out
+        return match_sites(self.site_names(), sites,
+                           lambda p: f"sites: {p!r} matches no site of this stack (see site_names(); e.g. "
+                                     f"'blocks.0.resid_mid', 'blocks.*.attn.pattern')")
 
     def _embed_input(self, x: Any, dtype: Any, attention_mask: Any, token_type_ids: Any
                      ) -> tuple[np.ndarray, bool, np.ndarray | None, np.ndarray | None]:

@@ -11,6 +11,7 @@ reason, and the kernels fall back to ``numpy.matmul`` plus a separate epilogue p
 from __future__ import annotations
 
 import ctypes
+import os
 
 __all__ = ["find"]
 
@@ -34,14 +35,19 @@ def _address(lib: ctypes.CDLL, name: str) -> int:
 
 def find() -> tuple[int, int, int, bool, str]:
     """(sgemm, dgemm, set_num_threads_local addresses, ILP64, description); zeros if not usable."""
-    import numpy  # noqa: F401  (loads the library)
+    import numpy  # (loads the library)
     import threadpoolctl
 
     none = "numpy matmul + separate epilogue"
     infos = [i for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"]
     if not infos:
         return 0, 0, 0, False, f"{none} (no BLAS library found in the process)"
-    info = infos[0]
+    # NumPy's own library first, whatever else is loaded (SciPy ships a second OpenBLAS):
+    # the products the block engine replaces are NumPy's, and the choice must not depend
+    # on import order.
+    here = os.path.dirname(os.path.abspath(numpy.__file__))
+    ours = (here + os.sep, os.path.join(os.path.dirname(here), "numpy.libs") + os.sep)
+    info = min(infos, key=lambda i: not os.path.abspath(i["filepath"]).startswith(ours))
     if info.get("internal_api") != "openblas":
         return 0, 0, 0, False, f"{none} (NumPy's BLAS is {info.get('internal_api')}, not OpenBLAS)"
     path = info["filepath"]

@@ -21,6 +21,7 @@
 
 #include "bind_util.hpp"
 #include "linear.hpp"
+#include "linear_attention.hpp"
 
 namespace pyengine::bind {
 
@@ -178,6 +179,42 @@ std::int64_t linear_mul(const carray<T>& x, const carray<T>& w, const carray<T>&
     return pyengine::linear_epilogue<T>(op, nullptr, nullptr, pyengine::Act::none, cp, M, N, n, op);
 }
 
+
+// linear_attention_jvp (linear_attention.hpp): -1 when the BLAS path is off (the caller then
+// takes its numpy products); else the bad-row count.
+template <class T>
+std::int64_t linear_attention_jvp(const carray<T>& dqkv, const carray<T>& q, const carray<T>& k,
+                                  const carray<T>& v, const carray<T>& p, index_t start, double scale,
+                                  carray<T>& out) {
+    if (q.ndim() != 4) throw std::invalid_argument("q must be 4-D (Hkv, g, tq, dh), got shape " + shape_str(q));
+    const index_t Hkv = q.shape(0), g = q.shape(1), tq = q.shape(2), dh = q.shape(3), H = Hkv * g;
+    if (start < 0) throw std::invalid_argument("start must be >= 0, got " + std::to_string(start));
+    const index_t tk = start + tq;
+    if (dqkv.ndim() != 4 || dqkv.shape(1) != tq || dqkv.shape(2) != H + 2 * Hkv || dqkv.shape(3) != dh) {
+        throw std::invalid_argument("dqkv must have shape (K, " + std::to_string(tq) + ", " +
+                                    std::to_string(H + 2 * Hkv) + ", " + std::to_string(dh) + ") to match q " +
+                                    shape_str(q) + ", got " + shape_str(dqkv));
+    }
+    const index_t K = dqkv.shape(0);
+    expect_shape(k, "k", {Hkv, tk, dh});
+    expect_shape(v, "v", {Hkv, tk, dh});
+    expect_shape(p, "p", {Hkv, g, tq, tk});
+    expect_shape(out, "out", {K, tq, H, dh});
+    no_overlap(out, "out", dqkv, "dqkv");
+    no_overlap(out, "out", q, "q");
+    no_overlap(out, "out", k, "k");
+    no_overlap(out, "out", v, "v");
+    no_overlap(out, "out", p, "p");
+    if (!linear_fast(dh)) return -1;
+    if (K == 0 || tq == 0 || H == 0) return 0;
+    const pyengine::LinearBlas blas = linear_state().blas;
+    const T *dp = dqkv.data(), *qp = q.data(), *kp = k.data(), *vp = v.data(), *pp = p.data();
+    T* op = out.mutable_data();
+    py::gil_scoped_release release;
+    return pyengine::linear_attention_jvp<T>(blas, dp, qp, kp, vp, pp, K, tq, tk, H, Hkv, dh, start,
+                                             static_cast<T>(scale), op);
+}
+
 template <class T>
 void def_linear(py::module_& m) {
     m.def("linear", &linear<T>, py::arg("x").noconvert(), py::arg("w").noconvert(),
@@ -190,6 +227,11 @@ void def_linear(py::module_& m) {
     m.def("linear_mul", &linear_mul<T>, py::arg("x").noconvert(), py::arg("w").noconvert(),
           py::arg("coef").noconvert(), py::arg("out").noconvert(),
           "out = (x @ w) * coef (coef (M, n), M | N: row i uses coef[i % M]); returns the rows of x @ w with NaN/Inf.");
+    m.def("linear_attention_jvp", &linear_attention_jvp<T>, py::arg("dqkv").noconvert(), py::arg("q").noconvert(),
+          py::arg("k").noconvert(), py::arg("v").noconvert(), py::arg("p").noconvert(), py::arg("start"),
+          py::arg("scale"), py::arg("out").noconvert(),
+          "The attention JVP's head outputs (K, tq, H, dh) from the projections' tangents dqkv and the base q, k, v, p "
+          "(linear_attention.hpp); -1 when the BLAS path is off, else the rows with NaN/Inf.");
 }
 
 inline void register_linear(py::module_& m) {

@@ -29,7 +29,7 @@ import numpy as np
 from .. import _validate as _v
 from ..backends import resolve
 
-__all__ = ["ACTIVATIONS", "blas_info", "kernel", "linear", "linear_mul"]
+__all__ = ["ACTIVATIONS", "attention_jvp_kernel", "blas_info", "kernel", "linear", "linear_mul"]
 
 #: Activations the epilogue applies (the kernels of :mod:`pyengine.kernels.activations`).
 ACTIVATIONS = ("none", "gelu", "gelu_tanh", "relu")
@@ -46,6 +46,33 @@ def kernel(name: str, backend: str = "auto"):
         linear_mul(x (N, k), w (k, n), coef (M, n), M | N, out (N, n)) -> int
     """
     return resolve(name, backend)
+
+
+def attention_jvp_kernel():
+    """The compiled attention-JVP head products ``linear_attention_jvp``, or None.
+
+    Not a registry id (the block engine's float32 fast path, next to the ``linear``
+    kernels it shares BLAS and threads with): it is returned only while the ``"auto"``
+    ``linear`` kernel is the ``"cpp"`` one (so ``backend=`` contexts are honoured), and the
+    function itself returns -1 when NumPy's OpenBLAS was not found; in both cases the
+    caller keeps its numpy products. Signature (raw, no validation beyond shapes)::
+
+        linear_attention_jvp(dqkv (K, tq, H + 2 Hkv, dh), q (Hkv, g, tq, dh), k, v (Hkv, tk, dh),
+                             p (Hkv, g, tq, tk), start, scale, out (K, tq, H, dh)) -> int
+
+    with tk = start + tq; per tangent r and query head h (key/value head j):
+    dS = scale dQ K^T, dS[:, start:] += Q dK^T, dP = P (dS - rowsum(P dS)),
+    out = dP V + P[:, start:] dV. Returns the rows whose P-weighted sum is not finite.
+    """
+    try:
+        cpp = resolve("linear", "cpp")
+    except ValueError:
+        return None
+    if resolve("linear") is not cpp:
+        return None
+    from .. import _core
+
+    return _core.linear_attention_jvp
 
 
 def blas_info() -> str:

@@ -16,7 +16,7 @@ import numpy as np
 
 from ..kernels.activations import kernel
 from ..kernels.attention import kernel as attention_kernel
-from ._fast import DISCARD, attn_jvp_gemm, fused_dtype, fused_heads
+from ._fast import DISCARD, attn_jvp_blas, attn_jvp_gemm, fused_dtype, fused_heads
 from ._linear import dense, workspace
 
 if TYPE_CHECKING:
@@ -154,6 +154,9 @@ def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache, r: np.ndarr
     r2 = None if r is None else r.reshape(K * T, d)
     if ctx.rows is None and fused_dtype(da.dtype):  # issue 18: head-major GEMMs (models/_fast.py)
         x = dqkv.reshape(K, T, H + 2 * Hkv, cfg.head_dim)
+        buf = attn_jvp_blas(ctx, x, cache, _qk, check)  # the compiled head products, when active
+        if buf is not None:
+            return dense(buf.reshape(K * T, H * cfg.head_dim), w["attn.w_o"], None, r2).reshape(K, T, d)
         dq, dk = _qk(ctx, x[:, :, :H].transpose(2, 0, 1, 3), x[:, :, H : H + Hkv].transpose(2, 0, 1, 3))
         buf = attn_jvp_gemm(ctx, dq, np.ascontiguousarray(dk), x[:, :, H + Hkv :], cache,
                             kernel("softmax_jvp"), check)

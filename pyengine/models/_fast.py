@@ -29,8 +29,9 @@ from typing import Any
 import numpy as np
 
 from ..kernels.attention import kernel as attention_kernel
+from ..kernels.linear import attention_jvp_kernel
 
-__all__ = ["DISCARD", "attn_jvp_gemm", "fused_dtype", "fused_heads"]
+__all__ = ["DISCARD", "attn_jvp_blas", "attn_jvp_gemm", "fused_dtype", "fused_heads"]
 
 
 def fused_dtype(dtype: np.dtype) -> bool:
@@ -109,3 +110,44 @@ def attn_jvp_gemm(ctx: Any, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, cach
     buf = np.empty((K, tq, H, dh), dq.dtype)
     np.add(oh.reshape(H, K, tq, dh).transpose(1, 2, 0, 3), pdv.reshape(H, tq, K, dh).transpose(2, 1, 0, 3), out=buf)
     return buf
+
+
+def _jvp_operands(cache: dict) -> tuple[np.ndarray, ...]:
+    """The base's q (Hkv, g, tq, dh), k, v (Hkv, tk, dh), p (Hkv, g, tq, tk), C-contiguous; kept in the cache."""
+    ops = cache.get("fast.jvp_operands")
+    if ops is None:
+        q5, k5, v5, p = cache["attn.q"], cache["attn.k"], cache["attn.v"], cache["attn.p"]
+        ops = cache["fast.jvp_operands"] = tuple(np.ascontiguousarray(a[0]) for a in (q5, k5[:, :, 0], v5[:, :, 0], p))
+    return ops
+
+
+def attn_jvp_blas(ctx: Any, x: np.ndarray, cache: dict, qk: Any, check: Any) -> np.ndarray | None:
+    """The head outputs' tangent (K, T', H, dh) by the compiled ``linear_attention_jvp``, or None.
+
+    ``x`` (K, T', H + 2 Hkv, dh): the projections' tangents (a workspace of the caller,
+    overwritten here with the rotated query and key tangents under rotary positions);
+    ``qk`` the caller's rotation and scaling (``_attention._qk``). None when the compiled
+    kernel is not the active path (no "cpp" backend, another default backend, or no NumPy
+    OpenBLAS): the caller then runs :func:`attn_jvp_gemm`. One OpenMP region with
+    single-threaded BLAS per (head, tangents) tile instead of NumPy's threaded products and
+    the strided passes between them (issue 18).
+    """
+    fn = attention_jvp_kernel()
+    if fn is None:
+        return None
+    cfg = ctx.cfg
+    H, Hkv, dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+    K, tq = x.shape[:2]
+    scale = 1.0 / np.sqrt(dh)
+    if ctx.rope_q is not None:  # rotate (and scale q) into the workspace: the kernel takes dqkv as is
+        dq, dk = qk(ctx, x[:, :, :H].transpose(2, 0, 1, 3), x[:, :, H : H + Hkv].transpose(2, 0, 1, 3))
+        x[:, :, :H] = dq.transpose(1, 2, 0, 3)
+        x[:, :, H : H + Hkv] = dk.transpose(1, 2, 0, 3)
+        scale = 1.0
+    q, k, v, p = _jvp_operands(cache)
+    out = np.empty((K, tq, H, dh), x.dtype)
+    nbad = fn(x, q, k, v, p, ctx.start, scale, out)
+    if nbad < 0:
+        return None
+    check(nbad, "attention score tangents")
+    return out

@@ -1,0 +1,174 @@
+"""The compiled attention-JVP head products ``linear_attention_jvp`` (issue 18) and their use.
+
+The kernel against the formula in float64 NumPy (float32 and float64, grouped-query heads,
+odd sizes, a causal span from ``start``, more tangents than one task's chunk), bad
+input naming the argument, -1 on the forced numpy.matmul fallback, and the block JVP
+through it against the block JVP through the numpy products (learned and rotary
+positions, whole sequences and spans), float64 unchanged bit for bit.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from conftest import require
+from helpers import assert_close
+from pyengine.kernels import linear as L
+
+
+def _core():
+    require("cpp")
+    from pyengine import _core
+
+    return _core
+
+
+def _softmax_rows(s, start):
+    tq, tk = s.shape[-2:]
+    mask = np.arange(tk)[None, :] > start + np.arange(tq)[:, None]
+    s = np.where(mask, -np.inf, s)
+    e = np.exp(s - s.max(axis=-1, keepdims=True))
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _case(K, tq, start, Hkv, g, dh, dtype, seed=0):
+    rng = np.random.default_rng(seed)
+    H, tk = Hkv * g, start + tq
+    dqkv = rng.standard_normal((K, tq, H + 2 * Hkv, dh)).astype(dtype)
+    q = rng.standard_normal((Hkv, g, tq, dh)).astype(dtype)
+    k = rng.standard_normal((Hkv, tk, dh)).astype(dtype)
+    v = rng.standard_normal((Hkv, tk, dh)).astype(dtype)
+    p = _softmax_rows(np.einsum("jgtd,jsd->jgts", q, k), start).astype(dtype)
+    return dqkv, q, k, v, p
+
+
+def _reference(dqkv, q, k, v, p, start, scale):
+    """The formula of the kernel's docstring, in float64."""
+    dqkv, q, k, v, p = (a.astype(np.float64) for a in (dqkv, q, k, v, p))
+    K, tq, _, dh = dqkv.shape
+    Hkv, g = q.shape[:2]
+    H = Hkv * g
+    out = np.empty((K, tq, H, dh))
+    for r in range(K):
+        for h in range(H):
+            j = h // g
+            dq, dk, dv = dqkv[r, :, h], dqkv[r, :, H + j], dqkv[r, :, H + Hkv + j]
+            ph = p[j, h % g]
+            ds = scale * dq @ k[j].T
+            ds[:, start:] += q[j, h % g] @ dk.T
+            dp = ph * (ds - (ph * ds).sum(axis=1, keepdims=True))
+            out[r, :, h] = dp @ v[j] + ph[:, start:] @ dv
+    return out
+
+
+@pytest.mark.parametrize("dims", [(1, 1, 0, 1, 1, 1), (3, 5, 0, 2, 3, 8), (5, 7, 4, 1, 2, 5), (70, 9, 3, 2, 1, 4),
+                                  (2, 130, 0, 1, 2, 16)],
+                         ids=lambda d: "K%d-tq%d-s%d-Hkv%d-g%d-dh%d" % d)
+def test_linear_attention_jvp_matches_the_formula(dtype, dims):
+    core = _core()
+    K, tq, start, Hkv, g, dh = dims
+    dqkv, q, k, v, p = _case(K, tq, start, Hkv, g, dh, dtype)
+    before = [a.copy() for a in (dqkv, q, k, v, p)]
+    out = np.full((K, tq, Hkv * g, dh), np.nan, dtype)
+    scale = 1.0 / np.sqrt(dh)
+    nbad = core.linear_attention_jvp(dqkv, q, k, v, p, start, scale, out)
+    if nbad < 0:
+        pytest.fail(f"the BLAS path is off: {core.linear_blas_info()}")
+    assert nbad == 0
+    ref = _reference(dqkv, q, k, v, p, start, scale)
+    assert_close(out, ref, dtype)
+    for a, b in zip((dqkv, q, k, v, p), before):  # inputs untouched
+        np.testing.assert_array_equal(a, b)
+
+
+def test_linear_attention_jvp_counts_bad_rows():
+    core = _core()
+    dqkv, q, k, v, p = _case(3, 4, 0, 1, 2, 8, np.float32)
+    dqkv[1, 2, 0, 3] = np.nan  # query head 0 of tangent 1, row 2: one bad row
+    out = np.empty((3, 4, 2, 8), np.float32)
+    assert core.linear_attention_jvp(dqkv, q, k, v, p, 0, 1.0, out) == 1
+
+
+def test_linear_attention_jvp_bad_input_names_the_argument():
+    core = _core()
+    dqkv, q, k, v, p = _case(2, 4, 1, 1, 2, 8, np.float32)
+    out = np.empty((2, 4, 2, 8), np.float32)
+    with pytest.raises(ValueError, match="dqkv"):
+        core.linear_attention_jvp(dqkv[:, :3].copy(), q, k, v, p, 1, 1.0, out)
+    with pytest.raises(ValueError, match="^k"):
+        core.linear_attention_jvp(dqkv, q, k[:, 1:].copy(), v, p, 1, 1.0, out)
+    with pytest.raises(ValueError, match="^v"):
+        core.linear_attention_jvp(dqkv, q, k, v[:, :, 1:].copy(), p, 1, 1.0, out)
+    with pytest.raises(ValueError, match="^p"):
+        core.linear_attention_jvp(dqkv, q, k, v, p[..., 1:].copy(), 1, 1.0, out)
+    with pytest.raises(ValueError, match="out"):
+        core.linear_attention_jvp(dqkv, q, k, v, p, 1, 1.0, out[:1].copy())
+    with pytest.raises(ValueError, match="start"):
+        core.linear_attention_jvp(dqkv, q, k, v, p, -1, 1.0, out)
+    with pytest.raises(ValueError, match="q must be 4-D"):
+        core.linear_attention_jvp(dqkv, q[0], k, v, p, 1, 1.0, out)
+    with pytest.raises(ValueError, match="out must not overlap dqkv"):
+        core.linear_attention_jvp(dqkv, q, k, v, p, 1, 1.0, dqkv.reshape(-1)[: out.size].reshape(out.shape))
+    with pytest.raises(TypeError):
+        core.linear_attention_jvp(dqkv.astype(np.float64), q, k, v, p, 1, 1.0, out)
+
+
+def test_linear_attention_jvp_off_on_the_fallback():
+    core = _core()
+    dqkv, q, k, v, p = _case(2, 4, 0, 1, 1, 8, np.float32)
+    out = np.empty((2, 4, 1, 8), np.float32)
+    core.linear_force_fallback(True)
+    try:
+        assert core.linear_attention_jvp(dqkv, q, k, v, p, 0, 1.0, out) == -1
+    finally:
+        core.linear_force_fallback(False)
+    assert L.attention_jvp_kernel() is core.linear_attention_jvp
+
+
+def test_attention_jvp_kernel_follows_the_default_backend():
+    _core()
+    from pyengine import backends
+
+    with backends.use_backend("numpy"):
+        assert L.attention_jvp_kernel() is None
+    with backends.use_backend("numba"):
+        assert L.attention_jvp_kernel() is None
+
+
+@pytest.mark.parametrize("positions", ["learned", "rotary"])
+@pytest.mark.parametrize("start", [0, 5])
+def test_block_jvp_through_the_kernel_matches_the_numpy_products(positions, start, monkeypatch):
+    _core()
+    import pyengine as pe
+    from pyengine.models import _fast
+
+    T, K = 12, 3
+    cfg = pe.StackConfig(d_model=32, n_heads=4, n_kv_heads=2 if positions == "rotary" else 4, d_mlp=64, n_layers=2,
+                         vocab_size=50, activation="gelu_tanh", positions=positions, max_seq_len=T)
+    rng = np.random.default_rng(1)
+    for dtype in (np.float32, np.float64):
+        stack = pe.init_weights(cfg, "gpt2", seed=0, dtype=dtype, bias_std=0.02)
+        h1 = stack.hidden_states(rng.integers(0, 50, T))[1]
+        tang = rng.standard_normal((K, T - start, 32)).astype(dtype)
+        t0 = tang.copy()
+        _, cache = stack.block_forward(1, h1, return_cache=True)
+        calls = []
+        real = _fast.attention_jvp_kernel
+
+        def spy():
+            fn = real()
+            calls.append(fn)
+            return fn
+
+        monkeypatch.setattr(_fast, "attention_jvp_kernel", spy)
+        got = stack.block_jvp(1, h1, tang, cache=cache, start=start)
+        monkeypatch.setattr(_fast, "attention_jvp_kernel", lambda: None)
+        want = stack.block_jvp(1, h1, tang, cache=cache, start=start)
+        np.testing.assert_array_equal(tang, t0)
+        if dtype == np.float64:  # float64 keeps the numpy products: bit for bit, kernel never asked
+            assert calls == []
+            np.testing.assert_array_equal(got, want)
+        else:
+            assert calls and calls[0] is not None
+            assert_close(got, want, dtype)

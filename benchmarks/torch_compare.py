@@ -6,7 +6,7 @@ dependency: run this where it is installed, e.g.
 
     python3 -m venv --system-site-packages /tmp/venv-torch
     /tmp/venv-torch/bin/pip install torch==2.13.0
-    /tmp/venv-torch/bin/python benchmarks/torch_compare.py [--threads 2] [--k 64] [--no-fused] [--no-linear]
+    /tmp/venv-torch/bin/python benchmarks/torch_compare.py [--threads 2] [--k 64] [--no-fused] [--no-linear] [--no-attn-jvp-kernel]
 
 It checks that both compute the same hidden states, then times (median of
 --repeat runs, ms per sequence or tangent):
@@ -14,7 +14,9 @@ It checks that both compute the same hidden states, then times (median of
 - torch: a batched exact forward of the K + 1 sequences (scaled_dot_product_attention,
   causal); torch.func vmap(jvp) of the whole stack over K tangents;
 - pyengine: propagate exact (all positions, and a span from T/2), linearized, and
-  the same matrix products executed alone with NumPy/BLAS; issue 4's ratios on the
+  the same matrix products executed alone with NumPy's BLAS as the stack calls it, into
+  reused outputs (``gemms_alone``; ``gemms_np_fresh``: plain ``numpy.matmul`` with a fresh
+  output each, slower for reasons that are not the stack's, see bench_model.gemms_alone); issue 4's ratios on the
   same shapes: the stack forward over its GEMMs, one block's JVP over its forward.
 """
 
@@ -47,7 +49,14 @@ def main() -> None:
     ap.add_argument("--no-linear", action="store_true",
                     help="weight products by numpy.matmul (NumPy's BLAS threads) and a separate epilogue pass, "
                          "instead of single-threaded BLAS per row tile in pyengine's threads (before issue 18)")
+    ap.add_argument("--no-attn-jvp-kernel", action="store_true",
+                    help="float32 attention JVP by numpy.matmul per key/value head instead of the compiled "
+                         "linear_attention_jvp (before issue 18's second round)")
     args = ap.parse_args()
+    if args.no_attn_jvp_kernel:  # an A/B switch for this script only
+        import pyengine.models._fast as _fast
+
+        _fast.attention_jvp_kernel = lambda: None
     if args.no_linear:  # an A/B switch for this script only
         from pyengine import _core
 
@@ -93,7 +102,7 @@ def main() -> None:
         with torch.no_grad():
             f(tang)
 
-    from benchmarks.bench_model import gemm_operands
+    from benchmarks.bench_model import gemm_operands, gemms_alone
 
     ops = gemm_operands(stack, K + 1, T)
     h_batch = batch.numpy()
@@ -109,7 +118,8 @@ def main() -> None:
         "pe_exact_all": (lambda: pe.propagate(stack, ids, V, 6.0, 0, "all"), K + 1),
         "pe_exact_span": (lambda: pe.propagate(stack, ids, V, 6.0, 0, slice(T // 2, None)), K + 1),
         "pe_linearized": (lambda: pe.propagate(stack, ids, V, 6.0, 0, "all", linearized=True), K),
-        "gemms_alone": (lambda: [np.matmul(a, b) for a, b in ops], K + 1),
+        "gemms_alone": (gemms_alone(ops), K + 1),  # as the stack runs them, outputs reused (issue 18)
+        "gemms_np_fresh": (lambda: [np.matmul(a, b) for a, b in ops], K + 1),  # the figure before: see gemms_alone
     }
     res = {}
     for name, (call, per) in calls.items():  # printed as measured: a long run shows its progress

@@ -6,7 +6,7 @@ dependency: run this where it is installed, e.g.
 
     python3 -m venv --system-site-packages /tmp/venv-torch
     /tmp/venv-torch/bin/pip install torch==2.13.0
-    /tmp/venv-torch/bin/python benchmarks/torch_compare.py [--threads 2] [--k 64] [--no-fused] [--no-linear] [--no-attn-jvp-kernel]
+    /tmp/venv-torch/bin/python benchmarks/torch_compare.py [--threads 2] [--k 64] [--no-fused] [--no-linear] [--no-attn-blas]
 
 It checks that both compute the same hidden states, then times (median of
 --repeat runs, ms per sequence or tangent):
@@ -49,14 +49,14 @@ def main() -> None:
     ap.add_argument("--no-linear", action="store_true",
                     help="weight products by numpy.matmul (NumPy's BLAS threads) and a separate epilogue pass, "
                          "instead of single-threaded BLAS per row tile in pyengine's threads (before issue 18)")
-    ap.add_argument("--no-attn-jvp-kernel", action="store_true",
-                    help="float32 attention JVP by numpy.matmul per key/value head instead of the compiled "
-                         "linear_attention_jvp (before issue 18's second round)")
+    ap.add_argument("--no-attn-blas", action="store_true",
+                    help="float32 attention heads without the compiled linear_attention_forward / _jvp (the "
+                         "streaming attention_forward kernel, and numpy.matmul per key/value head for the JVP)")
     args = ap.parse_args()
-    if args.no_attn_jvp_kernel:  # an A/B switch for this script only
+    if args.no_attn_blas:  # an A/B switch for this script only
         import pyengine.models._fast as _fast
 
-        _fast.attention_jvp_kernel = lambda: None
+        _fast.attention_jvp_kernel = _fast.attention_forward_kernel = lambda: None
     if args.no_linear:  # an A/B switch for this script only
         from pyengine import _core
 

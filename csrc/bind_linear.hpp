@@ -215,6 +215,37 @@ std::int64_t linear_attention_jvp(const carray<T>& dqkv, const carray<T>& q, con
                                              static_cast<T>(scale), op);
 }
 
+// linear_attention_forward (linear_attention.hpp): -1 when the BLAS path is off.
+template <class T>
+std::int64_t linear_attention_forward(const carray<T>& qkv, const carray<T>& kp, const carray<T>& vp,
+                                      index_t n_heads, index_t offset, double scale, carray<T>& out) {
+    if (kp.ndim() != 3) throw std::invalid_argument("kp must be 3-D (Hkv, s, dh), got shape " + shape_str(kp));
+    const index_t Hkv = kp.shape(0), s = kp.shape(1), dh = kp.shape(2), H = n_heads;
+    if (Hkv == 0 || H <= 0 || H % Hkv != 0) {
+        throw std::invalid_argument("n_heads must be a positive multiple of kp.shape[0] = " + std::to_string(Hkv) +
+                                    ", got " + std::to_string(H));
+    }
+    if (qkv.ndim() != 4 || qkv.shape(2) != H + 2 * Hkv || qkv.shape(3) != dh) {
+        throw std::invalid_argument("qkv must have shape (B, tq, " + std::to_string(H + 2 * Hkv) + ", " +
+                                    std::to_string(dh) + ") to match kp " + shape_str(kp) + ", got " + shape_str(qkv));
+    }
+    const index_t B = qkv.shape(0), tq = qkv.shape(1);
+    expect_shape(vp, "vp", {Hkv, s, dh});
+    expect_shape(out, "out", {B, tq, H, dh});
+    if (offset < 0) throw std::invalid_argument("offset must be >= 0, got " + std::to_string(offset));
+    no_overlap(out, "out", qkv, "qkv");
+    no_overlap(out, "out", kp, "kp");
+    no_overlap(out, "out", vp, "vp");
+    if (!linear_fast(dh)) return -1;
+    if (B == 0 || tq == 0) return 0;
+    const pyengine::LinearBlas blas = linear_state().blas;
+    const T *qp = qkv.data(), *kpp = kp.data(), *vpp = vp.data();
+    T* op = out.mutable_data();
+    py::gil_scoped_release release;
+    return pyengine::linear_attention_forward<T>(blas, qp, kpp, vpp, B, tq, s, H, Hkv, dh, offset,
+                                                 static_cast<T>(scale), op);
+}
+
 template <class T>
 void def_linear(py::module_& m) {
     m.def("linear", &linear<T>, py::arg("x").noconvert(), py::arg("w").noconvert(),
@@ -232,6 +263,11 @@ void def_linear(py::module_& m) {
           py::arg("scale"), py::arg("out").noconvert(),
           "The attention JVP's head outputs (K, tq, H, dh) from the projections' tangents dqkv and the base q, k, v, p "
           "(linear_attention.hpp); -1 when the BLAS path is off, else the rows with NaN/Inf.");
+    m.def("linear_attention_forward", &linear_attention_forward<T>, py::arg("qkv").noconvert(),
+          py::arg("kp").noconvert(), py::arg("vp").noconvert(), py::arg("n_heads"), py::arg("offset"),
+          py::arg("scale"), py::arg("out").noconvert(),
+          "softmax(scale q k^T, keys j <= offset + t) v per sequence and head, the first kp.shape[1] keys and values "
+          "shared (linear_attention.hpp); -1 when the BLAS path is off, else the bad rows.");
 }
 
 inline void register_linear(py::module_& m) {

@@ -24,11 +24,13 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <limits>
 #include <type_traits>
 #include <vector>
 
 #include "linear.hpp"
 #include "parallel.hpp"
+#include "vmath.hpp"
 
 namespace pyengine {
 
@@ -118,6 +120,63 @@ std::int64_t linear_attention_jvp(const LinearBlas& bl, const T* dqkv, const T* 
                 gemm_ab<T>(bl, false, tq, dh, tq, T(1), ph + start, tk, dqkv + r * tq * W + (H + Hkv + j) * dh, W,
                            T(1), oh + (r - r0) * tq * H * dh, H * dh);
             }
+        }
+        bl.set_threads_local(prev);
+    }
+    return nbad;
+}
+
+/// softmax(scale q k^T, visible keys j <= offset + t) v per sequence b and query head h, with
+/// the keys and values of the first s positions shared by every sequence (the base's, for a
+/// causal span from s) and those of the tq new rows from qkv itself:
+/// qkv (B, tq, H + 2 Hkv, dh) [q | k | v heads, unscaled], kp, vp (Hkv, s, dh) (s may be 0),
+/// out (B, tq, H, dh) (the layout of the output projection's input). Tasks are (b, h): the
+/// scores (tq, s + tq) by two single-threaded gemms into a reused workspace, the row
+/// softmax in place (max, exp in double, sum in double), then P V by two gemms; a task's
+/// result does not depend on B, the thread count or the other sequences. Returns the rows
+/// whose maximum or sum is not finite.
+template <class T>
+std::int64_t linear_attention_forward(const LinearBlas& bl, const T* qkv, const T* kp, const T* vp, index_t B,
+                                      index_t tq, index_t s, index_t H, index_t Hkv, index_t dh, index_t offset,
+                                      T scale, T* out) {
+    using namespace linear_detail;
+    const index_t g = H / Hkv, W = (H + 2 * Hkv) * dh, tk = s + tq, tasks = B * H;
+    const double work = static_cast<double>(B) * H * tq * tk * dh;
+    const int threads = work >= double(1 << 18) ? static_cast<int>(std::min<index_t>(g_num_threads, tasks)) : 1;
+    std::int64_t nbad = 0;
+#pragma omp parallel num_threads(std::max(1, threads)) reduction(+ : nbad)
+    {
+        const int prev = bl.set_threads_local(1);
+        std::vector<T> ws(static_cast<std::size_t>(tq * tk));
+        T* sc = ws.data();
+#pragma omp for schedule(dynamic, 1)
+        for (index_t task = 0; task < tasks; ++task) {
+            const index_t b = task / H, h = task % H, j = h / g;
+            const T* qb = qkv + b * tq * W;
+            if (s > 0) gemm_ab<T>(bl, true, tq, s, dh, scale, qb + h * dh, W, kp + j * s * dh, dh, T(0), sc, tk);
+            gemm_ab<T>(bl, true, tq, tq, dh, scale, qb + h * dh, W, qb + (H + j) * dh, W, T(0), sc + s, tk);
+            for (index_t t = 0; t < tq; ++t) {
+                T* row = sc + t * tk;
+                const index_t n = std::min(tk, std::max<index_t>(0, offset + t + 1));
+                T m = -std::numeric_limits<T>::infinity();
+                for (index_t c = 0; c < n; ++c) m = std::max(m, row[c]);
+                double sum = 0.0;
+#pragma omp simd reduction(+ : sum)
+                for (index_t c = 0; c < n; ++c) {
+                    const double e = vmath::exp_neg(static_cast<double>(row[c]) - static_cast<double>(m));
+                    row[c] = static_cast<T>(e);
+                    sum += e;
+                }
+                if (!std::isfinite(m) || !std::isfinite(sum) || !(sum > 0.0)) ++nbad;
+                const double inv = 1.0 / sum;
+#pragma omp simd
+                for (index_t c = 0; c < n; ++c) row[c] = static_cast<T>(static_cast<double>(row[c]) * inv);
+                std::fill(row + n, row + tk, T(0));
+            }
+            T* ob = out + b * tq * H * dh + h * dh;
+            if (s > 0) gemm_ab<T>(bl, false, tq, dh, s, T(1), sc, tk, vp + j * s * dh, dh, T(0), ob, H * dh);
+            gemm_ab<T>(bl, false, tq, dh, tq, T(1), sc + s, tk, qb + (H + Hkv + j) * dh, W, s > 0 ? T(1) : T(0), ob,
+                       H * dh);
         }
         bl.set_threads_local(prev);
     }

@@ -29,7 +29,7 @@ import numpy as np
 from .. import _validate as _v
 from ..backends import resolve
 
-__all__ = ["ACTIVATIONS", "attention_jvp_kernel", "blas_info", "kernel", "linear", "linear_mul"]
+__all__ = ["ACTIVATIONS", "attention_forward_kernel", "attention_jvp_kernel", "blas_info", "kernel", "linear", "linear_mul"]
 
 #: Activations the epilogue applies (the kernels of :mod:`pyengine.kernels.activations`).
 ACTIVATIONS = ("none", "gelu", "gelu_tanh", "relu")
@@ -64,6 +64,26 @@ def attention_jvp_kernel():
     dS = scale dQ K^T, dS[:, start:] += Q dK^T, dP = P (dS - rowsum(P dS)),
     out = dP V + P[:, start:] dV. Returns the rows whose P-weighted sum is not finite.
     """
+    return _compiled("linear_attention_jvp")
+
+
+def attention_forward_kernel():
+    """The compiled attention head ``linear_attention_forward`` by per-(sequence, head) BLAS, or None.
+
+    Like :func:`attention_jvp_kernel` (returned only while the ``"auto"`` ``linear`` kernel
+    is the ``"cpp"`` one; the function returns -1 without NumPy's OpenBLAS)::
+
+        linear_attention_forward(qkv (B, tq, H + 2 Hkv, dh), kp, vp (Hkv, s, dh), n_heads, offset,
+                                 scale, out (B, tq, H, dh)) -> int
+
+    out[b, t, h] = softmax(scale q k^T over the keys j <= offset + t) v, the keys and values
+    being the s shared ones (kp, vp) followed by the tq of sequence b in qkv. Returns the
+    rows whose maximum or sum is not finite.
+    """
+    return _compiled("linear_attention_forward")
+
+
+def _compiled(name: str):
     try:
         cpp = resolve("linear", "cpp")
     except ValueError:
@@ -72,7 +92,7 @@ def attention_jvp_kernel():
         return None
     from .. import _core
 
-    return _core.linear_attention_jvp
+    return getattr(_core, name)
 
 
 def blas_info() -> str:

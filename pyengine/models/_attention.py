@@ -16,7 +16,7 @@ import numpy as np
 
 from ..kernels.activations import kernel
 from ..kernels.attention import kernel as attention_kernel
-from ._fast import DISCARD, attn_jvp_blas, attn_jvp_gemm, fused_dtype, fused_heads
+from ._fast import DISCARD, attn_blas, attn_jvp_blas, attn_jvp_gemm, fused_dtype, fused_heads
 from ._linear import dense, workspace
 
 if TYPE_CHECKING:
@@ -89,22 +89,37 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | 
     shape = (B * T, w["attn.w_qkv"].shape[1])
     qkv = dense(a.reshape(B * T, d), w["attn.w_qkv"], w["attn.b_qkv"] if cfg.bias else None,
                 out=workspace("attn.qkv", shape, a.dtype) if discard and hook is None else None)
+    # Sites inside the heads (models/sites.py: scores and pattern as (B, H, T, Tk), head_out as
+    # (B, T, H, dh)): read, or changed by an intervention (which needs the unfused products).
+    read = hook is not None and getattr(hook, "heads", True)
+    changed = hook is not None and getattr(hook, "heads_changed", True)
+    s = ctx.start
+    past = cache.pop("attn.past") if s else None
+    if not changed and ctx.key_mask is None and ctx.rope_q is None and fused_dtype(a.dtype):
+        buf = attn_blas(cfg, s, qkv.reshape(B, T, -1, cfg.head_dim), past, check)  # issue 18 (models/_fast.py)
+        if buf is not None and discard and not read:  # nothing else wanted: no q, k, v arrays, no P
+            return dense(buf.reshape(B * T, H * cfg.head_dim), w["attn.w_o"], w["attn.b_o"] if cfg.bias else None,
+                         None if r is None else r.reshape(B * T, d)).reshape(B, T, d)
+    else:
+        buf = None
     q, k, v = _split_heads(qkv, B, T, cfg)
     q, k = _qk(ctx, q, k)
     # Query heads h = j*g + i share key/value head j: (B, Hkv, g, T, dh) against (B, Hkv, 1, T, dh).
     q5 = q.reshape(B, Hkv, H // Hkv, T, cfg.head_dim)
     k5, v5 = k[:, :, None], v[:, :, None]
-    s = ctx.start
     if s:
-        past = cache.pop("attn.past")
         k5, v5 = (_prepend(p[..., :s, :], x) for p, x in zip((past["attn.k"], past["attn.v"]), (k5, v5)))
-    buf, view = _heads_out(B, T, cfg, a.dtype)
     p = None
-    # Sites inside the heads (models/sites.py: scores and pattern as (B, H, T, Tk), head_out as
-    # (B, T, H, dh)): read, or changed by an intervention (which needs the unfused products).
-    read = hook is not None and getattr(hook, "heads", True)
-    changed = hook is not None and getattr(hook, "heads_changed", True)
-    if not changed and ctx.key_mask is None and fused_dtype(a.dtype):  # issue 18 (models/_fast.py)
+    if buf is not None:  # the compiled head above; the cache and the sites still want q, k, v and P
+        sc = np.matmul(q5, k5.swapaxes(-1, -2))
+        if read:
+            hook("attn.scores", sc.reshape(B, H, T, -1))
+        p = _softmax_(sc, ctx)
+        if read:
+            hook("attn.pattern", p.reshape(B, H, T, -1))
+            hook("attn.head_out", buf)
+    elif not changed and ctx.key_mask is None and fused_dtype(a.dtype):  # issue 18 (models/_fast.py)
+        buf, view = _heads_out(B, T, cfg, a.dtype)
         check(fused_heads(cfg, s, q5, k5, v5, view), "attention scores")
         if read or not discard:  # the JVP needs P; sites read it (the output stays the fused one)
             sc = np.matmul(q5, k5.swapaxes(-1, -2))
@@ -115,6 +130,7 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | 
                 hook("attn.pattern", p.reshape(B, H, T, -1))
                 hook("attn.head_out", buf)
     else:  # float64, interventions inside the heads and padding masks: the unfused products
+        buf, view = _heads_out(B, T, cfg, a.dtype)
         sc = np.matmul(q5, k5.swapaxes(-1, -2))
         if read:
             sc = np.ascontiguousarray(hook("attn.scores", sc.reshape(B, H, T, -1))).reshape(sc.shape)

@@ -29,9 +29,9 @@ from typing import Any
 import numpy as np
 
 from ..kernels.attention import kernel as attention_kernel
-from ..kernels.linear import attention_jvp_kernel
+from ..kernels.linear import attention_forward_kernel, attention_jvp_kernel
 
-__all__ = ["DISCARD", "attn_jvp_blas", "attn_jvp_gemm", "fused_dtype", "fused_heads"]
+__all__ = ["DISCARD", "attn_blas", "attn_jvp_blas", "attn_jvp_gemm", "fused_dtype", "fused_heads"]
 
 
 def fused_dtype(dtype: np.dtype) -> bool:
@@ -150,4 +150,30 @@ def attn_jvp_blas(ctx: Any, x: np.ndarray, cache: dict, qk: Any, check: Any) -> 
     if nbad < 0:
         return None
     check(nbad, "attention score tangents")
+    return out
+
+
+def attn_blas(cfg: Any, start: int, qkv: np.ndarray, past: dict | None, check: Any) -> np.ndarray | None:
+    """The head outputs (B, T', H, dh) by the compiled ``linear_attention_forward``, or None.
+
+    ``qkv`` (B, T', H + 2 Hkv, dh): the projections (no rotary positions); ``past`` the
+    base cache whose first ``start`` keys and values come before these rows (start > 0).
+    Per (sequence, head) single-threaded BLAS for the scores and P V, the softmax between
+    them in cache; no prepended copies of the past keys, no per-head copies of q, k, v
+    (issue 18). None when the compiled kernel is not the active path.
+    """
+    fn = attention_forward_kernel()
+    if fn is None:
+        return None
+    B, tq, _, dh = qkv.shape
+    H, Hkv = cfg.n_heads, cfg.n_kv_heads
+    if start:
+        kp, vp = (np.ascontiguousarray(past[n][0, :, 0, :start]) for n in ("attn.k", "attn.v"))
+    else:
+        kp = vp = np.empty((Hkv, 0, dh), qkv.dtype)
+    out = np.empty((B, tq, H, dh), qkv.dtype)
+    nbad = fn(np.ascontiguousarray(qkv), kp, vp, H, start if cfg.causal else start + tq - 1, 1.0 / np.sqrt(dh), out)
+    if nbad < 0:
+        return None
+    check(nbad, "attention scores")
     return out

@@ -172,3 +172,109 @@ def test_block_jvp_through_the_kernel_matches_the_numpy_products(positions, star
         else:
             assert calls and calls[0] is not None
             assert_close(got, want, dtype)
+
+
+def _forward_reference(qkv, kp, vp, H, offset, scale):
+    """softmax(scale q k^T, keys j <= offset + t) v in float64, past keys first."""
+    qkv, kp, vp = (a.astype(np.float64) for a in (qkv, kp, vp))
+    B, tq, _, dh = qkv.shape
+    Hkv, s = kp.shape[:2]
+    g = H // Hkv
+    out = np.empty((B, tq, H, dh))
+    for b in range(B):
+        for h in range(H):
+            j = h // g
+            kk = np.concatenate([kp[j], qkv[b, :, H + j]])
+            vv = np.concatenate([vp[j], qkv[b, :, H + Hkv + j]])
+            sc = scale * qkv[b, :, h] @ kk.T
+            sc[np.arange(s + tq)[None, :] > offset + np.arange(tq)[:, None]] = -np.inf
+            e = np.exp(sc - sc.max(axis=1, keepdims=True))
+            out[b, :, h] = (e / e.sum(axis=1, keepdims=True)) @ vv
+    return out
+
+
+@pytest.mark.parametrize("dims", [(1, 1, 0, 1, 1, 1), (3, 5, 0, 2, 3, 8), (5, 7, 4, 1, 2, 5), (2, 9, 3, 2, 1, 4),
+                                  (2, 130, 0, 1, 2, 16)],
+                         ids=lambda d: "B%d-tq%d-s%d-Hkv%d-g%d-dh%d" % d)
+@pytest.mark.parametrize("causal", [True, False])
+def test_linear_attention_forward_matches_the_formula(dtype, dims, causal):
+    core = _core()
+    B, tq, s, Hkv, g, dh = dims
+    rng = np.random.default_rng(2)
+    H = Hkv * g
+    qkv = rng.standard_normal((B, tq, H + 2 * Hkv, dh)).astype(dtype)
+    kp, vp = (rng.standard_normal((Hkv, s, dh)).astype(dtype) for _ in range(2))
+    before = [a.copy() for a in (qkv, kp, vp)]
+    offset = s if causal else s + tq - 1
+    out = np.full((B, tq, H, dh), np.nan, dtype)
+    nbad = core.linear_attention_forward(qkv, kp, vp, H, offset, 1.0 / np.sqrt(dh), out)
+    if nbad < 0:
+        pytest.fail(f"the BLAS path is off: {core.linear_blas_info()}")
+    assert nbad == 0
+    assert_close(out, _forward_reference(qkv, kp, vp, H, offset, 1.0 / np.sqrt(dh)), dtype)
+    for a, b in zip((qkv, kp, vp), before):
+        np.testing.assert_array_equal(a, b)
+    # a sequence's result does not depend on the others in the batch
+    one = np.empty((1, tq, H, dh), dtype)
+    core.linear_attention_forward(qkv[-1:].copy(), kp, vp, H, offset, 1.0 / np.sqrt(dh), one)
+    np.testing.assert_array_equal(one[0], out[-1])
+
+
+def test_linear_attention_forward_bad_rows_and_input():
+    core = _core()
+    qkv = np.random.default_rng(3).standard_normal((2, 4, 4, 8)).astype(np.float32)  # H = 2, Hkv = 1
+    kp = vp = np.zeros((1, 0, 8), np.float32)
+    out = np.empty((2, 4, 2, 8), np.float32)
+    bad = qkv.copy()
+    bad[1, 2, 0, 0] = np.inf  # query head 0 of sequence 1, row 2
+    assert core.linear_attention_forward(bad, kp, vp, 2, 0, 1.0, out) == 1
+    with pytest.raises(ValueError, match="n_heads"):
+        core.linear_attention_forward(qkv, kp, vp, 0, 0, 1.0, out)
+    with pytest.raises(ValueError, match="qkv"):
+        core.linear_attention_forward(qkv[:, :, :3].copy(), kp, vp, 2, 0, 1.0, out)
+    with pytest.raises(ValueError, match="^vp"):
+        core.linear_attention_forward(qkv, kp, np.zeros((1, 1, 8), np.float32), 2, 0, 1.0, out)
+    with pytest.raises(ValueError, match="kp must be 3-D"):
+        core.linear_attention_forward(qkv, kp[0], vp, 2, 0, 1.0, out)
+    with pytest.raises(ValueError, match="out"):
+        core.linear_attention_forward(qkv, kp, vp, 2, 0, 1.0, out[:1].copy())
+    with pytest.raises(ValueError, match="offset"):
+        core.linear_attention_forward(qkv, kp, vp, 2, -1, 1.0, out)
+    core.linear_force_fallback(True)
+    try:
+        assert core.linear_attention_forward(qkv, kp, vp, 2, 0, 1.0, out) == -1
+    finally:
+        core.linear_force_fallback(False)
+    assert L.attention_forward_kernel() is core.linear_attention_forward
+
+
+@pytest.mark.parametrize("causal", [True, False])
+def test_forward_through_the_kernel_matches_the_streaming_head(causal, monkeypatch):
+    """Stack forwards (whole, with a past span, with a cache) against the attention_forward path."""
+    _core()
+    import pyengine as pe
+    from pyengine.models import _fast
+
+    T = 12
+    cfg = pe.StackConfig(d_model=32, n_heads=4, n_kv_heads=2, d_mlp=64, n_layers=2, vocab_size=50,
+                         activation="gelu_tanh", positions="learned", max_seq_len=T, causal=causal)
+    stack = pe.init_weights(cfg, "gpt2", seed=0, dtype=np.float32, bias_std=0.02)
+    rng = np.random.default_rng(5)
+    h = rng.standard_normal((3, T, 32)).astype(np.float32)
+    _, cache = stack.block_forward(1, h[0], return_cache=True)
+
+    def run():
+        out = [stack.hidden_states(h), stack.block_forward(1, h[0], return_cache=True)[0]]
+        if causal:
+            out.append(stack.block_forward(1, h[:, 5:], past=cache))
+        return out
+
+    calls = []
+    real = _fast.attention_forward_kernel
+    monkeypatch.setattr(_fast, "attention_forward_kernel", lambda: calls.append(1) or real())
+    got = run()
+    monkeypatch.setattr(_fast, "attention_forward_kernel", lambda: None)
+    want = run()
+    assert calls
+    for a, b in zip(got, want):
+        assert_close(a, b, np.float32)

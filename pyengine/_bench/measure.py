@@ -6,6 +6,8 @@ Imports are absolute so the A/B worker can load this file against another build.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import fractions
 import math
 import os
@@ -19,13 +21,40 @@ from pyengine import backends
 
 from . import stats as _stats
 
-__all__ = ["SLOWDOWN_ENV", "calibrate", "limit_probe", "sample", "slowdown", "slowed", "time_call"]
+__all__ = ["SLOWDOWN_ENV", "calibrate", "limit_probe", "sample", "slowdown", "slowed", "steady_allocator", "time_call"]
 
 #: Test-only switch read by the bench harness (never by the kernels): make one kernel
 #: slower by a factor, e.g. ``layer_norm:cpp=1.5`` or ``layer_norm:cpp=1.5,softmax:numba=1.2``.
 SLOWDOWN_ENV = "PYENGINE_BENCH_SLOWDOWN"
 #: Loop counts stop doubling here (a sample of a trivially fast call stays bounded).
 MAX_LOOPS = 1 << 16
+
+
+#: glibc mallopt parameters (malloc.h): M_TRIM_THRESHOLD, M_MMAP_THRESHOLD; and the largest
+#: mmap threshold glibc accepts on 64-bit (its dynamic threshold never exceeds it either).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _MMAP_MAX = -1, -3, 32 << 20
+
+
+def steady_allocator() -> bool:
+    """Fix glibc's malloc thresholds for the rest of this (benchmark) process; True if done.
+
+    glibc adapts its mmap threshold per process as blocks are freed, so two processes
+    running the same code can differ for their whole life in whether a NumPy temporary of
+    a few MB is carved from the reused heap or mmapped and page-faulted afresh on every
+    call. Measured here on the NumPy layer_norm at 512 x 256 under load: one A/B worker
+    ran 1.2-2x slower than the other, identical, one for a whole run (a false "regression"
+    with every round above 1.2), and calls took 5 ms instead of 0.3-1 ms. With the mmap
+    threshold fixed at glibc's maximum (32 MB: larger blocks are mmapped in every process
+    alike) and the heap never trimmed, both workers allocate alike and the bias is gone.
+    A no-op (False) where the C library has no ``mallopt`` (not glibc).
+    """
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
 
 
 def slowdown(env: dict[str, str] | None = None) -> dict[tuple[str, str], float]:

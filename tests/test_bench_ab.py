@@ -58,21 +58,20 @@ assert measure.steady_allocator()
 def temp(n):
     a = np.ones(n // 8)
     return float(a[-1])
-for n in (2 << 20, 6 << 20):  # warm-up: the heap grows once to hold each size
-    temp(n)
 faults = []
-for n in (2 << 20, 6 << 20, 2 << 20, 6 << 20, 3 << 20):
+for n in (1 << 20, 3 << 20, 1 << 20, 3 << 20, 2 << 20, 2 << 20):  # < 4 MB: NumPy asks for no huge pages
     f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     temp(n)
-    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0)
+    faults.append((resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0) / (n >> 12))
 print(faults)
 """
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_steady_allocator_reuses_temporaries_instead_of_faulting_them():
-    # glibc's default would mmap and fault some of these afresh (its threshold moves with the
-    # sizes freed, differently in every process); a bench process must reuse its heap.
+def test_steady_allocator_maps_every_large_block_afresh():
+    # glibc's default moves its mmap threshold with the sizes freed, differently in every
+    # process: here the later temporaries would come from the heap, faulting no pages. A
+    # bench process must treat every block alike whatever it freed before.
     r = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True, check=True)
-    faults = eval(r.stdout)
-    assert max(faults) <= 8, faults  # a 2-6 MB temporary is 512-1536 pages when faulted
+    faults = eval(r.stdout)  # pages faulted per page of the temporary
+    assert min(faults) >= 0.9, faults

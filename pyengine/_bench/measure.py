@@ -30,31 +30,43 @@ SLOWDOWN_ENV = "PYENGINE_BENCH_SLOWDOWN"
 MAX_LOOPS = 1 << 16
 
 
-#: glibc mallopt parameters (malloc.h): M_TRIM_THRESHOLD, M_MMAP_THRESHOLD; and the largest
-#: mmap threshold glibc accepts on 64-bit (its dynamic threshold never exceeds it either).
-_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _MMAP_MAX = -1, -3, 32 << 20
+#: glibc mallopt parameters (malloc.h) and glibc's default for both thresholds (128 KiB).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _THRESHOLD = -1, -3, 128 << 10
 
 
 def steady_allocator() -> bool:
-    """Fix glibc's malloc thresholds for the rest of this (benchmark) process; True if done.
+    """Pin this (benchmark) process's memory placement rules for the rest of its life:
+    glibc's malloc thresholds and NumPy's huge-page requests. True if glibc's were pinned.
 
-    glibc adapts its mmap threshold per process as blocks are freed, so two processes
-    running the same code can differ for their whole life in whether a NumPy temporary of
-    a few MB is carved from the reused heap or mmapped and page-faulted afresh on every
-    call. Measured here on the NumPy layer_norm at 512 x 256 under load: one A/B worker
-    ran 1.2-2x slower than the other, identical, one for a whole run (a false "regression"
-    with every round above 1.2), and calls took 5 ms instead of 0.3-1 ms. With the mmap
-    threshold fixed at glibc's maximum (32 MB: larger blocks are mmapped in every process
-    alike) and the heap never trimmed, both workers allocate alike and the bias is gone.
-    A no-op (False) where the C library has no ``mallopt`` (not glibc).
+    Both are per-process state that made two identical A/B workers differ for a whole run:
+
+    - glibc adapts its mmap threshold as blocks are freed (up to 32 MB), so whether a block
+      of a few MB is mmapped (page-aligned, faulted afresh on every use) or carved from the
+      heap (reused, at an address that depends on the process's history) differs between
+      processes. Seen here: the NumPy layer_norm at 512 x 256 (1 MB temporaries) ran
+      1.2-2x slower in one worker than in its twin, every round above 1.2. Setting the
+      thresholds explicitly turns the adaptation off: every block above 128 KiB is mmapped
+      in every process alike, so temporaries cost the same page faults on both sides and
+      every kernel's arrays sit at the same offsets within their pages.
+    - NumPy asks for transparent huge pages on arrays of 4 MB and more; whether the kernel
+      grants them depends on memory fragmentation when the pages are first touched, so one
+      worker's 2048 x 768 float32 arrays may be on huge pages and the other's not (seen:
+      rms_norm numba x1.42 [1.19, 2.14] on a self-comparison). The bench processes ask for
+      none, so every array is on 4 KiB pages in both.
     """
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # NumPy < 2
+        from numpy.core import multiarray
+    if hasattr(multiarray, "_set_madvise_hugepage"):
+        multiarray._set_madvise_hugepage(False)
     try:
         libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
         mallopt = libc.mallopt
     except (OSError, AttributeError):
         return False
     mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
-    return bool(mallopt(_M_MMAP_THRESHOLD, _MMAP_MAX)) and bool(mallopt(_M_TRIM_THRESHOLD, 1 << 30))
+    return bool(mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _THRESHOLD))
 
 
 def slowdown(env: dict[str, str] | None = None) -> dict[tuple[str, str], float]:

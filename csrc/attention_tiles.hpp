@@ -93,6 +93,7 @@ struct Simd<double> {
     static V set1(double x) { return _mm512_set1_pd(x); }
     static V zero() { return _mm512_setzero_pd(); }
     static V mul(V a, V b) { return _mm512_mul_pd(a, b); }
+    static V add(V a, V b) { return _mm512_add_pd(a, b); }
     static V max(V a, V b) { return _mm512_max_pd(a, b); }
     // The lanes folded in a fixed order: the two halves added, then as the AVX version.
     static double sum(V v) {
@@ -109,6 +110,7 @@ struct Simd<float> {
     static V set1(float x) { return _mm512_set1_ps(x); }
     static V zero() { return _mm512_setzero_ps(); }
     static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
+    static V add(V a, V b) { return _mm512_add_ps(a, b); }
     static V max(V a, V b) { return _mm512_max_ps(a, b); }
     // The lanes folded in a fixed order: 16 -> 8 -> 4 (halves added), then ((0+1) + (2+3)).
     static float sum(V v) {
@@ -129,6 +131,7 @@ struct Simd<double> {
     static V set1(double x) { return _mm256_set1_pd(x); }
     static V zero() { return _mm256_setzero_pd(); }
     static V mul(V a, V b) { return _mm256_mul_pd(a, b); }
+    static V add(V a, V b) { return _mm256_add_pd(a, b); }
     static V max(V a, V b) { return _mm256_max_pd(a, b); }
     static double sum(V v) { return sum_lanes(v); }
     static double hmax(V v) { return std::max(std::max(v[0], v[1]), std::max(v[2], v[3])); }
@@ -142,6 +145,7 @@ struct Simd<float> {
     static V set1(float x) { return _mm256_set1_ps(x); }
     static V zero() { return _mm256_setzero_ps(); }
     static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
+    static V add(V a, V b) { return _mm256_add_ps(a, b); }
     static V max(V a, V b) { return _mm256_max_ps(a, b); }
     // The lanes folded in a fixed order: ((0+4) + (1+5)) + ((2+6) + (3+7)).
     static float sum(V v) {
@@ -268,6 +272,31 @@ PYENGINE_ALWAYS_INLINE void weighted_sums(const C* w, index_t ldw, const C* bt, 
 #ifdef __AVX__
     using S = Simd<C>;
     const index_t nw = n - n % S::W;
+    // Four columns at a time (16 accumulators): 8 loads per 16 multiply-adds instead of 6 per
+    // 8. Each output is the same chain as in the two- and one-column loops below.
+    for (; c + 4 <= m; c += 4) {
+        const C* b[4] = {bt + c * ld, bt + (c + 1) * ld, bt + (c + 2) * ld, bt + (c + 3) * ld};
+        typename S::V acc[kTile][4];
+        for (auto& r : acc) r[0] = r[1] = r[2] = r[3] = S::zero();
+        for (index_t j = 0; j < nw; j += S::W) {
+            const auto v0 = S::load(b[0] + j), v1 = S::load(b[1] + j);
+            const auto v2 = S::load(b[2] + j), v3 = S::load(b[3] + j);
+            for (index_t r = 0; r < kTile; ++r) {
+                const auto wr = S::load(w + r * ldw + j);
+                acc[r][0] = vmadd(wr, v0, acc[r][0]);
+                acc[r][1] = vmadd(wr, v1, acc[r][1]);
+                acc[r][2] = vmadd(wr, v2, acc[r][2]);
+                acc[r][3] = vmadd(wr, v3, acc[r][3]);
+            }
+        }
+        for (index_t r = 0; r < kTile; ++r) {
+            for (index_t q = 0; q < 4; ++q) {
+                C s0 = S::sum(acc[r][q]);
+                for (index_t j = nw; j < n; ++j) s0 = madd(w[r * ldw + j], b[q][j], s0);
+                out[r * m + c + q] = scale[r] * s0;
+            }
+        }
+    }
     for (; c + 2 <= m; c += 2) {
         const C *b0 = bt + c * ld, *b1 = b0 + ld;
         typename S::V acc[kTile][2];
@@ -368,7 +397,39 @@ template <class C>
 PYENGINE_ALWAYS_INLINE void scatter_rows(const C* g, const C* w, index_t ldg, const C* kb,
                                          index_t m, index_t n, C* part, index_t ldp) {
     const C *g0 = g, *g1 = g + ldg, *g2 = g + 2 * ldg, *g3 = g + 3 * ldg;
-    for (index_t c = 0; c < m; ++c) {
+    index_t c = 0;
+#ifdef __AVX__
+    // Columns kGroup at a time with x outer: each vector of the four rows of g is loaded once
+    // for the group, not once per column (the loads bound the column-by-column loop), and
+    // the group's 4 kGroup weights stay in registers. Each output is the same expression as
+    // in the loop below, so the results are identical.
+    using S = Simd<C>;
+    constexpr index_t W = S::W, kGroup = 5;
+    const index_t nw = n - n % W;
+    for (; c + kGroup <= m; c += kGroup) {
+        typename S::V k0[kGroup], k1[kGroup], k2[kGroup], k3[kGroup];
+        for (index_t q = 0; q < kGroup; ++q) {
+            k0[q] = S::set1(kb[c + q]);
+            k1[q] = S::set1(kb[m + c + q]);
+            k2[q] = S::set1(kb[2 * m + c + q]);
+            k3[q] = S::set1(kb[3 * m + c + q]);
+        }
+        for (index_t x = 0; x < nw; x += W) {
+            const auto a0 = S::load(g0 + x), a1 = S::load(g1 + x), a2 = S::load(g2 + x), a3 = S::load(g3 + x);
+            for (index_t q = 0; q < kGroup; ++q) {
+                C* out = part + (c + q) * ldp + x;
+                const auto t = vmadd(a3, k3[q], vmadd(a2, k2[q], vmadd(a1, k1[q], S::mul(a0, k0[q]))));
+                S::store(out, S::add(S::load(out), t));
+            }
+        }
+        for (index_t q = 0; q < kGroup; ++q) {
+            const C q0 = kb[c + q], q1 = kb[m + c + q], q2 = kb[2 * m + c + q], q3 = kb[3 * m + c + q];
+            C* out = part + (c + q) * ldp;
+            for (index_t x = nw; x < n; ++x) out[x] += madd(g3[x], q3, madd(g2[x], q2, madd(g1[x], q1, g0[x] * q0)));
+        }
+    }
+#endif
+    for (; c < m; ++c) {
         const C k0 = kb[c], k1 = kb[m + c], k2 = kb[2 * m + c], k3 = kb[3 * m + c];
         C* out = part + c * ldp;
 #pragma omp simd

@@ -158,6 +158,14 @@ struct Simd<float> {
     }
 };
 #endif
+
+// Keeps v in a register: GCC otherwise folds a vector loaded once into every multiply-add
+// that uses it as a memory operand, so a tile re-reads it once per row (the loads, not the
+// multiply-adds, then bound the loop). An empty asm statement; the arithmetic is unchanged.
+template <class V>
+PYENGINE_ALWAYS_INLINE void in_register(V& v) {
+    asm("" : "+v"(v));
+}
 #endif
 
 // e^x for x <= 0 in float, a few ulp (Cephes expf: x = n ln2 + r, |r| <= ln2/2, a degree-6
@@ -227,8 +235,10 @@ PYENGINE_ALWAYS_INLINE void dot_rows(const C* a, const C* bt, index_t m, index_t
         typename S::V acc[kTile][2];
         for (auto& r : acc) r[0] = r[1] = S::zero();
         for (index_t c = 0; c < m; ++c) {
-            const auto b0 = S::load(bt + c * ld + j);
-            const auto b1 = S::load(bt + c * ld + j + W);
+            auto b0 = S::load(bt + c * ld + j);
+            auto b1 = S::load(bt + c * ld + j + W);
+            in_register(b0);
+            in_register(b1);
             for (index_t r = 0; r < kTile; ++r) {
                 const auto ar = S::set1(a[r * m + c]);
                 acc[r][0] = vmadd(ar, b0, acc[r][0]);
@@ -279,8 +289,12 @@ PYENGINE_ALWAYS_INLINE void weighted_sums(const C* w, index_t ldw, const C* bt, 
         typename S::V acc[kTile][4];
         for (auto& r : acc) r[0] = r[1] = r[2] = r[3] = S::zero();
         for (index_t j = 0; j < nw; j += S::W) {
-            const auto v0 = S::load(b[0] + j), v1 = S::load(b[1] + j);
-            const auto v2 = S::load(b[2] + j), v3 = S::load(b[3] + j);
+            auto v0 = S::load(b[0] + j), v1 = S::load(b[1] + j);
+            auto v2 = S::load(b[2] + j), v3 = S::load(b[3] + j);
+            in_register(v0);
+            in_register(v1);
+            in_register(v2);
+            in_register(v3);
             for (index_t r = 0; r < kTile; ++r) {
                 const auto wr = S::load(w + r * ldw + j);
                 acc[r][0] = vmadd(wr, v0, acc[r][0]);
@@ -302,7 +316,9 @@ PYENGINE_ALWAYS_INLINE void weighted_sums(const C* w, index_t ldw, const C* bt, 
         typename S::V acc[kTile][2];
         for (auto& r : acc) r[0] = r[1] = S::zero();
         for (index_t j = 0; j < nw; j += S::W) {
-            const auto v0 = S::load(b0 + j), v1 = S::load(b1 + j);
+            auto v0 = S::load(b0 + j), v1 = S::load(b1 + j);
+            in_register(v0);
+            in_register(v1);
             for (index_t r = 0; r < kTile; ++r) {
                 const auto wr = S::load(w + r * ldw + j);
                 acc[r][0] = vmadd(wr, v0, acc[r][0]);

@@ -40,10 +40,11 @@ from scipy import special
 
 from .. import _validate as _v
 from ..kernels.layernorm import layer_norm, layer_norm_vjp, rms_norm, rms_norm_vjp
-from ..backends import get_num_threads
-from ..models.initialization import init_matrix, init_needs_blas, init_variance
+from ..backends import get_num_threads, one_blas_thread
+from ..models.initialization import init_matrices, init_variance
 
-__all__ = ["ACTIVATIONS", "SignalPropagation", "gelu_second_moment", "mlp_stack", "signal_propagation"]
+__all__ = ["ACTIVATIONS", "SignalPropagation", "gelu_second_moment", "mlp_stack", "mlp_stacks",
+           "signal_propagation"]
 
 ACTIVATIONS = ("relu", "gelu", "tanh", "linear")
 NORMS = ("none", "layernorm", "rmsnorm")
@@ -150,25 +151,39 @@ def mlp_stack(depth: int, width: int, scheme: str, *, residual: bool = False, d_
     nonlinearity, gain). Each layer's matrices come from their own seeded stream, drawn
     in ``dtype`` directly (float32 weights are not float64 draws rounded).
     """
+    return mlp_stacks(depth, width, (scheme,), residual=residual, d_mlp=d_mlp, seed=seed, dtype=dtype,
+                      **init)[scheme]
+
+
+def mlp_stacks(depth: int, width: int, schemes: Any, *, residual: bool = False, d_mlp: int | None = None,
+               seed: int = 0, dtype: Any = np.float64, **init: Any) -> dict[str, list[tuple[np.ndarray, ...]]]:
+    """:func:`mlp_stack` of several schemes at once: scheme -> its layers, array for array the same.
+
+    Every scheme's layer k comes from the stream (seed, k), so in float32 the schemes that
+    consume the same numbers (the normal schemes and orthogonal; the uniform ones) share
+    one draw per layer (:func:`~pyengine.models.initialization.init_matrices`). Layers are
+    drawn in parallel threads (NumPy's generators release the GIL while filling; the
+    orthogonal factorizations run single-threaded BLAS each): the same result for any
+    thread count.
+    """
     depth, width = _v.count("depth", depth), _v.count("width", width)
     dm = _v.count("d_mlp", d_mlp) if d_mlp is not None else 4 * width
     dt = _v.float_dtype("dtype", dtype)
     seed = _v.int_seed(seed)
+    schemes = tuple(schemes)
+    res_std = 0.02 / math.sqrt(2 * depth)
+    shapes = [(width, dm, 0.02), (dm, width, res_std)] if residual else [(width, width, 0.02)]
 
-    def layer(k: int) -> tuple[np.ndarray, ...]:
-        rng = np.random.default_rng([seed, k])
-        if residual:
-            return (init_matrix(rng, scheme, width, dm, dtype=dt, **init),
-                    init_matrix(rng, scheme, dm, width, gpt2_std=0.02 / math.sqrt(2 * depth), dtype=dt, **init))
-        return (init_matrix(rng, scheme, width, width, dtype=dt, **init),)
+    def layer(k: int) -> dict[str, tuple[np.ndarray, ...]]:
+        return {s: tuple(m) for s, m in init_matrices([seed, k], schemes, shapes, dtype=dt, **init).items()}
 
     threads = get_num_threads()
-    if threads < 2 or depth < 2 or init_needs_blas(scheme):
-        return [layer(k) for k in range(depth)]
-    # Pure draws: NumPy's generators release the GIL while filling, and every layer has its
-    # own stream, so the layers are drawn in parallel with the same result.
-    with ThreadPoolExecutor(min(threads, depth)) as pool:
-        return list(pool.map(layer, range(depth)))
+    if threads < 2 or depth < 2:
+        per = [layer(k) for k in range(depth)]
+    else:
+        with one_blas_thread(), ThreadPoolExecutor(min(threads, depth)) as pool:
+            per = list(pool.map(layer, range(depth)))
+    return {s: [p[s] for p in per] for s in schemes}
 
 
 def _norm_fwd(norm: str, h: np.ndarray) -> np.ndarray:

@@ -145,6 +145,19 @@ def _haar_columns(a: np.ndarray) -> np.ndarray:
     Cholesky breaks down (condition number beyond about 1e8, 1e4 in float32). ``a`` is not
     modified.
     """
+    if min(a.shape) <= _ONE_THREAD_MAX:  # block-sized: threaded BLAS only waits on its own barriers
+        with one_blas_thread():
+            return _cholesky_qr2(a)
+    return _cholesky_qr2(a)
+
+
+#: Up to this short side :func:`_haar_columns` runs single-threaded BLAS (a 1024 x 256 float64
+#: factorization, as init_weights draws at d_model 256: 0.42 s threaded, 0.13 s single-threaded,
+#: medians on a busy two-core machine).
+_ONE_THREAD_MAX = 512
+
+
+def _cholesky_qr2(a: np.ndarray) -> np.ndarray:
     import scipy.linalg
     from scipy.linalg.blas import get_blas_funcs
 
@@ -159,14 +172,14 @@ def _haar_columns(a: np.ndarray) -> np.ndarray:
             with one_blas_thread():  # as fast at these sizes, and no stalls on a busy machine
                 r = scipy.linalg.cholesky(gram, lower=False, check_finite=False)
             q = scipy.linalg.solve_triangular(r, q.T, trans="T", lower=False, check_finite=False).T
-            if step == 0 and q.dtype == np.float32 and _orthogonality_probe(q, gemm) <= _F32_ONE_PASS:
-                break  # well conditioned (tall Gaussians): one pass is already orthogonal to rounding
-        if np.all(np.isfinite(q)):
-            return q
+            if q.dtype == np.float32 and _orthogonality_probe(q, gemm) <= _F32_ONE_PASS:
+                return q  # (after pass 1: well conditioned, tall Gaussians; already orthogonal to rounding)
+        if q.dtype != np.float32 and np.all(np.isfinite(q)):
+            return q  # float32 here: cond(a) beyond about 1e3.5, two passes not orthogonal to rounding
     except np.linalg.LinAlgError:
         pass
-    q, r = np.linalg.qr(a)
-    return q * np.sign(np.diag(r))
+    q, r = np.linalg.qr(a.astype(np.float64) if a.dtype == np.float32 else a)
+    return (q * np.sign(np.diag(r))).astype(a.dtype, copy=False)
 
 
 #: float32 schemes by the numbers they consume from their generator: a "normal" scheme's matrix

@@ -312,11 +312,13 @@ Out lanczos_row(bool centre, const T* x, const T* gamma, double eps, bool frozen
     const Op op{xh, g, g2, d, centre, !frozen};
     // -- q0 = v0 / |v0| (divided by its largest entry first) --------------------------------
     double top = 0.0;
+    bool finite = true;
     for (index_t i = 0; i < d; ++i) {
         const double a = std::fabs(v0[i]);
-        if (!(a <= top)) top = a;  // NaN propagates
+        finite = finite && std::isfinite(a);
+        top = std::max(top, a);
     }
-    if (!std::isfinite(top)) return {true, kNaN, kNaN, 0};
+    if (!finite) return {true, kNaN, kNaN, 0};
     if (top == 0.0) return {false, 0.0, kInf, 0};
     for (index_t i = 0; i < d; ++i) Q[i] = v0[i] / top;
     const double qn = 1.0 / std::sqrt(dot(Q, Q, d));

@@ -318,11 +318,12 @@ def _lanczos_row(centre, x, gamma, eps, frozen, v0, tol, max_iter, Q, vec, tri, 
         g2[i] = g[i] * g[i]
         gmax = max(gmax, abs(g[i]))
     top = 0.0
+    finite = True
     for i in range(d):
         a = abs(v0[i])
-        if not (a <= top):
-            top = a
-    if not np.isfinite(top):
+        finite = finite and np.isfinite(a)
+        top = max(top, a)
+    if not finite:
         return True, np.nan, np.nan, 0
     if top == 0.0:
         return False, 0.0, np.inf, 0

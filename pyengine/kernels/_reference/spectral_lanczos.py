@@ -29,6 +29,19 @@ __all__ = ["layer_norm_lanczos", "rms_norm_lanczos"]
 MAX_BASIS = 160
 BREAKDOWN = 1e-14
 DGKS_ETA = 0.7071067811865476
+FIRST_TEST, TEST_GAP = 4, 8
+
+
+def _next_gap(est, last_est, since, target):
+    """Products until the next Ritz test (the generic solver's schedule, as the kernels)."""
+    if not (0 < est < last_est and np.isfinite(last_est)):
+        return TEST_GAP
+    rate = (est / last_est) ** (1.0 / max(since, 1))
+    if not 0 < rate < 1:
+        return TEST_GAP
+    steps = np.log(target / est) / np.log(rate)
+    gap = np.floor(steps / 2) if np.isfinite(steps) else TEST_GAP
+    return int(min(max(gap, 1), TEST_GAP))
 
 
 def _token(centre, x, g, eps, frozen, v0, tol, max_iter):
@@ -73,31 +86,37 @@ def _token(centre, x, g, eps, frozen, v0, tol, max_iter):
     p = max(1, min(d, max_iter, MAX_BASIS))
     Q, al, be = [q], [], []
     used, factor, scale = 0, 1.0, 0.0
+    due, last_est, last_at = FIRST_TEST, np.inf, 0
     while True:
         w = proj(gd * gd * proj(Q[-1]))
         used += 1
         B = np.array(Q)
-        before = w @ w
-        h = B @ w
-        w = w - h @ B
-        if w @ w < DGKS_ETA**2 * before:
-            h2 = B @ w
-            w = w - h2 @ B
-            h = h + h2
-        alpha, beta = float(h[-1]), float(np.linalg.norm(w))
+        alpha = float(Q[-1] @ w)  # the three-term step, then full reorthogonalization
+        w = w - alpha * Q[-1] - (be[-1] * Q[-2] if len(Q) > 1 else 0.0)
+        for _ in range(2):
+            before = w @ w
+            h = B @ w
+            w = w - h @ B
+            alpha += float(h[-1])
+            if not w @ w < DGKS_ETA**2 * before:
+                break
+        beta = float(np.linalg.norm(w))
         scale = max(scale, abs(alpha), beta)
         al.append(alpha)
         be.append(beta)
         m = len(al)
         breakdown = beta <= BREAKDOWN * max(scale, 1e-300)
+        last = used + 1 >= max_iter
+        if not breakdown:
+            Q.append(w / beta)
+        if not (used >= due or breakdown or m == p or last):
+            continue
         T = np.diag(al) + np.diag(be[:-1], 1) + np.diag(be[:-1], -1)
         evals, evecs = np.linalg.eigh(T)
         theta, z = evals[-1], evecs[:, -1]
         fp = 0.0 if breakdown else beta * abs(z[-1])
         est = fp / theta if theta > 0 else (0.0 if fp == 0 else np.inf)
-        last = used + 1 >= max_iter
-        if not breakdown:
-            Q.append(w / beta)
+        due, last_est, last_at = used + _next_gap(est, last_est, used - last_at, tol * factor), est, used
         if not (est <= tol * factor or breakdown or m == p or last):
             continue
         y = z @ B

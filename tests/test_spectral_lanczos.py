@@ -58,7 +58,7 @@ def check_contract(sig, res, its, want, tol, max_iter, fl=0.0):
 @pytest.mark.parametrize("d", [2, 3, 17, 768])
 def test_lanczos_matches_exact(backend, dtype, norm, frozen, d):
     rng = np.random.default_rng(d)
-    n = 3 if (backend == "numpy" and d == 768) else 12
+    n = 1 if (backend == "numpy" and d == 768) else 12  # the reference is a Python loop
     x = (rng.standard_normal((n, d)) + rng.uniform(-2, 2, (n, 1))).astype(dtype)
     gamma = rng.uniform(0.5, 1.5, d).astype(dtype)
     v0 = rng.standard_normal((n, d))

@@ -203,11 +203,44 @@ def _top_eigenpair(a, b, m, z, work):
 
 @jit
 def _project_out(Q, j, w, h):
-    """h[i] = Q_i . w for rows 0..j-1, then w -= sum_i h[i] Q_i."""
+    """h[i] = Q_i . w for rows 0..j-1 (two rows per sweep over w, two accumulators each),
+    then w -= sum_i h[i] Q_i (two rows per sweep)."""
     d = w.size
-    for i in range(j):
+    i = 0
+    while i + 2 <= j:
+        q0 = Q[i]
+        q1 = Q[i + 1]
+        a0 = 0.0
+        b0 = 0.0
+        a1 = 0.0
+        b1 = 0.0
+        nb = d // 2
+        for kb in range(nb):
+            k = 2 * kb
+            w0 = w[k]
+            w1 = w[k + 1]
+            a0 += q0[k] * w0
+            b0 += q0[k + 1] * w1
+            a1 += q1[k] * w0
+            b1 += q1[k + 1] * w1
+        if d % 2:
+            a0 += q0[d - 1] * w[d - 1]
+            a1 += q1[d - 1] * w[d - 1]
+        h[i] = a0 + b0
+        h[i + 1] = a1 + b1
+        i += 2
+    if i < j:
         h[i] = _dot(Q[i], w, d)
-    for i in range(j):
+    i = 0
+    while i + 2 <= j:
+        q0 = Q[i]
+        q1 = Q[i + 1]
+        c0 = h[i]
+        c1 = h[i + 1]
+        for k in range(d):
+            w[k] = (w[k] - c0 * q0[k]) - c1 * q1[k]
+        i += 2
+    if i < j:
         qi = Q[i]
         c = h[i]
         for k in range(d):

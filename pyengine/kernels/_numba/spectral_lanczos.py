@@ -274,7 +274,7 @@ def _orthogonalize(Q, j, bprev, w, h):
 def _next_gap(est, last_est, since, target):
     """Products until the next Ritz test: halfway to where the estimate's observed rate
     predicts target, in [1, TEST_GAP] (the generic solver's schedule)."""
-    if not (est > 0.0 and est < last_est and np.isfinite(last_est)):
+    if not (est > 0.0 and est < last_est and np.isfinite(last_est) and target > 0.0):
         return TEST_GAP
     rate = (est / last_est) ** (1.0 / max(since, 1))
     if not (rate > 0.0 and rate < 1.0):

@@ -34,7 +34,7 @@ FIRST_TEST, TEST_GAP = 4, 8
 
 def _next_gap(est, last_est, since, target):
     """Products until the next Ritz test (the generic solver's schedule, as the kernels)."""
-    if not (0 < est < last_est and np.isfinite(last_est)):
+    if not (0 < est < last_est and np.isfinite(last_est) and target > 0):  # else no prediction
         return TEST_GAP
     rate = (est / last_est) ** (1.0 / max(since, 1))
     if not 0 < rate < 1:

@@ -43,7 +43,7 @@ from numba import prange
 
 from ...backends import register
 from ._jit import jit, pjit
-from ._reduce import _row_scale
+from ._reduce import LANES, _fold, _row_scale
 
 __all__ = ["layer_norm_lanczos", "rms_norm_lanczos"]
 
@@ -59,47 +59,44 @@ _TINY = 2.2250738585072014e-308
 
 
 @jit
-def _dot(a, b, d):
-    s0 = 0.0
-    s1 = 0.0
-    s2 = 0.0
-    s3 = 0.0
-    nb = d // 4
-    for k in range(nb):
-        i = 4 * k
-        s0 += a[i] * b[i]
-        s1 += a[i + 1] * b[i + 1]
-        s2 += a[i + 2] * b[i + 2]
-        s3 += a[i + 3] * b[i + 3]
-    for i in range(4 * nb, d):
-        s0 += a[i] * b[i]
-    return (s0 + s1) + (s2 + s3)
+def _dot(a, b, d, acc):
+    """a . b over d in LANES partial sums (the loop vectorizer's form, see _reduce.py);
+    acc : (LANES,) float64 scratch."""
+    for k in range(LANES):
+        acc[k] = 0.0
+    nb = d // LANES
+    for j in range(nb):
+        o = j * LANES
+        for k in range(LANES):
+            acc[k] += a[o + k] * b[o + k]
+    s = _fold(acc)
+    for i in range(nb * LANES, d):
+        s += a[i] * b[i]
+    return s
 
 
 @jit
-def _sum(v, d):
-    s0 = 0.0
-    s1 = 0.0
-    s2 = 0.0
-    s3 = 0.0
-    nb = d // 4
-    for k in range(nb):
-        i = 4 * k
-        s0 += v[i]
-        s1 += v[i + 1]
-        s2 += v[i + 2]
-        s3 += v[i + 3]
-    for i in range(4 * nb, d):
-        s0 += v[i]
-    return (s0 + s1) + (s2 + s3)
+def _sum(v, d, acc):
+    """sum of v over d in LANES partial sums; acc : (LANES,) float64 scratch."""
+    for k in range(LANES):
+        acc[k] = 0.0
+    nb = d // LANES
+    for j in range(nb):
+        o = j * LANES
+        for k in range(LANES):
+            acc[k] += v[o + k]
+    s = _fold(acc)
+    for i in range(nb * LANES, d):
+        s += v[i]
+    return s
 
 
 @jit
-def _proj(xh, centre, full, v, out):
+def _proj(xh, centre, full, v, out, acc):
     """out = P v (out may be v)."""
     d = v.size
-    m1 = _sum(v, d) / d if centre else 0.0
-    m2 = _dot(xh, v, d) / d if full else 0.0
+    m1 = _sum(v, d, acc) / d if centre else 0.0
+    m2 = _dot(xh, v, d, acc) / d if full else 0.0
     for i in range(d):
         out[i] = (v[i] - m1) - xh[i] * m2
 
@@ -202,35 +199,11 @@ def _top_eigenpair(a, b, m, z, work):
 
 
 @jit
-def _project_out(Q, j, w, h):
-    """h[i] = Q_i . w for rows 0..j-1 (two rows per sweep over w, two accumulators each),
-    then w -= sum_i h[i] Q_i (two rows per sweep)."""
+def _project_out(Q, j, w, h, acc):
+    """h[i] = Q_i . w for rows 0..j-1, then w -= sum_i h[i] Q_i (two rows per sweep)."""
     d = w.size
-    i = 0
-    while i + 2 <= j:
-        q0 = Q[i]
-        q1 = Q[i + 1]
-        a0 = 0.0
-        b0 = 0.0
-        a1 = 0.0
-        b1 = 0.0
-        nb = d // 2
-        for kb in range(nb):
-            k = 2 * kb
-            w0 = w[k]
-            w1 = w[k + 1]
-            a0 += q0[k] * w0
-            b0 += q0[k + 1] * w1
-            a1 += q1[k] * w0
-            b1 += q1[k + 1] * w1
-        if d % 2:
-            a0 += q0[d - 1] * w[d - 1]
-            a1 += q1[d - 1] * w[d - 1]
-        h[i] = a0 + b0
-        h[i + 1] = a1 + b1
-        i += 2
-    if i < j:
-        h[i] = _dot(Q[i], w, d)
+    for i in range(j):
+        h[i] = _dot(Q[i], w, d, acc)
     i = 0
     while i + 2 <= j:
         q0 = Q[i]
@@ -248,13 +221,13 @@ def _project_out(Q, j, w, h):
 
 
 @jit
-def _orthogonalize(Q, j, bprev, w, h):
+def _orthogonalize(Q, j, bprev, w, h, acc):
     """The three-term step w -= alpha q_{j-1} + bprev q_{j-2}, then w -= Q Q^T w against rows
     0..j-1 (classical Gram-Schmidt; a second pass where the norm fell below DGKS_ETA of its
     value). Returns alpha, the coefficient of q_{j-1} over all passes."""
     d = w.size
     qa = Q[j - 1]
-    alpha = _dot(qa, w, d)
+    alpha = _dot(qa, w, d, acc)
     for k in range(d):
         w[k] -= alpha * qa[k]
     if j >= 2:
@@ -262,10 +235,10 @@ def _orthogonalize(Q, j, bprev, w, h):
         for k in range(d):
             w[k] -= bprev * qb[k]
     for _pass in range(2):
-        before = _dot(w, w, d)
-        _project_out(Q, j, w, h)
+        before = _dot(w, w, d, acc)
+        _project_out(Q, j, w, h, acc)
         alpha += h[j - 1]
-        if not (_dot(w, w, d) < DGKS_ETA * DGKS_ETA * before):
+        if not (_dot(w, w, d, acc) < DGKS_ETA * DGKS_ETA * before):
             break
     return alpha
 
@@ -285,10 +258,10 @@ def _next_gap(est, last_est, since, target):
 
 
 @jit
-def _verify(xh, g, centre, full, gmax, y, u):
+def _verify(xh, g, centre, full, gmax, y, u, acc):
     """(sigma of K y, relative residual) for the unit y; u is scratch."""
     d = y.size
-    _proj(xh, centre, full, y, u)
+    _proj(xh, centre, full, y, u, acc)
     ut = 0.0
     for i in range(d):
         u[i] *= g[i]
@@ -297,11 +270,11 @@ def _verify(xh, g, centre, full, gmax, y, u):
     if ut > 0.0:
         for i in range(d):
             u[i] /= ut
-        un = math.sqrt(_dot(u, u, d))
+        un = math.sqrt(_dot(u, u, d, acc))
         for i in range(d):
             u[i] = g[i] * (u[i] / un)
     sig = un * ut
-    _proj(xh, centre, full, u, u)
+    _proj(xh, centre, full, u, u, acc)
     rr = 0.0
     for i in range(d):
         t = u[i] - sig * y[i]
@@ -313,7 +286,7 @@ def _verify(xh, g, centre, full, gmax, y, u):
 
 
 @jit
-def _lanczos_row(centre, x, gamma, eps, frozen, v0, tol, max_iter, Q, vec, tri, work):
+def _lanczos_row(centre, x, gamma, eps, frozen, v0, tol, max_iter, Q, vec, tri, work, acc):
     """One token; returns (bad, sigma, residual, iterations). Q : (p + 1, d), vec : (6, d),
     tri : (4, p + 1), work : (4, p) float64 scratch."""
     d = x.size
@@ -363,14 +336,14 @@ def _lanczos_row(centre, x, gamma, eps, frozen, v0, tol, max_iter, Q, vec, tri, 
     q0 = Q[0]
     for i in range(d):
         q0[i] = v0[i] / top
-    qn = 1.0 / math.sqrt(_dot(q0, q0, d))
+    qn = 1.0 / math.sqrt(_dot(q0, q0, d, acc))
     for i in range(d):
         q0[i] *= qn
     used = 0
     if max_iter <= 1:  # no room for a step and its check: one power step
         for i in range(d):
             y[i] = q0[i]
-        sig, res = _verify(xh, g, centre, full, gmax, y, u)
+        sig, res = _verify(xh, g, centre, full, gmax, y, u, acc)
         return False, sig * inv_s, res, 1
     factor = 1.0
     scale = 0.0
@@ -379,13 +352,13 @@ def _lanczos_row(centre, x, gamma, eps, frozen, v0, tol, max_iter, Q, vec, tri, 
     last_at = 0
     m = 0
     while True:
-        _proj(xh, centre, full, Q[m], w)  # w = P G^2 P q_m
+        _proj(xh, centre, full, Q[m], w, acc)  # w = P G^2 P q_m
         for i in range(d):
             w[i] *= g2[i]
-        _proj(xh, centre, full, w, w)
+        _proj(xh, centre, full, w, w, acc)
         used += 1
-        alpha = _orthogonalize(Q, m + 1, be[m - 1] if m > 0 else 0.0, w, h)
-        beta = math.sqrt(_dot(w, w, d))
+        alpha = _orthogonalize(Q, m + 1, be[m - 1] if m > 0 else 0.0, w, h, acc)
+        beta = math.sqrt(_dot(w, w, d, acc))
         scale = max(scale, max(abs(alpha), beta))
         al[m] = alpha
         be[m] = beta
@@ -417,10 +390,10 @@ def _lanczos_row(centre, x, gamma, eps, frozen, v0, tol, max_iter, Q, vec, tri, 
             qk = Q[k]
             for i in range(d):
                 y[i] += zk * qk[i]
-        yn = 1.0 / math.sqrt(_dot(y, y, d))
+        yn = 1.0 / math.sqrt(_dot(y, y, d, acc))
         for i in range(d):
             y[i] *= yn
-        sig, res = _verify(xh, g, centre, full, gmax, y, u)
+        sig, res = _verify(xh, g, centre, full, gmax, y, u, acc)
         used += 1
         if res <= tol or breakdown or last or used + 2 > max_iter:
             return False, sig * inv_s, res, used
@@ -445,8 +418,9 @@ def _lanczos(centre, x, gamma, eps, frozen, v0, tol, max_iter, p, sigma, residua
         vec = np.empty((6, d), dtype=np.float64)
         tri = np.zeros((4, p + 1), dtype=np.float64)
         work = np.empty((4, p + 1), dtype=np.float64)
+        acc = np.empty(LANES, dtype=np.float64)
         bad, sg, res, k = _lanczos_row(centre, x[r], gamma, eps, frozen, v0[r], tol, max_iter,
-                                       Q, vec, tri, work)
+                                       Q, vec, tri, work, acc)
         sigma[r] = sg
         residual[r] = res
         iterations[r] = k

@@ -225,7 +225,9 @@ def _norm_scan(
         kern = resolve(norm + "_lanczos", backend)
         if kern is resolve(norm + "_lanczos", "numpy"):
             kern = None
-    size = chunk_size or _default_chunk(method, d, x2.dtype.itemsize, LANCZOS_MAX_SUBSPACE)
+    # The fused Lanczos kernel keeps its basis per thread, not per token: chunks as for power.
+    fused = method == "lanczos" and kern is not None
+    size = chunk_size or _default_chunk("power" if fused else method, d, x2.dtype.itemsize, LANCZOS_MAX_SUBSPACE)
     gmax = float(np.abs(g.astype(np.float64)).max())
     full_shape = shape + (d,)
     mode = "frozen_scale" if frozen else "full"

@@ -98,6 +98,26 @@ def rms_norm_power_iteration(
     x: _F64, gamma: _F64, eps: float, frozen: bool, v0: _F64, tol: float, max_iter: int,
     sigma: _F64, residual: _F64, iterations: _I64,
 ) -> int: ...
+@overload
+def layer_norm_lanczos(
+    x: _F32, gamma: _F32, eps: float, frozen: bool, v0: _F64, tol: float, max_iter: int,
+    sigma: _F64, residual: _F64, iterations: _I64,
+) -> int: ...
+@overload
+def layer_norm_lanczos(
+    x: _F64, gamma: _F64, eps: float, frozen: bool, v0: _F64, tol: float, max_iter: int,
+    sigma: _F64, residual: _F64, iterations: _I64,
+) -> int: ...
+@overload
+def rms_norm_lanczos(
+    x: _F32, gamma: _F32, eps: float, frozen: bool, v0: _F64, tol: float, max_iter: int,
+    sigma: _F64, residual: _F64, iterations: _I64,
+) -> int: ...
+@overload
+def rms_norm_lanczos(
+    x: _F64, gamma: _F64, eps: float, frozen: bool, v0: _F64, tol: float, max_iter: int,
+    sigma: _F64, residual: _F64, iterations: _I64,
+) -> int: ...
 
 # Softmax and activations; out may be the input array (csrc/bind_activations.hpp).
 

@@ -27,7 +27,7 @@ import time
 import numpy as np
 
 import pyengine as pe
-from pyengine import backends
+from pyengine import _core, backends
 from pyengine.bench import copy_bandwidth
 
 
@@ -78,6 +78,13 @@ def _kernel_args(kernel: str, dtype: str, n=12, t=128, d=64):
     return args, nbytes
 
 
+def _flops(kernel: str, n=12, t=128, d=64) -> float:
+    """Multiply-adds x 2 of the products on the visible half (causal), all 128 x 128 x 64:
+    b = u v^T for the score gradient; s, dp, dv, dq, dk for the backward pass (5 products)."""
+    pairs = n * t * (t + 1) / 2
+    return 2 * d * pairs * (1 if kernel != "attention_backward" else 5)
+
+
 def backward_kernels(repeat: int) -> list[dict]:
     rows = []
     for dtype in ("float32", "float64"):
@@ -91,6 +98,15 @@ def backward_kernels(repeat: int) -> list[dict]:
                     continue
                 fn = backends.resolve(kernel, be)
                 row[f"{be}_ms"] = 1e3 * _times(lambda: fn(*args), repeat if be != "numpy" else max(5, repeat // 3))[0]
+            # the C++ register-blocked kernels (the path without BLAS), for comparison
+            _core.attention_force_fallback(True)
+            try:
+                fn = backends.resolve(kernel, "cpp")
+                row["cpp_fallback_ms"] = 1e3 * _times(lambda: fn(*args), repeat)[0]
+            finally:
+                _core.attention_force_fallback(False)
+            row["flops"] = _flops(kernel)
+            row["cpp_GFLOPs"] = row["flops"] / row["cpp_ms"] / 1e6
             row["cpp_speedup_over_numpy"] = row["numpy_ms"] / row["cpp_ms"]
             row["cpp_over_limit"] = row["cpp_ms"] / row["limit_ms"]
             rows.append(row)
@@ -102,6 +118,7 @@ def main(argv=None) -> dict:
     ap.add_argument("--repeat", type=int, default=30)
     ap.add_argument("--threads", type=int, default=None, help="pyengine.set_num_threads (default: all cores)")
     ap.add_argument("--skip-k64", action="store_true", help="only K = 8 for the block VJP (K = 64 needs ~1 GiB)")
+    ap.add_argument("--kernels-only", action="store_true", help="only the attention backward kernels")
     ap.add_argument("--json", default=None)
     args = ap.parse_args(argv)
     if args.threads:
@@ -109,9 +126,10 @@ def main(argv=None) -> dict:
     out = {"block_vjp": [], "backward_kernels": backward_kernels(args.repeat)}
     for r in out["backward_kernels"]:
         print(f"{r['kernel']:>21} {r['dtype']}: numpy {r['numpy_ms']:8.3f} ms, numba {r.get('numba_ms', float('nan')):7.3f}"
-              f" ms, cpp {r['cpp_ms']:7.3f} ms = {r['cpp_speedup_over_numpy']:5.1f}x numpy (target >= 10x); "
+              f" ms, cpp {r['cpp_ms']:7.3f} ms = {r['cpp_speedup_over_numpy']:5.1f}x numpy (target >= 10x; without BLAS "
+              f"{r['cpp_fallback_ms']:.3f} ms), {r['cpp_GFLOPs']:.0f} GFLOP/s on the visible half; "
               f"bytes-moved limit {r['limit_ms']:.3f} ms ({r['copy_GBps']:.1f} GB/s): cpp {r['cpp_over_limit']:.2f}x it")
-    for k in ((8,) if args.skip_k64 else (8, 64)):
+    for k in (() if args.kernels_only else (8,) if args.skip_k64 else (8, 64)):
         r = block_vjp_ratio(k, max(5, args.repeat // 3))
         out["block_vjp"].append(r)
         print(f"block_vjp K={k}: {r['vjp_ms']:.1f} ms vs block_forward {r['forward_ms']:.1f} ms: "

@@ -12,6 +12,9 @@
 //                          spread (n, tq).
 // Key j is visible to query i when j <= i + offset; masked inputs are never read, masked
 // outputs are 0. Every kernel returns the number of bad rows (non-finite row sums).
+// On heads of width >= 16 the bindings call the BLAS versions of attention_score_grad and
+// attention_backward instead (attention_blas.hpp); these register-blocked kernels serve
+// narrow heads (the training step's d_k = 10) and run when BLAS is not found or forced off.
 //
 // Numerics: the fused head computes in the input's type C (double for float64, float for
 // float32: 8-wide AVX lanes and a float exp, about 2x the throughput), with the row sums

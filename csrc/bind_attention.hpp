@@ -1,6 +1,12 @@
 // Bindings of the attention kernels (attention.hpp): register_attention(m) defines one
 // overload per dtype of each kernel id, with the reference's argument names; shapes are
 // checked with bind_util.hpp's helpers (see there for the GIL conventions).
+//
+// The score gradient, the advantage and the fused backward pass take the BLAS kernels of
+// attention_blas.hpp where those serve the shape (heads of width >= 16; NumPy's OpenBLAS
+// found, the pointers of bind_linear.hpp's linear_state()), else the register-blocked ones
+// of attention.hpp; attention_force_fallback(True) forces the latter (for tests), and
+// attention_blas_info() says which path a call takes.
 #pragma once
 
 #include <pybind11/numpy.h>
@@ -12,6 +18,8 @@
 #include <string>
 
 #include "attention.hpp"
+#include "attention_blas.hpp"
+#include "bind_linear.hpp"
 #include "bind_util.hpp"
 
 namespace pyengine::bind {
@@ -23,6 +31,17 @@ inline std::array<index_t, 3> dims3(const py::array& a, const char* name, const 
                                     shape_str(a));
     }
     return {a.shape(0), a.shape(1), a.shape(2)};
+}
+
+inline bool& attention_forced() {
+    static bool forced = false;
+    return forced;
+}
+
+// The BLAS pointers when the BLAS kernels may run (GIL held), else ready() is false.
+inline pyengine::LinearBlas attention_blas() {
+    if (attention_forced()) return {};
+    return linear_state().blas;
 }
 
 inline index_t check_offset(std::int64_t offset) {
@@ -45,7 +64,11 @@ std::int64_t attention_score_grad(const carray<T>& p, const carray<T>& u, const 
     const T *pp = p.data(), *up = u.data(), *vp = v.data();
     T* op = out.mutable_data();
     T* ap = adv ? adv->mutable_data() : nullptr;
-    py::gil_scoped_release release;  // only raw buffers from here on (see bind_util.hpp)
+    const pyengine::LinearBlas blas = attention_blas();
+    py::gil_scoped_release release;  // only raw buffers and BLAS from here on (see bind_util.hpp)
+    if (pyengine::attention_blas_serves(blas, n, tq, tk, dv, dv, false)) {
+        return pyengine::attention_score_grad_blas(blas, pp, up, vp, off, n, tq, tk, dv, op, ap);
+    }
     return pyengine::attention_score_grad(pp, up, vp, off, n, tq, tk, dv, op, ap);
 }
 
@@ -92,7 +115,12 @@ std::int64_t attention_backward(const carray<T>& q, const carray<T>& k, const ca
     const double* lp = lse.data();
     T *dqp = dq.mutable_data(), *dkp = dk.mutable_data(), *dvp = dv.mutable_data();
     double* sp = spread.mutable_data();
-    py::gil_scoped_release release;  // only raw buffers from here on (see bind_util.hpp)
+    const pyengine::LinearBlas blas = attention_blas();
+    py::gil_scoped_release release;  // only raw buffers and BLAS from here on (see bind_util.hpp)
+    if (pyengine::attention_blas_serves(blas, n, tq, tk, d_k, d_v, true)) {
+        return pyengine::attention_backward_blas(blas, qp, kp, vp, op, gp, lp, off, scale, n, tq, tk, d_k, d_v,
+                                                 dqp, dkp, dvp, sp);
+    }
     return pyengine::attention_backward(qp, kp, vp, op, gp, lp, off, scale, n, tq, tk, d_k, d_v,
                                         dqp, dkp, dvp, sp);
 }
@@ -135,6 +163,17 @@ void def_attention(py::module_& m) {
 inline void register_attention(py::module_& m) {
     def_attention<float>(m);
     def_attention<double>(m);
+    m.def(
+        "attention_blas_info", [] {
+            if (attention_forced()) return std::string("register-blocked kernels (forced by attention_force_fallback)");
+            const LinearState& s = linear_state();
+            if (!s.blas.ready()) return "register-blocked kernels (" + s.info + ")";
+            return "BLAS for heads of width >= 16: " + s.info;
+        },
+        "Which path the attention backward kernels' products take, in words.");
+    m.def(
+        "attention_force_fallback", [](bool on) { attention_forced() = on; }, py::arg("on"),
+        "Force (True) or release (False) the register-blocked attention kernels instead of BLAS (for tests).");
 }
 
 }  // namespace pyengine::bind

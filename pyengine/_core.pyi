@@ -98,6 +98,26 @@ def rms_norm_power_iteration(
     x: _F64, gamma: _F64, eps: float, frozen: bool, v0: _F64, tol: float, max_iter: int,
     sigma: _F64, residual: _F64, iterations: _I64,
 ) -> int: ...
+@overload
+def layer_norm_lanczos(
+    x: _F32, gamma: _F32, eps: float, frozen: bool, v0: _F64, tol: float, max_iter: int,
+    sigma: _F64, residual: _F64, iterations: _I64,
+) -> int: ...
+@overload
+def layer_norm_lanczos(
+    x: _F64, gamma: _F64, eps: float, frozen: bool, v0: _F64, tol: float, max_iter: int,
+    sigma: _F64, residual: _F64, iterations: _I64,
+) -> int: ...
+@overload
+def rms_norm_lanczos(
+    x: _F32, gamma: _F32, eps: float, frozen: bool, v0: _F64, tol: float, max_iter: int,
+    sigma: _F64, residual: _F64, iterations: _I64,
+) -> int: ...
+@overload
+def rms_norm_lanczos(
+    x: _F64, gamma: _F64, eps: float, frozen: bool, v0: _F64, tol: float, max_iter: int,
+    sigma: _F64, residual: _F64, iterations: _I64,
+) -> int: ...
 
 # Softmax and activations; out may be the input array (csrc/bind_activations.hpp).
 
@@ -160,6 +180,8 @@ def attention_forward(q: _F64, k: _F64, v: _F64, offset: int, scale: float, out:
 def attention_backward(q: _F32, k: _F32, v: _F32, o: _F32, d_o: _F32, lse: _F64, offset: int, scale: float, dq: _F32, dk: _F32, dv: _F32, spread: _F64) -> int: ...
 @overload
 def attention_backward(q: _F64, k: _F64, v: _F64, o: _F64, d_o: _F64, lse: _F64, offset: int, scale: float, dq: _F64, dk: _F64, dv: _F64, spread: _F64) -> int: ...
+def attention_blas_info() -> str: ...
+def attention_force_fallback(on: bool) -> None: ...
 
 # Newton–Schulz orthogonalization, products by SciPy's BLAS (csrc/bind_orthogonalize.hpp).
 

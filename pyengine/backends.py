@@ -57,6 +57,8 @@ SPECTRAL_KERNELS: tuple[str, ...] = (
     "rms_norm_sigma_max",
     "layer_norm_power_iteration",
     "rms_norm_power_iteration",
+    "layer_norm_lanczos",
+    "rms_norm_lanczos",
 )
 #: The attention / MLP nonlinearities: masked softmax and its JVP, elementwise
 #: activations and their derivatives (``*_grad``: the JVP coefficients).

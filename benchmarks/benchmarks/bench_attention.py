@@ -110,3 +110,28 @@ class AttentionTrainingStep:
 
     def time_training_step(self, backend):
         self.model.step(self.W)
+
+
+class AttentionCppRegisterBlocked:
+    """The C++ kernels' register-blocked path on the 12x128x128x64 shape, which otherwise takes
+    BLAS (``_core.attention_force_fallback``): what runs where NumPy has no OpenBLAS."""
+
+    params = [["attention_score_grad", "attention_advantage", "attention_backward"], DTYPES]
+    param_names = ["kernel", "dtype"]
+    timeout = 600
+
+    def setup(self, kernel, dtype):
+        require_backend("cpp")
+        from pyengine import _core
+
+        self.core = _core
+        self.fn = backends.resolve(kernel, "cpp")
+        self.args = _arrays(kernel, dtype, "12x128x128x64")
+        _core.attention_force_fallback(True)
+        self.fn(*self.args)
+
+    def teardown(self, kernel, dtype):
+        self.core.attention_force_fallback(False)
+
+    def time_register_blocked(self, kernel, dtype):
+        self.fn(*self.args)

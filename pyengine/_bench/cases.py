@@ -93,7 +93,7 @@ def _tokens(kernel: str, n: int) -> int:
     """Tokens a kernel is timed on: fewer for the dense Jacobians and the exact sigma_max."""
     if kernel.endswith("_jacobian"):
         return JACOBIAN_TOKENS
-    if kernel.endswith("_sigma_max"):
+    if kernel.endswith(("_sigma_max", "_lanczos")):  # the Lanczos reference loops over tokens
         return min(n, SIGMA_MAX_TOKENS)
     return n
 
@@ -157,7 +157,7 @@ def _kernel_arrays(kernel: str, dtype: np.dtype, size: tuple[int, int]) -> dict[
         return np.zeros((n, d), dtype)
 
     return {
-        "x": x, "v": row, "v0": row,
+        "x": x, "v": row, "v0": (lambda: row().astype(np.float64)) if kernel.endswith("_lanczos") else row,
         "u": lambda: (2.0 * rng.standard_normal((n, mlp))).astype(dtype) if activation else row(),
         "gamma": lambda: rng.uniform(0.5, 1.5, d).astype(dtype),
         "beta": lambda: rng.standard_normal(d).astype(dtype),
@@ -208,7 +208,7 @@ def _kernel_case(kernel: str) -> Case:
     unknown = set(names) - ARGUMENTS
     if unknown:
         raise KeyError(f"pyengine bench cannot build arguments {sorted(unknown)} of kernel {kernel!r}")
-    power = kernel.endswith("_power_iteration")
+    power = kernel.endswith(("_power_iteration", "_lanczos"))
 
     def setup(backend: str, dtype: str, size: tuple[int, int]):
         pool = _kernel_arrays(kernel, np.dtype(dtype), size)

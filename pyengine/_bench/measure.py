@@ -6,6 +6,8 @@ Imports are absolute so the A/B worker can load this file against another build.
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
 import fractions
 import math
 import os
@@ -19,13 +21,52 @@ from pyengine import backends
 
 from . import stats as _stats
 
-__all__ = ["SLOWDOWN_ENV", "calibrate", "limit_probe", "sample", "slowdown", "slowed", "time_call"]
+__all__ = ["SLOWDOWN_ENV", "calibrate", "limit_probe", "sample", "slowdown", "slowed", "steady_allocator", "time_call"]
 
 #: Test-only switch read by the bench harness (never by the kernels): make one kernel
 #: slower by a factor, e.g. ``layer_norm:cpp=1.5`` or ``layer_norm:cpp=1.5,softmax:numba=1.2``.
 SLOWDOWN_ENV = "PYENGINE_BENCH_SLOWDOWN"
 #: Loop counts stop doubling here (a sample of a trivially fast call stays bounded).
 MAX_LOOPS = 1 << 16
+
+
+#: glibc mallopt parameters (malloc.h) and glibc's default for both thresholds (128 KiB).
+_M_TRIM_THRESHOLD, _M_MMAP_THRESHOLD, _THRESHOLD = -1, -3, 128 << 10
+
+
+def steady_allocator() -> bool:
+    """Pin this (benchmark) process's memory placement rules for the rest of its life:
+    glibc's malloc thresholds and NumPy's huge-page requests. True if glibc's were pinned.
+
+    Both are per-process state that made two identical A/B workers differ for a whole run:
+
+    - glibc adapts its mmap threshold as blocks are freed (up to 32 MB), so whether a block
+      of a few MB is mmapped (page-aligned, faulted afresh on every use) or carved from the
+      heap (reused, at an address that depends on the process's history) differs between
+      processes. Seen here: the NumPy layer_norm at 512 x 256 (1 MB temporaries) ran
+      1.2-2x slower in one worker than in its twin, every round above 1.2. Setting the
+      thresholds explicitly turns the adaptation off: every block above 128 KiB is mmapped
+      in every process alike, so temporaries cost the same page faults on both sides and
+      every kernel's arrays sit at the same offsets within their pages.
+    - NumPy asks for transparent huge pages on arrays of 4 MB and more; whether the kernel
+      grants them depends on memory fragmentation when the pages are first touched, so one
+      worker's 2048 x 768 float32 arrays may be on huge pages and the other's not (seen:
+      rms_norm numba x1.42 [1.19, 2.14] on a self-comparison). The bench processes ask for
+      none, so every array is on 4 KiB pages in both.
+    """
+    try:
+        from numpy._core import multiarray
+    except ImportError:  # NumPy < 2
+        from numpy.core import multiarray
+    if hasattr(multiarray, "_set_madvise_hugepage"):
+        multiarray._set_madvise_hugepage(False)
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or None)
+        mallopt = libc.mallopt
+    except (OSError, AttributeError):
+        return False
+    mallopt.argtypes, mallopt.restype = (ctypes.c_int, ctypes.c_int), ctypes.c_int
+    return bool(mallopt(_M_MMAP_THRESHOLD, _THRESHOLD)) and bool(mallopt(_M_TRIM_THRESHOLD, _THRESHOLD))
 
 
 def slowdown(env: dict[str, str] | None = None) -> dict[tuple[str, str], float]:

@@ -46,6 +46,7 @@ def serve(stdin=sys.stdin, stdout=sys.stdout) -> None:
     cases_mod, m = _harness()
     from pyengine import backends
 
+    m.steady_allocator()
     slow = m.slowdown()
     cases = cases_mod.all_cases()
     call = None

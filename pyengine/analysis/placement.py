@@ -105,7 +105,6 @@ def block_removal(model: Stack, h: np.ndarray, *, progress: Callable[[int, int],
     """(change, kl, top1), each (L,), of removing each block, from the hidden states
     ``h`` (L+1, B, T, d) of the full run (kl, top1 None without a language-model head)."""
     L = model.config.n_layers
-    B = h.shape[1]
     streams = np.empty((0,) + h.shape[1:], h.dtype)  # removal k < j, stacked
     for j in range(L):
         if streams.shape[0]:

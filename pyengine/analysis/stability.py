@@ -40,10 +40,11 @@ from scipy import special
 
 from .. import _validate as _v
 from ..kernels.layernorm import layer_norm, layer_norm_vjp, rms_norm, rms_norm_vjp
-from ..backends import get_num_threads
-from ..models.initialization import init_matrix, init_needs_blas, init_variance
+from ..backends import get_num_threads, one_blas_thread
+from ..models.initialization import init_matrices, init_variance
 
-__all__ = ["ACTIVATIONS", "SignalPropagation", "gelu_second_moment", "mlp_stack", "signal_propagation"]
+__all__ = ["ACTIVATIONS", "SignalPropagation", "gelu_second_moment", "mlp_stack", "mlp_stacks",
+           "signal_propagation", "signal_propagations"]
 
 ACTIVATIONS = ("relu", "gelu", "tanh", "linear")
 NORMS = ("none", "layernorm", "rmsnorm")
@@ -150,25 +151,39 @@ def mlp_stack(depth: int, width: int, scheme: str, *, residual: bool = False, d_
     nonlinearity, gain). Each layer's matrices come from their own seeded stream, drawn
     in ``dtype`` directly (float32 weights are not float64 draws rounded).
     """
+    return mlp_stacks(depth, width, (scheme,), residual=residual, d_mlp=d_mlp, seed=seed, dtype=dtype,
+                      **init)[scheme]
+
+
+def mlp_stacks(depth: int, width: int, schemes: Any, *, residual: bool = False, d_mlp: int | None = None,
+               seed: int = 0, dtype: Any = np.float64, **init: Any) -> dict[str, list[tuple[np.ndarray, ...]]]:
+    """:func:`mlp_stack` of several schemes at once: scheme -> its layers, array for array the same.
+
+    Every scheme's layer k comes from the stream (seed, k), so in float32 the schemes that
+    consume the same numbers (the normal schemes and orthogonal; the uniform ones) share
+    one draw per layer (:func:`~pyengine.models.initialization.init_matrices`). Layers are
+    drawn in parallel threads (NumPy's generators release the GIL while filling; the
+    orthogonal factorizations run single-threaded BLAS each): the same result for any
+    thread count.
+    """
     depth, width = _v.count("depth", depth), _v.count("width", width)
     dm = _v.count("d_mlp", d_mlp) if d_mlp is not None else 4 * width
     dt = _v.float_dtype("dtype", dtype)
     seed = _v.int_seed(seed)
+    schemes = tuple(schemes)
+    res_std = 0.02 / math.sqrt(2 * depth)
+    shapes = [(width, dm, 0.02), (dm, width, res_std)] if residual else [(width, width, 0.02)]
 
-    def layer(k: int) -> tuple[np.ndarray, ...]:
-        rng = np.random.default_rng([seed, k])
-        if residual:
-            return (init_matrix(rng, scheme, width, dm, dtype=dt, **init),
-                    init_matrix(rng, scheme, dm, width, gpt2_std=0.02 / math.sqrt(2 * depth), dtype=dt, **init))
-        return (init_matrix(rng, scheme, width, width, dtype=dt, **init),)
+    def layer(k: int) -> dict[str, tuple[np.ndarray, ...]]:
+        return {s: tuple(m) for s, m in init_matrices([seed, k], schemes, shapes, dtype=dt, **init).items()}
 
     threads = get_num_threads()
-    if threads < 2 or depth < 2 or init_needs_blas(scheme):
-        return [layer(k) for k in range(depth)]
-    # Pure draws: NumPy's generators release the GIL while filling, and every layer has its
-    # own stream, so the layers are drawn in parallel with the same result.
-    with ThreadPoolExecutor(min(threads, depth)) as pool:
-        return list(pool.map(layer, range(depth)))
+    if threads < 2 or depth < 2:
+        per = [layer(k) for k in range(depth)]
+    else:
+        with one_blas_thread(), ThreadPoolExecutor(min(threads, depth)) as pool:
+            per = list(pool.map(layer, range(depth)))
+    return {s: [p[s] for p in per] for s in schemes}
 
 
 def _norm_fwd(norm: str, h: np.ndarray) -> np.ndarray:
@@ -239,33 +254,67 @@ def signal_propagation(
         The weights, as :func:`mlp_stack` returns them for the same scheme, depth, width,
         residual, d_mlp, seed, dtype and ``init`` (to share them between settings).
     """
+    return signal_propagations(scheme, depth, width, tokens, activation=activation, norms=(norm,), residual=residual,
+                               d_mlp=d_mlp, seed=seed, dtype=dtype, layers=layers, **init)[0]
+
+
+def signal_propagations(
+    scheme: str = "kaiming_normal", depth: int = 50, width: int = 256, tokens: int = 128, *,
+    activation: str = "relu", norms: Any = ("none",), residual: bool = False, d_mlp: int | None = None,
+    seed: int = 0, dtype: Any = np.float64, layers: list[tuple[np.ndarray, ...]] | None = None, **init: Any,
+) -> list[SignalPropagation]:
+    """:func:`signal_propagation` for each norm of ``norms`` on the same weights, inputs and cotangents.
+
+    The settings run as one batch: their token rows are stacked, so each layer's weights
+    are read once per pass for all of them (each row is normalized and propagated as in its
+    own run; the same results to float32 rounding).
+    """
     activation = _v.choice("activation", activation, ACTIVATIONS)
-    norm = _v.choice("norm", norm, NORMS)
+    norms = [_v.choice("norm", n, NORMS) for n in norms]
+    if not norms:
+        raise ValueError("norms must name at least one norm")
     tokens = _v.count("tokens", tokens)
     if layers is None:
         layers = mlp_stack(depth, width, scheme, residual=residual, d_mlp=d_mlp, seed=seed, dtype=dtype, **init)
     dt = layers[0][0].dtype
     rng = np.random.default_rng([_v.int_seed(seed), 1 << 30])
-    h = rng.standard_normal((tokens, width)).astype(dt)
+    h0 = rng.standard_normal((tokens, width)).astype(dt)
+    g0 = rng.standard_normal((tokens, width)).astype(dt)
+    blocks = [slice(i * tokens, (i + 1) * tokens) for i in range(len(norms))]
+
+    def each(fn, a: np.ndarray, *more: np.ndarray) -> np.ndarray:  # fn(norm, rows of a, rows of more) per setting
+        if len(norms) == 1:
+            return fn(norms[0], a, *more)
+        return np.concatenate([fn(n, a[b], *(m[b] for m in more)) for n, b in zip(norms, blocks)])
+
+    def fwd(n, h):
+        return _norm_fwd(n, h) if np.all(np.isfinite(h)) else h
+
+    def bwd(n, h, gz):
+        return _norm_vjp(n, h, gz) if np.all(np.isfinite(gz)) and np.all(np.isfinite(h)) else gz
+
+    h = np.concatenate([h0] * len(norms)) if len(norms) > 1 else h0
     hs, pre = [h], []
     with np.errstate(over="ignore", invalid="ignore"):
         for ws in layers:
-            z = _norm_fwd(norm, h) if np.all(np.isfinite(h)) else h
-            u = z @ ws[0]
+            u = each(fwd, h) @ ws[0]
             pre.append(u)
             a = _phi(activation, u)
             h = h + a @ ws[1] if residual else a
             hs.append(h)
-        g = rng.standard_normal((tokens, width)).astype(dt)
+        g = np.concatenate([g0] * len(norms)) if len(norms) > 1 else g0
         gs = [g]
         for k in range(len(layers) - 1, -1, -1):
             ws, u = layers[k], pre[k]
             gb = g @ ws[1].T if residual else g
             gz = (gb * _dphi(activation, u)) @ ws[0].T
-            gh = _norm_vjp(norm, hs[k], gz) if np.all(np.isfinite(gz)) and np.all(np.isfinite(hs[k])) else gz
+            gh = each(bwd, hs[k], gz)
             g = g + gh if residual else gh
             gs.append(g)
-    fwd = np.array([_rms(x) for x in hs])
-    bwd = np.array([_rms(x) for x in gs[::-1]])
-    fp, bp = _predict(layers, scheme, activation, norm, residual, width, dict(init))
-    return SignalPropagation(scheme, activation, norm, bool(residual), width, fwd, bwd, fp, bp)
+    out = []
+    for n, b in zip(norms, blocks):
+        fw = np.array([_rms(x[b]) for x in hs])
+        bw = np.array([_rms(x[b]) for x in gs[::-1]])
+        fp, bp = _predict(layers, scheme, activation, n, residual, width, dict(init))
+        out.append(SignalPropagation(scheme, activation, n, bool(residual), width, fw, bw, fp, bp))
+    return out

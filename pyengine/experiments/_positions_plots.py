@@ -45,7 +45,7 @@ def plot_positions(rep: PositionsReport, folder: str) -> list[str]:
         a = np.degrees(m.decomposition.angles)
         (line,) = ax.plot(m.layers, a[:, 0], marker="o", ms=3, label=f"{m.name} (smallest)")
         ax.plot(m.layers, a[:, -1], ls="--", color=line.get_color(), label=f"{m.name} (largest)")
-    ax.set(xlabel="hidden state l", ylabel="degrees", title=f"principal angles to layer 0 (top-k positional subspace)")
+    ax.set(xlabel="hidden state l", ylabel="degrees", title="principal angles to layer 0 (top-k positional subspace)")
     ax.grid(alpha=0.3)
     ax.legend(fontsize=7)
     paths.append(os.path.join(folder, "positions_angles.png"))

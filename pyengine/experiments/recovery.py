@@ -23,7 +23,6 @@ measures, also when that contradicts the hypothesis.
 from __future__ import annotations
 
 import dataclasses
-import math
 import time
 from collections.abc import Callable, Sequence
 from typing import Any

@@ -17,7 +17,8 @@ from typing import Any
 
 import numpy as np
 
-from ..analysis.stability import SignalPropagation, gelu_second_moment, mlp_stack, signal_propagation
+from ..analysis.stability import (SignalPropagation, gelu_second_moment, mlp_stacks, signal_propagation,
+                                  signal_propagations)
 from ..analysis.stack_stability import stack_signal_propagation
 from ..analysis.weight_spectra import WeightSpectra, weight_spectra
 from ..linalg.steepest import steepest_descent
@@ -102,21 +103,30 @@ def stability(
     import time
 
     t0 = time.perf_counter()
-    runs, weights = [], {}
     plan = [(s, n, r) for n, r in settings for s in schemes]
-    for i, (s, n, r) in enumerate(plan):
-        if progress:
-            progress(i, len(plan), f"{s} {n} {'residual' if r else 'plain'}")
-        if (s, r) not in weights:  # one draw per scheme and block shape, shared by the norm settings
-            weights[s, r] = mlp_stack(depth, width, s, residual=r, seed=seed, dtype=dtype)
-        runs.append(signal_propagation(s, depth, width, tokens, activation=activation, norm=n, residual=r,
-                                       seed=seed, dtype=dtype, layers=weights[s, r]))
+    done: dict[tuple[str, str, bool], SignalPropagation] = {}
     gelu_runs = []
-    if gelu_check and "kaiming_normal" in schemes:
-        if progress:
-            progress(len(plan), len(plan), "kaiming_normal gelu")
+    for r in dict.fromkeys(r for _, r in settings):
+        # One draw per block shape for every scheme (schemes consuming the same numbers share
+        # it), shared by the norm settings, which run as one batch; freed before the next shape.
+        weights = mlp_stacks(depth, width, schemes, residual=r, seed=seed, dtype=dtype)
+        norms = list(dict.fromkeys(n for n, rr in settings if rr == r))
+        for s in schemes:
+            if progress:
+                progress(len(done), len(plan), f"{s} {'/'.join(norms)} {'residual' if r else 'plain'}")
+            for run in signal_propagations(s, depth, width, tokens, activation=activation, norms=norms, residual=r,
+                                           seed=seed, dtype=dtype, layers=weights[s]):
+                done[s, run.norm, r] = run
+        if gelu_check and not r and "kaiming_normal" in schemes:
+            if progress:
+                progress(len(done), len(plan), "kaiming_normal gelu")
+            gelu_runs.append(signal_propagation("kaiming_normal", depth, width, tokens, activation="gelu", seed=seed,
+                                                dtype=dtype, layers=weights["kaiming_normal"]))
+        del weights
+    if gelu_check and "kaiming_normal" in schemes and not gelu_runs:  # no plain setting asked: its own draw
         gelu_runs.append(signal_propagation("kaiming_normal", depth, width, tokens, activation="gelu", seed=seed,
-                                            dtype=dtype, layers=weights.get(("kaiming_normal", False))))
+                                            dtype=dtype))
+    runs = [done[s, n, r] for s, n, r in plan]
     keep = on_stage or (lambda stage, result: None)
     keep("signal propagation", {"runs": [_run_dict(r) for r in runs + gelu_runs]})
     stack_runs = []

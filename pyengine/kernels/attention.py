@@ -16,7 +16,9 @@ entropy and spread are float64). Computation runs in float64, except the C++ fus
 on float32 input, which computes in float32 (8-wide AVX lanes, a float exp; about twice
 as fast) with its sums over T terms in float64: at T = 2000 its results are within
 ~1e-6 of float64 relative to their largest entry, more for large logits (see
-tests/test_attention.py, FLOAT32_CASES). Inputs are never modified; non-contiguous inputs are copied once. ``backend=`` is ``"auto"``,
+tests/test_attention.py, FLOAT32_CASES). On heads of width >= 16 the C++ score gradient
+and backward pass use NumPy's OpenBLAS for the per-head products (``csrc/attention_blas.hpp``;
+``_core.attention_blas_info()``). Inputs are never modified; non-contiguous inputs are copied once. ``backend=`` is ``"auto"``,
 ``"cpp"``, ``"numba"`` or ``"numpy"``.
 
 Errors: ``TypeError`` for a non-float dtype or a non-int offset; ``ValueError`` for

@@ -10,7 +10,7 @@ Two quantities, two separate algorithms (on non-normal operators they differ):
   change of sigma), which is the same relative residual that ARPACK tests.
   For LayerNorm / RMSNorm Jacobians, :func:`layer_norm_spectral_norm` and
   :func:`rms_norm_spectral_norm` add ``method="exact"`` (the O(d) secular
-  equation) and run power iteration in a fused per-token kernel.
+  equation) and run power iteration and Lanczos in fused per-token kernels.
 * :func:`spectral_radius` -- max |lambda(A_b)| of square, possibly non-symmetric
   operators: power iteration on A, with a fall-back to Arnoldi
   (:func:`scipy.sparse.linalg.eigs`) for the operators whose dominant
@@ -221,7 +221,13 @@ def _norm_scan(
         kern = resolve(norm + "_sigma_max", backend)
     elif method == "power":
         kern = resolve(norm + "_power_iteration", backend)
-    size = chunk_size or _default_chunk(method, d, x2.dtype.itemsize, LANCZOS_MAX_SUBSPACE)
+    else:  # the fused per-token kernel; the NumPy backend keeps the generic batched solver
+        kern = resolve(norm + "_lanczos", backend)
+        if kern is resolve(norm + "_lanczos", "numpy"):
+            kern = None
+    # The fused Lanczos kernel keeps its basis per thread, not per token: chunks as for power.
+    fused = method == "lanczos" and kern is not None
+    size = chunk_size or _default_chunk("power" if fused else method, d, x2.dtype.itemsize, LANCZOS_MAX_SUBSPACE)
     gmax = float(np.abs(g.astype(np.float64)).max())
     full_shape = shape + (d,)
     mode = "frozen_scale" if frozen else "full"
@@ -255,7 +261,14 @@ def _norm_scan(
             op = cls._trusted(xc, g, eps, mode, backend, scale)
             V0 = _start_vectors(key, lo, hi - lo, d) if start is None else start[lo:hi]
             part = {k: v[lo:hi] for k, v in out.items()}
-            _lanczos(op, V0, tol, max_iter, part)
+            if kern is None:
+                _lanczos(op, V0, tol, max_iter, part)
+            else:
+                nbad = kern(xc, g, eps, frozen, np.ascontiguousarray(V0, dtype=np.float64), tol, max_iter,
+                            part["sigma"], part["residual"], part["iterations"])
+                if nbad:
+                    _v.raise_bad_rows(nbad, x2, full_shape, eps, norm)
+                part["converged"][:] = part["residual"] <= tol
             out["upper"][lo:hi] = np.maximum(op.upper_bound(), part["sigma"])
         if callback is not None:
             callback(hi, N)
@@ -301,8 +314,10 @@ def layer_norm_spectral_norm(
     method : {"exact", "power", "lanczos"}, default "exact"
         ``"exact"``: the secular equation of DESIGN.md, O(d) per token, exact to
         rounding (lower = upper = sigma, residual 0, iterations 0). ``"power"``:
-        fused per-token power iteration on J^T J. ``"lanczos"``: batched
-        Golub-Kahan-Lanczos (see :func:`spectral_norm`).
+        fused per-token power iteration on J^T J. ``"lanczos"``: fused per-token
+        Lanczos on J^T J with full reorthogonalization (C++ / Numba; the
+        ``"numpy"`` backend runs the batched Golub-Kahan-Lanczos of
+        :func:`spectral_norm`); the same result contract.
     tol, max_iter, seed
         As :func:`spectral_norm` (unused by "exact"). A token's start vector
         depends only on (seed, its flat index), so results do not depend on

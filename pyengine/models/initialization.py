@@ -42,7 +42,8 @@ from .stack import Stack
 from .. import _validate as _v
 from ..backends import one_blas_thread
 
-__all__ = ["SCHEMES", "calculate_gain", "forward_gain", "init_matrix", "init_needs_blas", "init_variance", "init_weights"]
+__all__ = ["SCHEMES", "calculate_gain", "forward_gain", "init_matrices", "init_matrix", "init_needs_blas", "init_variance",
+           "init_weights"]
 
 #: The schemes of :func:`init_matrix` and :func:`init_weights` (plus the aliases of :data:`ALIASES`).
 SCHEMES = ("gpt2", "xavier_normal", "xavier_uniform", "kaiming_normal", "kaiming_uniform", "torch_default",
@@ -135,32 +136,148 @@ def _sigma_max(a: np.ndarray, rng: np.random.Generator) -> float:
 
 
 def _haar_columns(a: np.ndarray) -> np.ndarray:
-    """The Q of a = QR with diag(R) > 0 (a tall, float64): Haar-distributed columns for Gaussian a.
+    """The Q of a = QR with diag(R) > 0 (a tall, float64 or float32): Haar-distributed columns for Gaussian a.
 
     CholeskyQR2 (Fukaya et al. 2014): R = chol(aᵀa), Q = a R⁻¹, twice; the same Q as
     Householder QR with the signs of diag(R) fixed (Mezzadri 2007) to rounding, in BLAS-3
-    products only, all in scipy's BLAS (about 5x faster at 3072 x 768). Householder when
-    Cholesky breaks down (condition number beyond about 1e8).
+    products only, all in scipy's BLAS (about 5x faster at 3072 x 768), in a's precision
+    (float32: orthogonal to about 1e-6, half the time of float64). Householder when
+    Cholesky breaks down (condition number beyond about 1e8, 1e4 in float32). ``a`` is not
+    modified.
     """
+    if min(a.shape) <= _ONE_THREAD_MAX:  # block-sized: threaded BLAS only waits on its own barriers
+        with one_blas_thread():
+            return _cholesky_qr2(a)
+    return _cholesky_qr2(a)
+
+
+#: Up to this short side :func:`_haar_columns` runs single-threaded BLAS (a 1024 x 256 float64
+#: factorization, as init_weights draws at d_model 256: 0.42 s threaded, 0.13 s single-threaded,
+#: medians on a busy two-core machine).
+_ONE_THREAD_MAX = 512
+
+
+def _cholesky_qr2(a: np.ndarray) -> np.ndarray:
     import scipy.linalg
-    from scipy.linalg.blas import dsyrk
+    from scipy.linalg.blas import get_blas_funcs
 
     q = a
+    syrk, gemm = get_blas_funcs(("syrk", "gemm"), (a,))
     try:
-        for _ in range(2):
+        for step in range(2):
             # Every product here is scipy's BLAS (the Gram by syrk on the F-ordered qᵀ, no copy):
             # mixing in a NumPy product leaves NumPy's OpenBLAS threads spinning while scipy's
             # Cholesky runs, which made it 4x slower on two cores.
-            gram = dsyrk(1.0, q.T)
+            gram = syrk(1.0, q.T)
             with one_blas_thread():  # as fast at these sizes, and no stalls on a busy machine
                 r = scipy.linalg.cholesky(gram, lower=False, check_finite=False)
             q = scipy.linalg.solve_triangular(r, q.T, trans="T", lower=False, check_finite=False).T
-        if np.all(np.isfinite(q)):
-            return q
+            if q.dtype == np.float32 and _orthogonality_probe(q, gemm) <= _F32_ONE_PASS:
+                return q  # (after pass 1: well conditioned, tall Gaussians; already orthogonal to rounding)
+        if q.dtype != np.float32 and np.all(np.isfinite(q)):
+            return q  # float32 here: cond(a) beyond about 1e3.5, two passes not orthogonal to rounding
     except np.linalg.LinAlgError:
         pass
-    q, r = np.linalg.qr(a)
-    return q * np.sign(np.diag(r))
+    q, r = np.linalg.qr(a.astype(np.float64) if a.dtype == np.float32 else a)
+    return (q * np.sign(np.diag(r))).astype(a.dtype, copy=False)
+
+
+#: float32 schemes by the numbers they consume from their generator: a "normal" scheme's matrix
+#: is its standard normal draws rescaled (orthogonal: factored), a "uniform" one's its U[0, 1)
+#: draws shifted and rescaled, so one draw serves every scheme of a family (:func:`init_matrices`).
+_FAMILY32 = {"gpt2": "normal", "xavier_normal": "normal", "kaiming_normal": "normal", "orthogonal": "normal",
+             "xavier_uniform": "uniform", "kaiming_uniform": "uniform", "torch_default": "uniform"}
+
+
+def _draw_shape(s: str, fan_in: int, fan_out: int) -> tuple[int, int]:
+    """The shape of the raw draws of ``s`` (orthogonal: the tall Gaussian it factors)."""
+    if s == "orthogonal":
+        return max(fan_in, fan_out), min(fan_in, fan_out)
+    return int(fan_in), int(fan_out)
+
+
+def _draw32(rng: np.random.Generator, family: str, shape: tuple[int, int]) -> np.ndarray:
+    if family == "normal":
+        return rng.standard_normal(shape, dtype=np.float32)
+    return rng.random(shape, dtype=np.float32)
+
+
+def _from_draw32(z: np.ndarray, s: str, fan_in: int, fan_out: int, *, inplace: bool, mode: str = "fan_in",
+                 nonlinearity: str = "relu", gain: float | None = None, gpt2_std: float = 0.02) -> np.ndarray:
+    """The float32 matrix of scheme ``s`` (of :data:`_FAMILY32`) from its raw draws ``z``
+    (:func:`_draw32` of :func:`_draw_shape`); ``z`` is overwritten only if ``inplace``."""
+    if s == "orthogonal":
+        q = _haar_columns(z)
+        g = np.float32(math.sqrt(_gain2(s, gain, nonlinearity)))
+        return g * (q if fan_in >= fan_out else q.T)
+    w = z if inplace else z.copy()
+    if _FAMILY32[s] == "normal":
+        std = gpt2_std if s == "gpt2" else math.sqrt(init_variance(s, fan_in, fan_out, mode=mode,
+                                                                     nonlinearity=nonlinearity, gain=gain))
+        w *= np.float32(std)
+        return w
+    a = _uniform_bound(s, fan_in, fan_out, mode, nonlinearity, gain)
+    w *= np.float32(2 * a)
+    w -= np.float32(a)
+    return w
+
+
+def _uniform_bound(s: str, fan_in: int, fan_out: int, mode: str, nonlinearity: str, gain: float | None) -> float:
+    if s == "xavier_uniform":
+        return math.sqrt(_gain2(s, gain, nonlinearity)) * math.sqrt(6.0 / (fan_in + fan_out))
+    if s == "torch_default":
+        return 1.0 / math.sqrt(fan_in)
+    return math.sqrt(3.0 * init_variance(s, fan_in, fan_out, mode=mode, nonlinearity=nonlinearity, gain=gain))
+
+
+def init_matrices(
+    seed: Any, schemes: Any, shapes: Any, *, dtype: Any = np.float64, mode: str = "fan_in",
+    nonlinearity: str = "relu", gain: float | None = None,
+) -> dict[str, list[np.ndarray]]:
+    """Several schemes' matrices from one seed: scheme -> ``[init_matrix(rng, scheme, fan_in, fan_out,
+    gpt2_std=std) for fan_in, fan_out, std in shapes]``, ``rng = np.random.default_rng(seed)`` per scheme.
+
+    Array for array the same as those calls, but in float32 the schemes that consume the
+    same numbers (:data:`_FAMILY32`: gpt2, xavier_normal, kaiming_normal and orthogonal
+    their standard normals, the uniform schemes their U[0, 1)) draw them once per family.
+    """
+    dt = _v.float_dtype("dtype", dtype)
+    asked = list(dict.fromkeys(schemes))
+    canon = {a: _scheme(a) for a in asked}
+    names = list(dict.fromkeys(canon.values()))
+    shapes = [(int(fi), int(fo), float(std)) for fi, fo, std in shapes]
+    opts = {"mode": mode, "nonlinearity": nonlinearity, "gain": gain}
+    out: dict[str, list[np.ndarray]] = {s: [] for s in names}
+    shared = [s for s in names if dt == np.float32 and s in _FAMILY32]
+    for s in names:
+        if s not in shared:
+            rng = np.random.default_rng(seed)
+            out[s] = [init_matrix(rng, s, fi, fo, gpt2_std=std, dtype=dt, **opts) for fi, fo, std in shapes]
+    for family in ("normal", "uniform"):
+        group = [s for s in shared if _FAMILY32[s] == family]
+        if not group:
+            continue
+        rng = np.random.default_rng(seed)
+        for fi, fo, std in shapes:
+            z = _draw32(rng, family, (fi, fo))  # orthogonal's tall draws are the same numbers, reshaped
+            for i, s in enumerate(group):
+                out[s].append(_from_draw32(z.reshape(_draw_shape(s, fi, fo)), s, fi, fo, inplace=i == len(group) - 1,
+                                           gpt2_std=std, **opts))
+    return {a: out[c] for a, c in canon.items()}  # keyed as asked (an alias and its scheme share the arrays)
+
+
+#: CholeskyQR's orthogonality error grows as cond(a)² eps: in float32 the second pass is skipped
+#: when the probe of :func:`_orthogonality_probe` is at rounding level (tall Gaussians, cond ~ 3:
+#: about 5e-7, the same as after two passes; square ones, cond ~ 10³: 1e-4 to 1e-3).
+_F32_ONE_PASS = 2e-6
+
+
+def _orthogonality_probe(q: np.ndarray, gemm: Any) -> float:
+    """||(QᵀQ - I) V||_F / ||V||_F for 4 fixed Gaussian probes V: an O(n k) estimate of the RMS
+    departure of QᵀQ from I (scipy's BLAS, as the factorization)."""
+    v = np.random.default_rng(0x51AB).standard_normal((q.shape[1], 4)).astype(q.dtype)
+    e = gemm(1.0, q, gemm(1.0, q, v), trans_a=1) - v
+    return float(np.linalg.norm(e) / np.linalg.norm(v))
 
 
 def init_needs_blas(scheme: str) -> bool:
@@ -176,44 +293,29 @@ def init_matrix(
 
     ``dtype`` float64 (default) or float32: float32 entries are drawn in float32 directly
     (NumPy's float32 ziggurat and uniforms: about half the time and memory of drawing float64
-    and rounding; a different, equally reproducible stream). Orthogonal and spectral
-    matrices are factored in float64 and rounded.
+    and rounding; a different, equally reproducible stream). Float32 orthogonal matrices
+    are factored in float32 (CholeskyQR2: QᵀQ = I to about 1e-6); spectral ones in
+    float64 and rounded.
     """
     s = _scheme(scheme)
     dt = _v.float_dtype("dtype", dtype)
     shape = (int(fan_in), int(fan_out))
-    f32 = dt == np.float32
-
-    def normal(std: float) -> np.ndarray:
-        if f32:
-            w = rng.standard_normal(shape, dtype=np.float32)
-            w *= np.float32(std)
-            return w
-        return rng.normal(0.0, std, shape)
-
+    opts = {"mode": mode, "nonlinearity": nonlinearity, "gain": gain, "gpt2_std": gpt2_std}
+    if dt == np.float32 and s in _FAMILY32:
+        init_variance(s, fan_in, fan_out, **opts)  # checks mode, nonlinearity, gain
+        z = _draw32(rng, _FAMILY32[s], _draw_shape(s, *shape))
+        return _from_draw32(z, s, *shape, inplace=True, **opts)
     if s == "gpt2":
-        return normal(gpt2_std)
+        return rng.normal(0.0, gpt2_std, shape)
     if s in ("xavier_normal", "kaiming_normal"):
-        return normal(math.sqrt(init_variance(s, fan_in, fan_out, mode=mode, nonlinearity=nonlinearity, gain=gain,
-                                              gpt2_std=gpt2_std)))
+        return rng.normal(0.0, math.sqrt(init_variance(s, fan_in, fan_out, **opts)), shape)
     if s in ("xavier_uniform", "kaiming_uniform", "torch_default"):
-        if s == "xavier_uniform":
-            a = math.sqrt(_gain2(s, gain, nonlinearity)) * math.sqrt(6.0 / (fan_in + fan_out))
-        elif s == "torch_default":
-            a = 1.0 / math.sqrt(fan_in)
-        else:
-            a = math.sqrt(3.0 * init_variance(s, fan_in, fan_out, mode=mode, nonlinearity=nonlinearity, gain=gain))
-        if f32:
-            w = rng.random(shape, dtype=np.float32)
-            w *= np.float32(2 * a)
-            w -= np.float32(a)
-            return w
+        a = _uniform_bound(s, fan_in, fan_out, mode, nonlinearity, gain)
         return rng.uniform(-a, a, shape)
     g = math.sqrt(_gain2(s, gain, nonlinearity))
     if s == "orthogonal":
-        big, small = max(shape), min(shape)
-        q = _haar_columns(rng.standard_normal((big, small), dtype=dt).astype(np.float64, copy=False))
-        return (g * (q if shape[0] >= shape[1] else q.T)).astype(dt, copy=False)
+        q = _haar_columns(rng.standard_normal(_draw_shape(s, *shape)))
+        return g * (q if shape[0] >= shape[1] else q.T)
     w = rng.standard_normal(shape, dtype=dt).astype(np.float64, copy=False)  # spectral
     return (w * (g * math.sqrt(fan_out / fan_in) / _sigma_max(w, rng))).astype(dt, copy=False)
 

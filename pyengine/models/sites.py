@@ -53,7 +53,6 @@ from typing import Any
 import numpy as np
 
 from . import _blocks, _fast
-from .. import _validate as _v
 from .interventions import Intervention, parse_interventions
 
 __all__ = ["Sites", "as_input", "block_site_names", "match_sites"]

@@ -308,3 +308,5 @@ def rms_norm_power_iteration(x, gamma, eps, frozen, v0, tol, max_iter, sigma, re
     """x, v0 : (n, d); gamma : (d,); sigma, residual : (n,) float64; iterations : (n,) int64."""
     return _power_iteration(False, x, gamma, float(eps), bool(frozen), v0, float(tol),
                             int(max_iter), sigma, residual, iterations)
+
+from . import spectral_lanczos  # noqa: E402,F401  (registers the fused Lanczos kernels)

@@ -255,3 +255,5 @@ def rms_norm_power_iteration(x, gamma, eps, frozen, v0, tol, max_iter, sigma, re
     return _power_iteration(
         "rms_norm", x, gamma, eps, frozen, v0, tol, max_iter, sigma, residual, iterations
     )
+
+from . import spectral_lanczos  # noqa: E402,F401  (registers the fused Lanczos kernels)

@@ -1,0 +1,161 @@
+"""The C++ attention backward kernels' BLAS path (csrc/attention_blas.hpp) and its
+register-blocked fallback (attention_force_fallback): both against the NumPy reference on
+head-sized shapes (widths >= 16), odd lengths, Tq != Tk with an offset, batched heads;
+bit-identical results for any thread count; the bad-row counts of the raw kernels."""
+
+from __future__ import annotations
+
+import contextlib
+
+import numpy as np
+import pytest
+
+import pyengine as pe
+from conftest import require
+from pyengine import backends
+from pyengine.kernels import attention as pa
+from test_attention import assert_close, case, head, visible
+
+
+@pytest.fixture(scope="module")
+def core():
+    require("cpp")
+    from pyengine import _core
+
+    return _core
+
+
+@contextlib.contextmanager
+def fallback(core, on: bool):
+    core.attention_force_fallback(on)
+    try:
+        yield
+    finally:
+        core.attention_force_fallback(False)
+
+
+PATHS = [False, True]
+PATH_IDS = ["blas", "fallback"]
+
+# (lead, Tq, Tk, dv, offset): widths >= 16, so the BLAS path serves them; 45 and 97 rows
+# leave a partial block of 32; (1,) 37 x 70 with offset 33 is Tq != Tk; 20 x 60 with offset
+# 10 leaves keys 30..59 seen by no query (their dk, dv are 0).
+SCORE_CASES = [((12,), 128, 128, 64, 0), ((3,), 45, 45, 16, None), ((2, 2), 97, 97, 24, 0),
+               ((1,), 37, 70, 20, 33), ((1,), 33, 33, 64, 5), ((2,), 20, 60, 16, 10)]
+# (lead, Tq, Tk, dk, dv, offset): n >= 4 or Tq Tk <= 256^2 takes BLAS.
+FUSED_CASES = [((12,), 128, 128, 64, 64, 0), ((4,), 45, 45, 16, 24, None), ((2, 3), 97, 97, 32, 16, 0),
+               ((1,), 37, 70, 20, 17, 33), ((5,), 65, 65, 16, 16, 64), ((2,), 20, 60, 16, 16, 10)]
+
+
+#: max |error| / max |result| of the float32 backward (float compute, both paths): measured
+#: 3.5e-7 .. 6.5e-7 on FUSED_CASES; the bound of test_attention's FLOAT32_CASES at qk_scale 1.
+FLOAT32_BOUND = 1.5e-6
+
+
+def test_blas_path_is_taken_where_numpy_has_openblas(core):
+    info = core.attention_blas_info()
+    assert info.startswith("BLAS") == core.linear_blas_info().startswith("OpenBLAS"), info
+    with fallback(core, True):
+        assert "forced" in core.attention_blas_info()
+    assert core.attention_blas_info() == info
+
+
+@pytest.mark.parametrize("forced", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize("advantage", [False, True], ids=["grad", "advantage"])
+@pytest.mark.parametrize(("lead", "tq", "tk", "dv", "offset"), SCORE_CASES,
+                         ids=[f"{c[1]}x{c[2]}x{c[3]}-off{c[4]}" for c in SCORE_CASES])
+def test_score_grad_paths_match_the_reference(core, dtype, lead, tq, tk, dv, offset, advantage, forced):
+    p, u, v = case(lead, tq, tk, dv, offset, dtype, seed=tq + dv)
+    if offset is not None:
+        p[..., ~visible(tq, tk, offset)] = np.nan  # masked entries are never read
+    before = [a.copy() for a in (p, u, v)]
+    want = pa.attention_score_grad(np.nan_to_num(p), u, v, offset=offset, advantage=advantage, backend="numpy")
+    with fallback(core, forced):
+        got = pa.attention_score_grad(p, u, v, offset=offset, advantage=advantage, backend="cpp")
+    scale = float(np.abs(np.einsum("...id,...jd->...ij", u.astype(np.float64), v)).max())
+    for g, w in zip(got if advantage else (got,), want if advantage else (want,)):
+        assert g.dtype == dtype and g.shape == p.shape
+        assert_close(g, w, dtype, scale=scale)
+        if offset is not None:
+            assert (g[..., ~visible(tq, tk, offset)] == 0).all()
+    for a, b in zip((p, u, v), before):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("forced", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize(("lead", "tq", "tk", "dk", "dv", "offset"), FUSED_CASES,
+                         ids=[f"{c[1]}x{c[2]}-dk{c[3]}dv{c[4]}-off{c[5]}" for c in FUSED_CASES])
+def test_backward_paths_match_the_reference(core, dtype, lead, tq, tk, dk, dv, offset, forced):
+    q, k, v, d_o = head(lead, tq, tk, dk, dv, dtype, seed=tq + dk)
+    before = [a.copy() for a in (q, k, v, d_o)]
+    f = pa.attention_forward(q, k, v, offset=offset, backend="numpy")
+    want = pa.attention_backward(q, k, v, d_o, f.lse, o=f.out, offset=offset, backend="numpy")
+    with fallback(core, forced):
+        got = pa.attention_backward(q, k, v, d_o, f.lse, o=f.out, offset=offset, backend="cpp")
+    for name in ("dq", "dk", "dv", "spread"):
+        w = getattr(want, name)
+        g = getattr(got, name)
+        assert g.shape == w.shape and g.dtype == (np.float64 if name == "spread" else dtype)
+        if dtype == np.float64:
+            assert_close(g, w, dtype, scale=float(np.abs(w).max()) + 1e-300)
+        else:  # both paths compute in float: the bound of test_attention's FLOAT32_CASES (s1)
+            err = np.abs(g.astype(np.float64) - w).max() / np.abs(w).max()
+            assert err <= FLOAT32_BOUND, (name, err)
+    for a, b in zip((q, k, v, d_o), before):
+        np.testing.assert_array_equal(a, b)
+
+
+@pytest.mark.parametrize("offset", [0, None, 37], ids=["causal", "bidirectional", "off37"])
+def test_blas_path_threads_do_not_change_results(core, dtype, offset):
+    q, k, v, d_o = head((6,), 100, 100, 16, 24, dtype, seed=4)
+    p, u, vv = case((6,), 100, 100, 24, offset, dtype, seed=4)
+    f = pa.attention_forward(q, k, v, offset=offset, backend="numpy")
+
+    def run():
+        return (*pa.attention_backward(q, k, v, d_o, f.lse, o=f.out, offset=offset, backend="cpp"),
+                *pa.attention_score_grad(p, u, vv, offset=offset, advantage=True, backend="cpp"))
+
+    with pe.num_threads(1):
+        first = run()
+    for nt in (2, 3):
+        with pe.num_threads(nt):
+            again = run()
+        for x, y in zip(first, again):
+            np.testing.assert_array_equal(x, y)
+
+
+@pytest.mark.parametrize("forced", PATHS, ids=PATH_IDS)
+def test_raw_kernels_count_bad_rows_as_the_reference(core, forced):
+    """The raw kernels (no validation) count the rows that overflow as the reference does."""
+    p, u, v = case((4,), 40, 40, 16, 0, np.float64, seed=1)
+    u = u.copy()
+    u[1, 3, 0] = np.inf  # row 3 of head 1: b is inf or NaN
+    q, k, vv, d_o = head((4,), 40, 40, 16, 16, np.float64, seed=1)
+    f = pa.attention_forward(q, k, vv, offset=0, backend="numpy")
+    d_o = d_o.copy()
+    d_o[2, 5, 1] = np.inf  # row 5 of head 2: D and the advantage not finite
+    counts = {}
+    for be in ("numpy", "cpp"):
+        with fallback(core, forced):
+            sg = backends.resolve("attention_score_grad", be)
+            bw = backends.resolve("attention_backward", be)
+            n1 = sg(p, u, v, 0, np.zeros_like(p))
+            outs = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(vv), np.zeros((4, 40))]
+            n2 = bw(q, k, vv, f.out, d_o, f.lse, 0, 0.25, *outs)
+        counts[be] = (n1, n2)
+    assert counts["cpp"] == counts["numpy"]
+    assert counts["cpp"][0] == 1 and counts["cpp"][1] >= 1
+
+
+def test_bad_input_names_the_argument_on_blas_shapes(core):
+    q, k, v, d_o = head((4,), 40, 40, 16, 16, np.float64)
+    f = pa.attention_forward(q, k, v, offset=0, backend="cpp")
+    with pytest.raises(ValueError, match="d_o must have shape"):
+        pa.attention_backward(q, k, v, d_o[..., :8], f.lse, o=f.out, offset=0, backend="cpp")
+    bad = d_o.copy()
+    bad[0, 0, 0] = np.nan
+    with pytest.raises(ValueError, match="d_o contains NaN or Inf"):
+        pa.attention_backward(q, k, v, bad, f.lse, o=f.out, offset=0, backend="cpp")
+    p, u, vv = case((4,), 40, 40, 16, 0, np.float64)
+    with pytest.raises(ValueError, match=r"u must have shape .* and v .*got u \(4, 40, 16\), v \(4, 40, 8\)"):
+        pa.attention_score_grad(p, u, vv[..., :8], offset=0, backend="cpp")

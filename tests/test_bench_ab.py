@@ -78,14 +78,14 @@ def test_steady_allocator_maps_every_large_block_afresh():
 
 
 @pytest.mark.parametrize("second, final", [("same", "same"), ("regression", "regression"), ("faster", "same")])
-def test_a_change_counts_only_when_a_fresh_setup_shows_it_again(monkeypatch, tiny, second, final):
+def test_a_change_counts_only_when_fresh_workers_show_it_again(monkeypatch, tiny, second, final):
     from pyengine._bench import ab
 
     verdicts = iter(["regression", second])
     calls = []
 
     def scripted(old, new, req, rounds, threshold, per_call):
-        calls.append(req["kernel"])
+        calls.append((req["kernel"], old.proc.pid, new.proc.pid))
         v = next(verdicts)
         return {"time_old_s": 1.0, "time_new_s": 1.5 if v == "regression" else 1.0, "ratio": 1.5, "low": 1.3,
                 "high": 1.7, "verdict": v, "loops": 1, "reruns": 0, "rounds_old_s": [1.0], "rounds_new_s": [1.5]}
@@ -93,6 +93,7 @@ def test_a_change_counts_only_when_a_fresh_setup_shows_it_again(monkeypatch, tin
     monkeypatch.setattr(ab, "_measure", scripted)
     report = bench.compare_builds(sys.executable, kernels=("rms_norm",), only_backends=("numpy",))
     (row,) = report["results"]
-    assert calls == ["rms_norm", "rms_norm"] and row["confirmation"]["verdict"] == second
+    assert [c[0] for c in calls] == ["rms_norm", "rms_norm"] and row["confirmation"]["verdict"] == second
+    assert not set(calls[0][1:]) & set(calls[1][1:])  # the confirmation ran in new processes
     assert row["verdict"] == final
     assert ("not confirmed" in ab.format_ab(report)) == (final == "same")

@@ -6,10 +6,10 @@ calibrated on both and the larger used by both; then :data:`ROUNDS` rounds run, 
 :data:`SAMPLES` pairs of samples alternating old-new / new-old; a side's round statistic
 is its minimum. Outlier rounds (on either side) are re-run once. The verdict is the paired ratio
 new/old with a bootstrap interval (:func:`pyengine._bench.stats.paired_ratio`): a
-regression only when the whole interval lies above 1 / (1 - threshold), and again when the
-case is set up afresh in both workers and measured a second time (a row's "confirmation"):
-a kernel's speed can depend on where its arrays landed in one process, which a second
-setup redraws, and two independent intervals must both exclude the threshold.
+regression only when the whole interval lies above 1 / (1 - threshold), and again when both
+workers are restarted and the case measured a second time (a row's "confirmation"): a
+kernel's speed can depend on where one process put its arrays and its JIT-compiled code,
+which fresh processes redraw, so two independent intervals must both exclude the threshold.
 """
 
 from __future__ import annotations
@@ -43,7 +43,7 @@ class Worker:
     """One build's worker process (``python worker.py`` by path, cwd outside any source tree)."""
 
     def __init__(self, python: str, label: str, env: dict[str, str]):
-        self.label = label
+        self.label, self.python, self.env = label, python, env
         self._cwd = tempfile.mkdtemp(prefix="pyengine-ab-")
         self.proc = subprocess.Popen([python, str(_WORKER)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      text=True, cwd=self._cwd, env=env)
@@ -159,6 +159,13 @@ def compare_builds(old_python: str, quick: bool = True, dtypes: tuple[str, ...] 
         env.pop("PYTHONPATH", None)
     new, old = Worker(sys.executable, "new", env_new), Worker(old_python, old_label, env_old)
     rows: list[dict[str, Any]] = []
+
+    def restart() -> None:  # a fresh process for each build: new code and data placement
+        nonlocal new, old
+        new.close(), old.close()
+        new, old = Worker(new.python, new.label, new.env), Worker(old.python, old.label, old.env)
+        new.ask(op="hello"), old.ask(op="hello")
+
     try:
         hn, ho = new.ask(op="hello"), old.ask(op="hello")
         cases = _cases.all_cases()
@@ -177,7 +184,8 @@ def compare_builds(old_python: str, quick: bool = True, dtypes: tuple[str, ...] 
             req = {"op": "setup", "kernel": case.name, "backend": b, "dtype": dt, "size": list(size)}
             first = _measure(old, new, req, rounds, threshold, case.per_call)
             row = {"kernel": case.name, "backend": b, "dtype": dt, "size": case.size_label(size), **first}
-            if first["verdict"] != "same":  # a change must show again from a fresh setup of both workers
+            if first["verdict"] != "same":  # a change must show again in fresh worker processes
+                restart()
                 row["confirmation"] = again = _measure(old, new, req, rounds, threshold, case.per_call)
                 if again["verdict"] != first["verdict"]:
                     row["verdict"] = "same"
@@ -201,7 +209,7 @@ def format_ab(report: dict[str, Any]) -> str:
     lim = 1 / (1 - report["threshold"])
     lines = [f"A/B: new (this build) / {report['old']}, {report['rounds']} interleaved rounds; "
              f"regression when the {_stats.LEVEL:.0%} interval of the time ratio lies above x{lim:.3f}, "
-             "twice (the second time from a fresh setup)",
+             "twice (the second time in fresh worker processes)",
              f"{'kernel':<28}{'backend':<8}{'dtype':<9}{'size':<15}{'old':>11}{'new':>11}{'new/old':>9}"
              f"{'interval':>17}  verdict"]
     for r in report["results"]:

@@ -173,9 +173,12 @@ std::int64_t over_tiles(const LinearBlas& blas, index_t N, index_t n, index_t k,
                                                           : 1;
     std::vector<unsigned char> flags(static_cast<std::size_t>(N * ctiles), 0);
     unsigned char* fl = flags.data();
+    // Single-threaded OpenBLAS in every thread of the region; the caller's count is restored by
+    // the caller's thread after it (restores from each thread raced where the count is global).
+    const int prev = blas.set_threads_local(1);
 #pragma omp parallel num_threads(std::max(1, threads))
     {
-        const int prev = blas.set_threads_local(1);
+        blas.set_threads_local(1);
 #pragma omp for schedule(dynamic, 1)
         for (index_t i = 0; i < tiles; ++i) {
             const index_t rt = i / ctiles, ct = i % ctiles;
@@ -183,8 +186,8 @@ std::int64_t over_tiles(const LinearBlas& blas, index_t N, index_t n, index_t k,
             const index_t c0 = ct * t.cols, c1 = std::min(n, c0 + t.cols);
             tile(r0, r1, c0, c1, fl + ct, ctiles);
         }
-        blas.set_threads_local(prev);
     }
+    blas.set_threads_local(prev);
     std::int64_t nbad = 0;
     for (index_t r = 0; r < N; ++r) {
         bool bad = false;

@@ -264,3 +264,28 @@ def test_pyengine_backends_says_which_path_is_active(capsys):
     assert cli.main(["backends"]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
     assert line.startswith("linear kernels' products (cpp): ") and line.endswith(L.blas_info())
+
+
+def test_numpy_keeps_its_blas_threads_after_the_linear_kernels():
+    # Each OpenMP thread of a linear kernel runs OpenBLAS single-threaded. Restoring the count
+    # from every thread raced where OpenBLAS keeps it globally: NumPy was left on one thread
+    # after a block forward (a numpy 8192x3072x768 product: 202 ms before, 373 ms after).
+    from threadpoolctl import threadpool_info
+
+    from pyengine import _core
+
+    libs = [i["filepath"] for i in threadpool_info() if i["internal_api"] == "openblas" and "numpy" in i["filepath"]]
+    if not _core.linear_blas_info().startswith("OpenBLAS") or _core.get_num_threads() < 2 or not libs:
+        pytest.skip("needs NumPy's OpenBLAS and two threads")
+    lib = libs[0]
+
+    def numpy_threads():
+        return next(i["num_threads"] for i in threadpool_info() if i["filepath"] == lib)
+
+    before = numpy_threads()
+    rng = np.random.default_rng(0)
+    x, w = rng.standard_normal((2048, 512), np.float32), rng.standard_normal((512, 512), np.float32)
+    out = np.empty((2048, 512), np.float32)
+    for _ in range(20):
+        _core.linear(x, w, None, None, out)
+        assert numpy_threads() == before

@@ -53,6 +53,25 @@ struct LinearBlas {
     bool ready() const { return sgemm != nullptr && dgemm != nullptr && set_threads_local != nullptr; }
 };
 
+// Runs body() once in every thread of one OpenMP region of `threads` threads, with OpenBLAS
+// single-threaded in each of them, and returns the sum of what the calls returned (body
+// shares its work out with orphaned `omp for` loops). Every kernel that calls BLAS from
+// OpenMP threads goes through here: the caller's count is set to 1 before the region and
+// restored after it on the caller's thread, since restores from every thread raced where the
+// count is global (NumPy's pthreads OpenBLAS was left on one thread after a kernel).
+template <class Body>
+std::int64_t blas_region(const LinearBlas& bl, int threads, Body&& body) {
+    std::int64_t total = 0;
+    const int prev = bl.set_threads_local(1);
+#pragma omp parallel num_threads(std::max(1, threads)) reduction(+ : total)
+    {
+        bl.set_threads_local(1);
+        total += body();
+    }
+    bl.set_threads_local(prev);
+    return total;
+}
+
 inline constexpr int kCblasRowMajor = 101, kCblasNoTrans = 111;
 
 enum class Act { none = 0, gelu = 1, gelu_tanh = 2, relu = 3 };
@@ -173,12 +192,7 @@ std::int64_t over_tiles(const LinearBlas& blas, index_t N, index_t n, index_t k,
                                                           : 1;
     std::vector<unsigned char> flags(static_cast<std::size_t>(N * ctiles), 0);
     unsigned char* fl = flags.data();
-    // Single-threaded OpenBLAS in every thread of the region; the caller's count is restored by
-    // the caller's thread after it (restores from each thread raced where the count is global).
-    const int prev = blas.set_threads_local(1);
-#pragma omp parallel num_threads(std::max(1, threads))
-    {
-        blas.set_threads_local(1);
+    blas_region(blas, threads, [&]() -> std::int64_t {
 #pragma omp for schedule(dynamic, 1)
         for (index_t i = 0; i < tiles; ++i) {
             const index_t rt = i / ctiles, ct = i % ctiles;
@@ -186,8 +200,8 @@ std::int64_t over_tiles(const LinearBlas& blas, index_t N, index_t n, index_t k,
             const index_t c0 = ct * t.cols, c1 = std::min(n, c0 + t.cols);
             tile(r0, r1, c0, c1, fl + ct, ctiles);
         }
-    }
-    blas.set_threads_local(prev);
+        return 0;
+    });
     std::int64_t nbad = 0;
     for (index_t r = 0; r < N; ++r) {
         bool bad = false;

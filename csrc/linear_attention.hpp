@@ -82,13 +82,8 @@ std::int64_t linear_attention_jvp(const LinearBlas& bl, const T* dqkv, const T* 
     const index_t chunks = (K + kc - 1) / kc, tasks = H * chunks;
     const double work = static_cast<double>(K) * H * tq * tk * dh;
     const int threads = work >= double(1 << 18) ? static_cast<int>(std::min<index_t>(g_num_threads, tasks)) : 1;
-    std::int64_t nbad = 0;
-    // Single-threaded OpenBLAS in every thread of the region; the caller's count is restored by
-    // the caller's thread after it (restores from each thread raced where the count is global).
-    const int prev = bl.set_threads_local(1);
-#pragma omp parallel num_threads(std::max(1, threads)) reduction(+ : nbad)
-    {
-        bl.set_threads_local(1);
+    return blas_region(bl, threads, [&]() -> std::int64_t {
+        std::int64_t nbad = 0;
         std::vector<T> ws(static_cast<std::size_t>(kc * tq * tk));
         T* ds = ws.data();
 #pragma omp for schedule(dynamic, 1)
@@ -124,9 +119,8 @@ std::int64_t linear_attention_jvp(const LinearBlas& bl, const T* dqkv, const T* 
                            T(1), oh + (r - r0) * tq * H * dh, H * dh);
             }
         }
-    }
-    bl.set_threads_local(prev);
-    return nbad;
+        return nbad;
+    });
 }
 
 /// softmax(scale q k^T, visible keys j <= offset + t) v per sequence b and query head h, with
@@ -146,13 +140,8 @@ std::int64_t linear_attention_forward(const LinearBlas& bl, const T* qkv, const 
     const index_t g = H / Hkv, W = (H + 2 * Hkv) * dh, tk = s + tq, tasks = B * H;
     const double work = static_cast<double>(B) * H * tq * tk * dh;
     const int threads = work >= double(1 << 18) ? static_cast<int>(std::min<index_t>(g_num_threads, tasks)) : 1;
-    std::int64_t nbad = 0;
-    // Single-threaded OpenBLAS in every thread of the region; the caller's count is restored by
-    // the caller's thread after it (restores from each thread raced where the count is global).
-    const int prev = bl.set_threads_local(1);
-#pragma omp parallel num_threads(std::max(1, threads)) reduction(+ : nbad)
-    {
-        bl.set_threads_local(1);
+    return blas_region(bl, threads, [&]() -> std::int64_t {
+        std::int64_t nbad = 0;
         std::vector<T> ws(static_cast<std::size_t>(tq * tk));
         T* sc = ws.data();
 #pragma omp for schedule(dynamic, 1)
@@ -184,9 +173,8 @@ std::int64_t linear_attention_forward(const LinearBlas& bl, const T* qkv, const 
             gemm_ab<T>(bl, false, tq, dh, tq, T(1), sc + s, tk, qb + (H + Hkv + j) * dh, W, s > 0 ? T(1) : T(0), ob,
                        H * dh);
         }
-    }
-    bl.set_threads_local(prev);
-    return nbad;
+        return nbad;
+    });
 }
 
 }  // namespace pyengine

@@ -224,6 +224,7 @@ std::int64_t attention_backward(const T* q, const T* k, const T* v, const T* o, 
                                 T* dval, double* spread) {
     using namespace attention_detail;
     using C = T;  // the compute type (see the header comment)
+    constexpr index_t kSumRows = 256;  // rows per block of the partials' sum
     const index_t tiles = (tk + kTile - 1) / kTile;
     const index_t nchunks = std::min(tiles, kChunks);
     const index_t prow = dk + 1;  // a chunk's partial: dk rows of dq^T, then the spread row
@@ -318,24 +319,39 @@ std::int64_t attention_backward(const T* q, const T* k, const T* v, const T* o, 
                     }
                 }
             }  // barrier: the rows need every chunk's partial
-            // dq_i and the spread: the chunks' partials summed in chunk order (in double).
+            // dq_i and the spread: the chunks' partials summed in chunk order (in double), per
+            // block of rows, a column at a time over the block (contiguous, vectorized; the
+            // scalar gather across chunks was 4% of a training step). Chunk ch adds to the rows
+            // i >= firstq[ch] (nondecreasing in ch), so each sum is 0 + p_0 + p_1 + ... in
+            // chunk order, whatever the blocks.
 #pragma omp for schedule(static)
-            for (index_t i = 0; i < tq; ++i) {
-                const index_t row = h * tq + i;
-                bool bad = !std::isfinite(delta[sz(i)]);
+            for (index_t b = 0; b < (tq + kSumRows - 1) / kSumRows; ++b) {
+                const index_t r0 = b * kSumRows, r1 = std::min(tq, r0 + kSumRows), nr = r1 - r0;
+                double* acc = scratch<double>(12, prow * kSumRows);
                 for (index_t c = 0; c < prow; ++c) {
-                    double acc = 0.0;
-                    for (index_t ch = 0; ch < nchunks && firstq[sz(ch)] <= i; ++ch) {
-                        acc += static_cast<double>(part[sz((ch * prow + c) * tq + i)]);
-                    }
-                    bad = bad || !std::isfinite(acc);
-                    if (c < dk) {
-                        dq[row * dk + c] = static_cast<T>(scale * acc);
-                    } else {
-                        spread[row] = std::sqrt(acc);
+                    double* ac = acc + c * kSumRows;
+                    std::fill(ac, ac + nr, 0.0);
+                    for (index_t ch = 0; ch < nchunks && firstq[sz(ch)] < r1; ++ch) {
+                        const index_t lo = std::max(r0, firstq[sz(ch)]);
+                        const C* pc = part + (ch * prow + c) * tq;
+#pragma omp simd
+                        for (index_t i = lo; i < r1; ++i) ac[i - r0] += static_cast<double>(pc[i]);
                     }
                 }
-                nbad += bad ? 1 : 0;
+                for (index_t i = r0; i < r1; ++i) {
+                    const index_t row = h * tq + i;
+                    bool bad = !std::isfinite(delta[sz(i)]);
+                    for (index_t c = 0; c < prow; ++c) {
+                        const double a = acc[sz(c * kSumRows + i - r0)];
+                        bad = bad || !std::isfinite(a);
+                        if (c < dk) {
+                            dq[row * dk + c] = static_cast<T>(scale * a);
+                        } else {
+                            spread[row] = std::sqrt(a);
+                        }
+                    }
+                    nbad += bad ? 1 : 0;
+                }
             }  // barrier: the scratch is reused by the next head
         }
     }

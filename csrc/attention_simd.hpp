@@ -70,6 +70,11 @@ struct Simd<double> {
         return sum_lanes(_mm256_add_pd(_mm512_castpd512_pd256(v), _mm512_extractf64x4_pd(v, 1)));
     }
     static double hmax(V v) { return _mm512_reduce_max_pd(v); }
+    // The first n < W lanes (the rest of a load are 0, of a store untouched; masked lanes
+    // are never read or written, so a tail past the end of an array is safe).
+    static __mmask8 first(index_t n) { return static_cast<__mmask8>((1u << n) - 1u); }
+    static V load_first(const double* p, index_t n) { return _mm512_maskz_loadu_pd(first(n), p); }
+    static void store_first(double* p, index_t n, V v) { _mm512_mask_storeu_pd(p, first(n), v); }
 };
 template <>
 struct Simd<float> {
@@ -90,6 +95,9 @@ struct Simd<float> {
         return (h[0] + h[1]) + (h[2] + h[3]);
     }
     static float hmax(V v) { return _mm512_reduce_max_ps(v); }
+    static __mmask16 first(index_t n) { return static_cast<__mmask16>((1u << n) - 1u); }
+    static V load_first(const float* p, index_t n) { return _mm512_maskz_loadu_ps(first(n), p); }
+    static void store_first(float* p, index_t n, V v) { _mm512_mask_storeu_ps(p, first(n), v); }
 };
 #else
 template <>

@@ -137,6 +137,18 @@ PYENGINE_ALWAYS_INLINE void dot_rows(const C* a, const C* bt, index_t m, index_t
         }
         for (index_t r = 0; r < kTile; ++r) S::store(out + r * ldo + j, acc[r]);
     }
+#ifdef __AVX512F__
+    if (j < n) {  // the last n - j < W keys in masked lanes: the same chains, not scalar ones
+        typename S::V acc[kTile];
+        for (auto& r : acc) r = S::zero();
+        for (index_t c = 0; c < m; ++c) {
+            const auto b0 = S::load_first(bt + c * ld + j, n - j);
+            for (index_t r = 0; r < kTile; ++r) acc[r] = vmadd(S::set1(a[r * m + c]), b0, acc[r]);
+        }
+        for (index_t r = 0; r < kTile; ++r) S::store_first(out + r * ldo + j, n - j, acc[r]);
+        j = n;
+    }
+#endif
 #endif
     for (; j < n; ++j) {
         for (index_t r = 0; r < kTile; ++r) {

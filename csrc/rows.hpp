@@ -154,6 +154,18 @@ struct Lanes4 {
 inline double sum_lanes(__m256d v) { return (v[0] + v[1]) + (v[2] + v[3]); }
 #endif
 
+#ifdef __AVX512F__
+// 8 doubles: RowSums's accumulators hold two Lanes4 ones each (elements j .. j+7), half
+// the conversions and adds per block; lo + hi then rebuilds the Lanes4 order exactly.
+struct Lanes8 {
+    static __m512d load(const float* p) { return _mm512_cvtps_pd(_mm256_loadu_ps(p)); }
+    static __m512d load(const double* p) { return _mm512_loadu_pd(p); }
+};
+inline __m256d fold(__m512d v) {
+    return _mm512_castpd512_pd256(v) + _mm512_extractf64x4_pd(v, 1);
+}
+#endif
+
 // Element j of a row, in double, in either lane width.
 template <class T>
 auto element(const T* row) {
@@ -200,6 +212,14 @@ class RowSums {
             prefetch(a_, byte);
             prefetch(b_, byte);
         }
+#ifdef __AVX512F__
+        fa_ += f_(Lanes8{}, j_);  // the lanes of f0 | f1
+        fb_ += f_(Lanes8{}, j_ + 8);  // of f2 | f3
+        if constexpr (kTwo) {
+            ga_ += g_(Lanes8{}, j_);
+            gb_ += g_(Lanes8{}, j_ + 8);
+        }
+#else
         f0_ += f_(Lanes4{}, j_);
         f1_ += f_(Lanes4{}, j_ + 4);
         f2_ += f_(Lanes4{}, j_ + 8);
@@ -210,6 +230,7 @@ class RowSums {
             g2_ += g_(Lanes4{}, j_ + 8);
             g3_ += g_(Lanes4{}, j_ + 12);
         }
+#endif
         j_ += kBlock;
 #endif
     }
@@ -217,7 +238,9 @@ class RowSums {
     // Takes over the progress of `copy`, a copy of this object that was stepped instead.
     void resume_from(const RowSums& copy) {
         j_ = copy.j_;
-#ifdef __AVX__
+#ifdef __AVX512F__
+        fa_ = copy.fa_, fb_ = copy.fb_, ga_ = copy.ga_, gb_ = copy.gb_;
+#elif defined(__AVX__)
         f0_ = copy.f0_, f1_ = copy.f1_, f2_ = copy.f2_, f3_ = copy.f3_;
         g0_ = copy.g0_, g1_ = copy.g1_, g2_ = copy.g2_, g3_ = copy.g3_;
 #endif
@@ -231,10 +254,17 @@ class RowSums {
         while (j_ + kBlock <= d_) {
             step();
         }
+#ifdef __AVX512F__
+        sf = sum_lanes(fold(fa_) + fold(fb_));  // (f0 + f1) + (f2 + f3), as below
+        if constexpr (kTwo) {
+            sg = sum_lanes(fold(ga_) + fold(gb_));
+        }
+#else
         sf = sum_lanes((f0_ + f1_) + (f2_ + f3_));
         if constexpr (kTwo) {
             sg = sum_lanes((g0_ + g1_) + (g2_ + g3_));
         }
+#endif
 #endif
         double f_tail = 0.0;
         double g_tail = 0.0;
@@ -267,7 +297,9 @@ class RowSums {
     const char* a_ = nullptr;
     const char* b_ = nullptr;
     index_t element_bytes_ = 0;
-#ifdef __AVX__
+#ifdef __AVX512F__
+    __m512d fa_ = _mm512_setzero_pd(), fb_ = fa_, ga_ = fa_, gb_ = fa_;
+#elif defined(__AVX__)
     __m256d f0_ = _mm256_setzero_pd(), f1_ = f0_, f2_ = f0_, f3_ = f0_;
     __m256d g0_ = f0_, g1_ = f0_, g2_ = f0_, g3_ = f0_;
 #endif

@@ -389,25 +389,33 @@ PYENGINE_ALWAYS_INLINE void write_row(T* out, index_t d, bool stream, ValueFn&& 
 template <class FirstPass, class RowFn>
 std::int64_t count_bad_rows_pipelined(index_t n, index_t work, FirstPass&& first_pass,
                                       RowFn&& row) {
-    std::int64_t nbad = 0;
-#pragma omp parallel num_threads(threads_for(n, work)) reduction(+ : nbad)
-    {
-        const auto t = static_cast<index_t>(omp_get_thread_num());
-        const auto nt = static_cast<index_t>(omp_get_num_threads());
-        const index_t begin = n * t / nt;
-        const index_t end = n * (t + 1) / nt;
+    // The rows [begin, end) of one thread; returns their bad-row count.
+    auto block = [&](index_t begin, index_t end) {
+        std::int64_t bad = 0;
         if (begin < end) {
             auto sums = first_pass(begin).finish();
             for (index_t i = begin; i < end; ++i) {
                 const bool has_next = i + 1 < end;
                 auto next = first_pass(has_next ? i + 1 : i);
-                nbad += row(i, sums, has_next ? &next : nullptr) ? 1 : 0;
+                bad += row(i, sums, has_next ? &next : nullptr) ? 1 : 0;
                 if (has_next) {
                     sums = next.finish();  // completes what the writing pass did not add
                 }
             }
         }
         store_fence();
+        return bad;
+    };
+    const int threads = threads_for(n, work);
+    if (threads == 1) {  // a small call (one token): no parallel region, whose start costs
+        return block(0, n);  // about as much as a d = 768 row
+    }
+    std::int64_t nbad = 0;
+#pragma omp parallel num_threads(threads) reduction(+ : nbad)
+    {
+        const auto t = static_cast<index_t>(omp_get_thread_num());
+        const auto nt = static_cast<index_t>(omp_get_num_threads());
+        nbad += block(n * t / nt, n * (t + 1) / nt);
     }
     return nbad;
 }

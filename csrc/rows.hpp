@@ -189,7 +189,8 @@ struct NoTerm {};
 // read) kPrefetchBytes ahead: the loop that steps this object also computes and writes
 // another row, so too few of its loads are in flight to keep memory busy; prefetching
 // made the pipelined LayerNorm about 15% faster.
-template <class F, class G = NoTerm>
+// kWideSingle: see kWide below (RMSNorm's sum of squares opts out).
+template <class F, class G = NoTerm, bool kWideSingle = true>
 class RowSums {
   public:
     static constexpr index_t kBlock = 16;
@@ -281,10 +282,11 @@ class RowSums {
 
   private:
     static constexpr bool kTwo = !std::is_same_v<G, NoTerm>;
-    // A single sum accumulates in 8-double registers (AVX-512): measured 1.4x faster for
-    // LayerNorm's forward in cache. Two sums keep the eight 4-double accumulators: with
-    // 8-double ones they had half the independent add chains, and the JVP was 5 % slower.
-    static constexpr bool kWide = !kTwo;
+    // A single sum accumulates in 8-double registers (AVX-512): with the float output
+    // pass, LayerNorm's forward in cache 1.35x faster. Two sums keep the eight 4-double
+    // accumulators: with 8-double ones they had half the independent add chains, and the
+    // JVP was 5 % slower; RMSNorm's sum of squares also measured 3-4 % slower wide.
+    static constexpr bool kWide = !kTwo && kWideSingle;
 
 #ifdef __AVX__
     // Prefetching never faults, so running past the end of the array is harmless.

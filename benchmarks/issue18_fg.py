@@ -1,11 +1,11 @@
 """Issue 18 (helper fg) measurements, one process, for a quiet machine.
 
-    python benchmarks/issue18_fg.py        (run from outside the source tree is not needed:
+    python benchmarks/issue18_fg.py [--no-lanczos]   (run from outside the source tree is not needed:
                                            it only imports the installed pyengine)
 
 Prints: per-call time of each public kernel on one d=768 float32 token (min of 7 means
 of 2000 calls); pe.layer_norm vs torch F.layer_norm at (2048, 768) float32, both
-allocating (median of 300 interleaved calls); the Numba/C++ ratio of the norm kernels
+allocating (median of 300 interleaved calls; then with one thread each); the Numba/C++ ratio of the norm kernels
 at (8192, 4096) float32 with out= (median of 10); Lanczos ms/token over 256 tokens at
 d = 768 for the fused kernels (cpp, numba; median of 3) and the generic solver (numpy, once).
 """
@@ -52,10 +52,29 @@ def main() -> None:
         med = {k: statistics.median(v) for k, v in ts.items()}
         print(f"(2048, 768) f32 pe {med['pe.layer_norm'] * 1e3:.3f} ms, torch "
               f"{med['F.layer_norm'] * 1e3:.3f} ms, torch/pe = {med['F.layer_norm'] / med['pe.layer_norm']:.2f}")
+        # The same with one thread each (the per-core speed of the two kernels), medians
+        # and minima of 300 interleaved calls.
+        nt = torch.get_num_threads()
+        torch.set_num_threads(1)
+        ts = {k: [] for k in calls}
+        with pe.num_threads(1):
+            for _ in range(300):
+                for k, f in calls.items():
+                    t = time.perf_counter()
+                    f()
+                    ts[k].append(time.perf_counter() - t)
+        torch.set_num_threads(nt)
+        med = {k: statistics.median(v) for k, v in ts.items()}
+        mn = {k: min(v) for k, v in ts.items()}
+        print(f"(2048, 768) f32, 1 thread each: pe {med['pe.layer_norm'] * 1e3:.3f} ms, torch "
+              f"{med['F.layer_norm'] * 1e3:.3f} ms, torch/pe = {med['F.layer_norm'] / med['pe.layer_norm']:.2f} "
+              f"(minima: {mn['F.layer_norm'] / mn['pe.layer_norm']:.2f})")
     n = b.NumbaVsCpp()
     for k in b.NumbaVsCpp.params[0]:
         n.setup(k)
         print(f"(8192, 4096) f32 out= {k:16s} numba/cpp = {n.track_ratio(k):.2f}")
+    if "--no-lanczos" in sys.argv:  # the norm-kernel figures only (the numpy solver takes minutes)
+        return
     rng = np.random.default_rng(0)
     x = rng.standard_normal((256, 768)).astype(np.float32)
     g = rng.uniform(0.5, 1.5, 768).astype(np.float32)

@@ -10,7 +10,8 @@
 // scale is not positive: var + eps <= 0 (LayerNorm), mean(x^2) + eps <= 0 (RMSNorm).
 //
 // Numerics: everything is computed in double, also for float input, and cast on the
-// way out. The variance is two-pass (mean first, then the mean of squared deviations)
+// way out (one exception: LayerNorm's float32 output pass, see f32_output_pass_ok; its
+// statistics are still double). The variance is two-pass (mean first, then the mean of squared deviations)
 // because E[x^2] - E[x]^2 cancels catastrophically when |mean| >> std. Reductions are
 // vectorized by explicit lanes (rows.hpp), not by -ffast-math, which stays off
 // because the bad-row test needs std::isfinite. Each row is reduced in an order fixed
@@ -29,11 +30,13 @@
 #include <cmath>
 #include <cstdint>
 #include <limits>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
 #include "parallel.hpp"
 #include "rows.hpp"
+#include "rows_f32.hpp"
 
 namespace pyengine {
 namespace layernorm_detail {
@@ -139,6 +142,15 @@ std::int64_t dense_jacobian(const T* x, const T* gamma, index_t n, index_t d, do
     return nbad;
 }
 
+// Whether LayerNorm's float32 output pass may run in float (rows_f32.hpp): the float32
+// result gamma * (x - mu) / s + beta is then within a few float ulps of the double pass,
+// inside the float32 tolerance. Only for scales and means well inside float's range:
+// 1/s must not overflow and (x - mu) must not be subnormal where it matters; other rows
+// (the slow path's, rows like 1e-38) keep the double pass.
+inline bool f32_output_pass_ok(double mu, double inv_s) {
+    return inv_s >= 0x1p-100 && inv_s <= 0x1p100 && std::fabs(mu) <= 0x1p100;
+}
+
 // LayerNorm pass 1 of row `row`: the sum of x (first_pass objects for the pipeline).
 template <class T>
 auto ln_first_pass(const T* x, index_t d) {
@@ -157,7 +169,8 @@ auto rms_first_pass(const T* x, index_t d) {
             const auto xj = element(xr)(lane, j);
             return xj * xj;
         };
-        return RowSums(d, square).prefetch_from(xr);
+        // 4-double accumulators (kWideSingle = false): measured faster for this sum.
+        return RowSums<decltype(square), NoTerm, false>(d, square).prefetch_from(xr);
     };
 }
 
@@ -191,6 +204,28 @@ std::int64_t layer_norm(const T* x, const T* gamma, const T* beta, double eps, i
                 write_nan_row(o, d);
                 return true;
             }
+#ifdef PYENGINE_HAVE_F32_ROWS
+            if constexpr (std::is_same_v<T, float>) {
+                if (f32_output_pass_ok(mu, inv_s)) {
+                    // In float: (x - mu_hi) - mu_lo, with mu = mu_hi + mu_lo to ~2^-48
+                    // relative, keeps the centring exact enough for rows of large mean.
+                    const float mu_hi = static_cast<float>(mu);
+                    const float mu_lo = static_cast<float>(mu - static_cast<double>(mu_hi));
+                    const float inv_f = static_cast<float>(inv_s);
+                    write_row_f32(
+                        o, d, stream,
+                        [=](auto lane, index_t j) {
+                            using L = decltype(lane);
+                            const auto c = L::sub(L::sub(L::load(xr + j), L::set1(mu_hi)),
+                                                  L::set1(mu_lo));
+                            return L::fma(L::load(gamma + j), L::mul(c, L::set1(inv_f)),
+                                          L::load(beta + j));
+                        },
+                        next);
+                    return false;
+                }
+            }
+#endif
             write_row(
                 o, d, stream,
                 [=](auto lane, index_t j) {

@@ -88,14 +88,21 @@ def param(name: str, a: Any, x2: np.ndarray, fill: float) -> np.ndarray:
     # call, a third of isfinite + all on a small vector). The weight 2^-64 (float32) or
     # 2^-600 (float64) keeps the sum of any finite entries far from overflow, so a finite
     # gamma never warns; NaN/Inf give NaN/Inf, and only then are the entries looked at.
-    tiny = _filled(d, _TINY[arr.dtype.itemsize == 4], arr.dtype)
+    tiny = _TINY_VECS.get((d, arr.dtype.char))
+    if tiny is None:
+        tiny = _TINY_VECS[d, arr.dtype.char] = _filled(d, _TINY[arr.dtype.itemsize == 4], arr.dtype)
     if not math.isfinite(arr.dot(tiny)) and not np.isfinite(arr).all():
         i = int(np.flatnonzero(~np.isfinite(arr))[0])
         raise ValueError(f"{name} contains NaN or Inf (first at index {i}: {arr[i]})")
+    if arr.dtype is x2.dtype and arr.flags.c_contiguous:  # the common case: no conversion
+        return arr
     return np.ascontiguousarray(arr, dtype=x2.dtype)
 
 
 _TINY = (2.0**-600, 2.0**-64)  # the weights of param's finiteness test: float64, float32
+#: param's tiny vectors by (d, dtype char): a dict lookup, cheaper than _filled's lru_cache
+#: (a one-token call spends microseconds in this layer). Each is one of _filled's arrays.
+_TINY_VECS: dict[tuple[int, str], np.ndarray] = {}
 
 
 @functools.lru_cache(maxsize=64)

@@ -29,10 +29,16 @@ to preallocate instead: it makes a function uncacheable.
 The cores are plain ``jit`` functions; LLVM decides whether to inline them. Numba's
 ``inline="always"`` made compilation about 35 % slower and the kernels no faster
 (one call per row costs nanoseconds next to the microseconds of the row).
-The stores are ordinary ones: Numba has no streaming (non-temporal) stores, so a
-large ``out`` is also read into cache before it is written (the C++ kernels avoid
-that). Writing each row to a per-thread buffer and copying it out with
-non-temporal stores (an LLVM intrinsic) was tried and gained nothing measurable.
+Large outputs (``STREAM_MIN_BYTES``, the C++ kernels' threshold) are written with
+non-temporal stores: Numba emits none from a loop, so the batch kernel computes each
+row into a per-thread buffer (in cache) and copies it out with :func:`._jit.stream_copy`;
+the rows are shared out in ``_CHUNKS`` contiguous chunks, each ended by one
+:func:`._jit.store_fence`. Each row is computed by the same core either way, so the
+values are bit for bit the same. Without it a normal store reads the output line
+first (read-for-ownership): a third more memory traffic than the C++ kernels. Measured
+at (8192, 4096) float32 with ``out=``: 3-7 % faster, not the 1.5x of the traffic alone,
+since the output pass computes float32 rows in float64 and is partly compute-bound
+(``benchmarks/numba_vs_cpp_norms.py``).
 """
 
 from __future__ import annotations
@@ -41,7 +47,7 @@ import numpy as np
 from numba import prange
 
 from ...backends import register
-from ._jit import jit, pjit, prefetch
+from ._jit import jit, pjit, prefetch, store_fence, stream_copy
 from ._reduce import (
     LANES,
     _f64,
@@ -119,6 +125,17 @@ def _ln_stats(x, eps, acc):
 _BLOCK = 64
 #: Bytes per cache line (64 on x86-64 and on most AArch64).
 _LINE = 64
+#: Outputs of at least this many bytes are written with non-temporal stores (as
+#: ``kStreamMinBytes`` in ``csrc/rows.hpp``); smaller ones stay in cache for the caller.
+STREAM_MIN_BYTES = 16 << 20
+#: Chunks of contiguous rows of a streamed output (each ends with one store fence).
+_CHUNKS = 256
+
+
+@jit
+def _streams(out):
+    """Whether the batch kernel writes ``out`` with non-temporal stores."""
+    return out.size * out.itemsize >= STREAM_MIN_BYTES
 
 
 @jit
@@ -260,6 +277,18 @@ def layer_norm(x, gamma, beta, eps, out):
     """x, out : (n, d); gamma, beta : (d,). Returns the number of bad rows."""
     n = x.shape[0]
     nbad = 0
+    if _streams(out):
+        nc = min(n, _CHUNKS)
+        for c in prange(nc):
+            acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+            buf = np.empty_like(out[0])  # the row, copied out by stream_copy
+            for r in range(c * n // nc, (c + 1) * n // nc):
+                nx = min(r + 1, n - 1)
+                if _layer_norm_row(x[r], gamma, beta, eps, buf, acc, x[nx]):
+                    nbad += 1
+                stream_copy(out[r], buf)
+            store_fence()
+        return nbad
     for r in prange(n):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
         nx = min(r + 1, n - 1)
@@ -274,6 +303,18 @@ def layer_norm_jvp(x, v, gamma, eps, frozen, out):
     """x, v, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
     nbad = 0
+    if _streams(out):
+        nc = min(n, _CHUNKS)
+        for c in prange(nc):
+            acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+            buf = np.empty_like(out[0])  # the row, copied out by stream_copy
+            for r in range(c * n // nc, (c + 1) * n // nc):
+                nx = min(r + 1, n - 1)
+                if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, buf, acc, x[nx], v[nx]):
+                    nbad += 1
+                stream_copy(out[r], buf)
+            store_fence()
+        return nbad
     for r in prange(n):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
         nx = min(r + 1, n - 1)
@@ -288,6 +329,18 @@ def layer_norm_vjp(x, u, gamma, eps, frozen, out):
     """x, u, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
     nbad = 0
+    if _streams(out):
+        nc = min(n, _CHUNKS)
+        for c in prange(nc):
+            acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+            buf = np.empty_like(out[0])  # the row, copied out by stream_copy
+            for r in range(c * n // nc, (c + 1) * n // nc):
+                nx = min(r + 1, n - 1)
+                if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, buf, acc, x[nx], u[nx]):
+                    nbad += 1
+                stream_copy(out[r], buf)
+            store_fence()
+        return nbad
     for r in prange(n):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
         nx = min(r + 1, n - 1)

@@ -5,7 +5,8 @@ the same layout as :mod:`.layernorm` (whose docstring explains it): a per-token 
 ``_<kernel id>_row``, run by the registered batch kernel under ``prange`` over rows
 only; reductions in float64 in ``LANES`` partial sums (:mod:`._reduce`), a single
 pass over the row for the sums (RMSNorm has centre 0), and the writing pass
-prefetching the next row in blocks of ``layernorm._BLOCK``.
+prefetching the next row in blocks of ``layernorm._BLOCK``; large outputs written with
+non-temporal stores as there.
 """
 
 from __future__ import annotations
@@ -14,9 +15,9 @@ import numpy as np
 from numba import prange
 
 from ...backends import register
-from ._jit import jit, pjit
+from ._jit import jit, pjit, store_fence, stream_copy
 from ._reduce import LANES, _f64, _rms_slow, _safe, _scale, _sum_sq, _sum_sq_dot, _sum_sq_dot_gu
-from .layernorm import _BLOCK, _prefetch_block
+from .layernorm import _BLOCK, _CHUNKS, _prefetch_block, _streams
 
 __all__ = ["rms_norm", "rms_norm_jacobian", "rms_norm_jvp", "rms_norm_vjp"]
 
@@ -136,6 +137,18 @@ def rms_norm(x, gamma, eps, out):
     """x, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
     nbad = 0
+    if _streams(out):
+        nc = min(n, _CHUNKS)
+        for c in prange(nc):
+            acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+            buf = np.empty_like(out[0])  # the row, copied out by stream_copy
+            for r in range(c * n // nc, (c + 1) * n // nc):
+                nx = min(r + 1, n - 1)
+                if _rms_norm_row(x[r], gamma, eps, buf, acc, x[nx]):
+                    nbad += 1
+                stream_copy(out[r], buf)
+            store_fence()
+        return nbad
     for r in prange(n):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
         nx = min(r + 1, n - 1)
@@ -150,6 +163,18 @@ def rms_norm_jvp(x, v, gamma, eps, frozen, out):
     """x, v, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
     nbad = 0
+    if _streams(out):
+        nc = min(n, _CHUNKS)
+        for c in prange(nc):
+            acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+            buf = np.empty_like(out[0])  # the row, copied out by stream_copy
+            for r in range(c * n // nc, (c + 1) * n // nc):
+                nx = min(r + 1, n - 1)
+                if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, buf, acc, x[nx], v[nx]):
+                    nbad += 1
+                stream_copy(out[r], buf)
+            store_fence()
+        return nbad
     for r in prange(n):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
         nx = min(r + 1, n - 1)
@@ -164,6 +189,18 @@ def rms_norm_vjp(x, u, gamma, eps, frozen, out):
     """x, u, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
     nbad = 0
+    if _streams(out):
+        nc = min(n, _CHUNKS)
+        for c in prange(nc):
+            acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
+            buf = np.empty_like(out[0])  # the row, copied out by stream_copy
+            for r in range(c * n // nc, (c + 1) * n // nc):
+                nx = min(r + 1, n - 1)
+                if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, buf, acc, x[nx], u[nx]):
+                    nbad += 1
+                stream_copy(out[r], buf)
+            store_fence()
+        return nbad
     for r in prange(n):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
         nx = min(r + 1, n - 1)

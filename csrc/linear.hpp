@@ -158,15 +158,17 @@ PYENGINE_ALWAYS_INLINE bool bias_residual_row(T* p, index_t n, const T* b, const
     return bad != 0;
 }
 
-// The tiles of the (N, n) result: rows x cols each. A tile's result should stay in cache for
-// the epilogue (about 512K values: L2 and L3), and be tall enough that the single-threaded
-// gemm's packing of its w columns is small next to its flops (each row tile packs all of w
-// once: 176-row tiles of (8320, 768) @ (768, 3072) ran at 58 GFLOP/s against numpy's 81,
-// 512 x 1024 tiles at 169 against 175, both under load); there should be >= 8 tiles. Small N (a single
-// sequence) splits the columns only, so w is still packed once in all. The
-// tiling depends on (N, n) only, never on the thread count: every element is computed the
-// same way whatever the number of threads (the gemm's rounding can depend on where a
-// row or column falls in its tile).
+// The tiles of the (N, n) result: rows x cols each. Large N: row tiles of the full width, at
+// most 2048 rows, about 8 of them. Each row tile packs all of w once and each gemm call packs
+// its own rows of x, so tall, full-width tiles keep the packing small next to the flops; the
+// epilogue then runs on a tile that has left L2. Measured on a quiet 2-core AVX-512 host
+// (2026-12-03, `benchmarks/torch_compare.py`, K = 64, T = 128, GPT-2-small): the previous
+// 512 x 1024 tiles (the epilogue in cache) ran (8320, 768) @ (768, 3072) at 270-275 GFLOP/s
+// against numpy's threaded 324-337; full-width 1040-row tiles at 323-327, and exact propagation
+// went from 98.0 to 87.4 ms a sequence. Small N (a single sequence) splits the columns only, so w is still packed once in all.
+// The tiling depends on (N, n) only, never on the thread count: every element is computed the
+// same way whatever the number of threads (the gemm's rounding can depend on where a row or
+// column falls in its tile).
 struct Tiling {
     index_t rows, cols;
 };
@@ -174,9 +176,9 @@ struct Tiling {
 inline index_t round16(index_t v) { return std::max<index_t>(16, (v + 15) / 16 * 16); }
 
 inline Tiling tiling(index_t N, index_t n) {
-    if (N >= 256) {  // row tiles of up to 512 rows (w's packing amortized), columns to ~512K values
-        const index_t rows = std::min<index_t>(512, round16((N + 7) / 8));
-        return {rows, std::min(n, round16(std::max<index_t>(256, (index_t{1} << 19) / rows)))};
+    if (N >= 256) {  // ~8 full-width row tiles of at most 2048 rows
+        const index_t rows = std::min<index_t>(2048, round16((N + 7) / 8));
+        return {rows, n};
     }
     return {N, std::min(n, std::max<index_t>(64, round16((n + 7) / 8)))};
 }

@@ -72,22 +72,16 @@ void gemm(const LinearBlas& bl, bool ta, bool tb, index_t m, index_t n, index_t 
     }
 }
 
-// Runs body(task) for task in [0, tasks) in one parallel region of `threads` threads,
-// each with single-threaded BLAS; returns the sum of what body returned.
+// Runs body(task) for task in [0, tasks) in one parallel region of `threads` threads, each
+// with single-threaded BLAS (linear.hpp's blas_region); returns the sum of what body returned.
 template <class Body>
 std::int64_t over_tasks(const LinearBlas& bl, index_t tasks, int threads, Body&& body) {
-    std::int64_t total = 0;
-    // Single-threaded OpenBLAS in every thread of the region; the caller's count is restored by
-    // the caller's thread after it (restores from each thread raced where the count is global).
-    const int prev = bl.set_threads_local(1);
-#pragma omp parallel num_threads(std::max(1, threads)) reduction(+ : total)
-    {
-        bl.set_threads_local(1);
+    return blas_region(bl, threads, [&]() -> std::int64_t {
+        std::int64_t total = 0;
 #pragma omp for schedule(dynamic, 1)
         for (index_t t = 0; t < tasks; ++t) total += body(t);
-    }
-    bl.set_threads_local(prev);
-    return total;
+        return total;
+    });
 }
 
 }  // namespace attention_blas_detail

@@ -1,6 +1,6 @@
 """Issue 11: the fused attention kernels at T = 2000 (dk 10, dv 15, one head), numba vs cpp, float32 vs float64,
 1 and 2 threads (medians of 5). Run: python benchmarks/attention_kernels_dtype.py"""
-import time, numpy as np, sys
+import time, numpy as np
 from pyengine.backends import resolve
 import pyengine as pe
 def med(f, n=5):

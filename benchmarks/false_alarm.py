@@ -72,6 +72,7 @@ def main(argv: list[str] | None = None) -> int:
             how = (old if mode == "ab" else base_args) + sel
             res = {"self": [], "detect": {}}
             lows: dict[str, float] = {}
+            row_lows: dict[str, float] = {}  # per row: the lowest interval bound of the self-comparisons
             for i in range(a.n_self):
                 code, got = _bench(how, env, cwd)
                 flagged = [ln for ln in got["stdout"].splitlines() if ln.startswith("REGRESSION")]
@@ -83,10 +84,13 @@ def main(argv: list[str] | None = None) -> int:
                     for r in got["report"]["results"]:
                         fam = _family(r["kernel"])
                         lows[fam] = min(lows.get(fam, float("inf")), r["low"])
+                        row = f"{r['kernel']} {r['backend']} {r['dtype']} {r['size']}"
+                        row_lows[row] = min(row_lows.get(row, float("inf")), r["low"])
                     res["threshold"] = got["report"]["threshold"]
             if mode == "ab" and lows:
                 lim = 1 / (1 - res["threshold"])
                 res["smallest_flagged_slowdown_per_family"] = {f: lim / lo for f, lo in sorted(lows.items())}
+                res["smallest_flagged_slowdown_per_row"] = {k: lim / lo for k, lo in sorted(row_lows.items())}
             kernel, backend = a.target.split(":")
             for factor in factors:
                 hits = []
@@ -102,8 +106,15 @@ def main(argv: list[str] | None = None) -> int:
     for mode, res in summary["modes"].items():
         print(f"{mode}: {res['false_alarm_runs']} of {len(res['self'])} self-comparisons reported a regression; "
               + "; ".join(f"x{f} flagged {sum(h)}/{len(h)}" for f, h in res["detect"].items()))
+        per_row = res.get("smallest_flagged_slowdown_per_row", {})
         for fam, s in res.get("smallest_flagged_slowdown_per_family", {}).items():
-            print(f"   {fam}: a slowdown above x{s:.2f} is flagged (from the self-comparisons' intervals)")
+            worst = max((k for k in per_row if _family(k.split()[0]) == fam), key=per_row.get, default="")
+            print(f"   {fam}: a slowdown above x{s:.2f} is flagged (from the self-comparisons' intervals; "
+                  f"decided by {worst})")
+        if per_row:
+            vals = sorted(per_row.values())
+            print(f"   per row: median x{vals[len(vals) // 2]:.2f}, {sum(v <= 1.2 for v in vals)} of {len(vals)} rows "
+                  f"at or below x1.2, {sum(v <= 1.5 for v in vals)} at or below x1.5")
     if a.out:
         with open(a.out, "w", encoding="utf-8") as f:
             json.dump(summary, f, indent=1)

@@ -32,13 +32,12 @@ from __future__ import annotations
 
 import ctypes
 import ctypes.util
-import time
 
 import numpy as np
 
 import pyengine as pe
 
-from .common import BACKENDS, require_backend
+from .common import BACKENDS, fastest_per_call, require_backend
 
 TOKENS, D = 2048, 768
 #: Samples per round and the length a sample is calibrated to (seconds).
@@ -78,28 +77,6 @@ def _call(kernel: str, backend: str):
     }[kernel]
 
 
-def _fastest(call) -> float:
-    """Seconds per call: the fastest of up to SAMPLES samples of ``loops`` back-to-back calls,
-    ``loops`` doubled until one sample lasts SAMPLE_S; a row whose single call is longer
-    than that takes as many samples as fit in ROW_S (at least MIN_SAMPLES)."""
-    loops = 1
-    while True:
-        t0 = time.perf_counter()
-        for _ in range(loops):
-            call()
-        took = time.perf_counter() - t0
-        if took >= SAMPLE_S or loops >= 1 << 16:
-            break
-        loops *= 2
-    best = float("inf")
-    for _ in range(max(MIN_SAMPLES, min(SAMPLES, int(ROW_S / took)))):
-        t0 = time.perf_counter()
-        for _ in range(loops):
-            call()
-        best = min(best, (time.perf_counter() - t0) / loops)
-    return best
-
-
 #: Fresh interpreters per commit whose figures are combined (the fastest of them per row).
 PROCESSES = 5
 
@@ -118,7 +95,8 @@ def _measure_all(rows: list[tuple[str, str]], order_seed: int) -> dict[str, floa
             continue
         call = _call(kernel, backend)
         call()  # JIT compilation and first-touch page faults are not timed
-        out[f"{kernel} {backend}"] = _fastest(call)
+        out[f"{kernel} {backend}"] = fastest_per_call(call, SAMPLES, sample_s=SAMPLE_S, row_s=ROW_S,
+                                                     min_samples=MIN_SAMPLES)
     return out
 
 

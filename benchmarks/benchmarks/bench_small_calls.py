@@ -9,28 +9,21 @@ the Numba backend's time over the C++ one with ``out=``; the target is <= 1.5.
 
 from __future__ import annotations
 
-import time
 
 import numpy as np
 
 import pyengine as pe
 
-from .common import median_time, require_backend
+from .common import fastest_per_call, median_time, require_backend
 
 D = 768
 
 
 def _per_call(fn, n: int = 2000, repeat: int = 7) -> float:
-    """The fastest of ``repeat`` means over ``n`` calls, in seconds: per-call overhead is a
-    floor, and the minimum is the figure least disturbed by other work on the machine."""
+    """The fastest of ``repeat`` means over ``n`` calls, in seconds, after one warm-up call:
+    per-call overhead is a floor, and the minimum is the figure least disturbed by other work."""
     fn()
-    best = float("inf")
-    for _ in range(repeat):
-        t = time.perf_counter()
-        for _ in range(n):
-            fn()
-        best = min(best, (time.perf_counter() - t) / n)
-    return best
+    return fastest_per_call(fn, repeat, loops=n)
 
 
 def _one_token_calls():

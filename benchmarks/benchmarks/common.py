@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 from pyengine import backends
 
 BACKENDS = list(backends.BACKENDS)
@@ -37,3 +39,35 @@ def copy_bandwidth(nbytes: int, repeat: int = 10) -> float:
 
 def camel(kernel: str) -> str:
     return "".join(part.capitalize() for part in kernel.split("_"))
+
+
+def fastest_per_call(call, samples: int, loops: int | None = None, sample_s: float = 0.005,
+                     row_s: float | None = None, min_samples: int = 5) -> float:
+    """Seconds per call: the fastest of ``samples`` samples of ``loops`` back-to-back calls.
+
+    ``loops=None`` calibrates it as ``pyengine bench`` does: doubled until one sample lasts
+    ``sample_s`` (at most 2^16 calls); then, with ``row_s``, a call so slow that a sample
+    takes longer gets only as many samples as fit in ``row_s`` (at least ``min_samples``).
+    A burst of other work only ever adds time, so the fastest sample is the figure least
+    disturbed by the host. Written out here rather than taken from ``pyengine._bench``:
+    asv also times older builds, which lack it.
+    """
+    if loops is None:
+        loops = 1
+        while True:
+            t0 = time.perf_counter()
+            for _ in range(loops):
+                call()
+            took = time.perf_counter() - t0
+            if took >= sample_s or loops >= 1 << 16:
+                break
+            loops *= 2
+        if row_s is not None:
+            samples = max(min_samples, min(samples, int(row_s / took)))
+    best = float("inf")
+    for _ in range(samples):
+        t0 = time.perf_counter()
+        for _ in range(loops):
+            call()
+        best = min(best, (time.perf_counter() - t0) / loops)
+    return best

@@ -5,7 +5,7 @@ float32 or float64 arrays, preallocated ``out``, the number of bad rows returned
 the formulas are in its docstring and in DESIGN.md.
 
 Layout of every kernel: a per-token core ``_<kernel id>_row`` works on one row, and
-the registered batch kernel runs it under ``prange`` over rows only, so each row is
+the registered batch kernel runs it under ``prange`` over chunks of rows only, so each row is
 computed by one thread in an order fixed by the source, and results do not depend
 on the number of threads. Inside a row there are at most three passes over ``d``:
 
@@ -29,12 +29,12 @@ to preallocate instead: it makes a function uncacheable.
 The cores are plain ``jit`` functions; LLVM decides whether to inline them. Numba's
 ``inline="always"`` made compilation about 35 % slower and the kernels no faster
 (one call per row costs nanoseconds next to the microseconds of the row).
-Large outputs (``STREAM_MIN_BYTES``, the C++ kernels' threshold) are written with
-non-temporal stores: Numba emits none from a loop, so the batch kernel computes each
-row into a per-thread buffer (in cache) and copies it out with :func:`._jit.stream_copy`;
-the rows are shared out in ``_CHUNKS`` contiguous chunks, each ended by one
-:func:`._jit.store_fence`. Each row is computed by the same core either way, so the
-values are bit for bit the same. Without it a normal store reads the output line
+The batch kernels share the rows out in ``_CHUNKS`` chunks of contiguous rows. Large
+outputs (``STREAM_MIN_BYTES``, the C++ kernels' threshold) are written with
+non-temporal stores: Numba emits none from a loop, so each row is computed into a
+per-thread buffer (in cache) and copied out with :func:`._jit.stream_copy`, and each
+chunk ends with one :func:`._jit.store_fence`. Each row is computed by the same core
+either way, so the values are bit for bit the same. Without it a normal store reads the output line
 first (read-for-ownership): a third more memory traffic than the C++ kernels. Measured
 at (8192, 4096) float32 with ``out=``: 3-7 % faster, not the 1.5x of the traffic alone,
 since the output pass computes float32 rows in float64 and is partly compute-bound
@@ -266,8 +266,8 @@ def _layer_norm_jacobian_row(x, gamma, eps, frozen, out, acc):
 
 
 # --------------------------------------------------------------------------- #
-# Registered batch kernels: prange over rows (tokens) only. Row r prefetches row
-# nx = min(r + 1, n - 1); when r + 1 belongs to another thread that is harmless.
+# Registered batch kernels: prange over chunks of rows (tokens) only. Row r prefetches
+# row nx = min(r + 1, n - 1); when r + 1 belongs to another thread that is harmless.
 # --------------------------------------------------------------------------- #
 
 
@@ -276,24 +276,23 @@ def _layer_norm_jacobian_row(x, gamma, eps, frozen, out, acc):
 def layer_norm(x, gamma, beta, eps, out):
     """x, out : (n, d); gamma, beta : (d,). Returns the number of bad rows."""
     n = x.shape[0]
+    if n == 0:
+        return 0
     nbad = 0
-    if _streams(out):
-        nc = min(n, _CHUNKS)
-        for c in prange(nc):
-            acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-            buf = np.empty_like(out[0])  # the row, copied out by stream_copy
-            for r in range(c * n // nc, (c + 1) * n // nc):
-                nx = min(r + 1, n - 1)
-                if _layer_norm_row(x[r], gamma, beta, eps, buf, acc, x[nx]):
-                    nbad += 1
-                stream_copy(out[r], buf)
-            store_fence()
-        return nbad
-    for r in prange(n):
+    stream = _streams(out)
+    nc = min(n, _CHUNKS)
+    for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        nx = min(r + 1, n - 1)
-        if _layer_norm_row(x[r], gamma, beta, eps, out[r], acc, x[nx]):
-            nbad += 1
+        buf = np.empty_like(out[0])  # a streamed row, before stream_copy writes it out
+        for r in range(c * n // nc, (c + 1) * n // nc):
+            o = buf if stream else out[r]
+            nx = min(r + 1, n - 1)
+            if _layer_norm_row(x[r], gamma, beta, eps, o, acc, x[nx]):
+                nbad += 1
+            if stream:
+                stream_copy(out[r], buf)
+        if stream:
+            store_fence()
     return nbad
 
 
@@ -302,24 +301,23 @@ def layer_norm(x, gamma, beta, eps, out):
 def layer_norm_jvp(x, v, gamma, eps, frozen, out):
     """x, v, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
+    if n == 0:
+        return 0
     nbad = 0
-    if _streams(out):
-        nc = min(n, _CHUNKS)
-        for c in prange(nc):
-            acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-            buf = np.empty_like(out[0])  # the row, copied out by stream_copy
-            for r in range(c * n // nc, (c + 1) * n // nc):
-                nx = min(r + 1, n - 1)
-                if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, buf, acc, x[nx], v[nx]):
-                    nbad += 1
-                stream_copy(out[r], buf)
-            store_fence()
-        return nbad
-    for r in prange(n):
+    stream = _streams(out)
+    nc = min(n, _CHUNKS)
+    for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        nx = min(r + 1, n - 1)
-        if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx]):
-            nbad += 1
+        buf = np.empty_like(out[0])  # a streamed row, before stream_copy writes it out
+        for r in range(c * n // nc, (c + 1) * n // nc):
+            o = buf if stream else out[r]
+            nx = min(r + 1, n - 1)
+            if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, o, acc, x[nx], v[nx]):
+                nbad += 1
+            if stream:
+                stream_copy(out[r], buf)
+        if stream:
+            store_fence()
     return nbad
 
 
@@ -328,24 +326,23 @@ def layer_norm_jvp(x, v, gamma, eps, frozen, out):
 def layer_norm_vjp(x, u, gamma, eps, frozen, out):
     """x, u, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
+    if n == 0:
+        return 0
     nbad = 0
-    if _streams(out):
-        nc = min(n, _CHUNKS)
-        for c in prange(nc):
-            acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-            buf = np.empty_like(out[0])  # the row, copied out by stream_copy
-            for r in range(c * n // nc, (c + 1) * n // nc):
-                nx = min(r + 1, n - 1)
-                if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, buf, acc, x[nx], u[nx]):
-                    nbad += 1
-                stream_copy(out[r], buf)
-            store_fence()
-        return nbad
-    for r in prange(n):
+    stream = _streams(out)
+    nc = min(n, _CHUNKS)
+    for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        nx = min(r + 1, n - 1)
-        if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx]):
-            nbad += 1
+        buf = np.empty_like(out[0])  # a streamed row, before stream_copy writes it out
+        for r in range(c * n // nc, (c + 1) * n // nc):
+            o = buf if stream else out[r]
+            nx = min(r + 1, n - 1)
+            if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, o, acc, x[nx], u[nx]):
+                nbad += 1
+            if stream:
+                stream_copy(out[r], buf)
+        if stream:
+            store_fence()
     return nbad
 
 

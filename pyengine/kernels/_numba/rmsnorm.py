@@ -136,24 +136,23 @@ def _rms_norm_jacobian_row(x, gamma, eps, frozen, out, acc):
 def rms_norm(x, gamma, eps, out):
     """x, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
+    if n == 0:
+        return 0
     nbad = 0
-    if _streams(out):
-        nc = min(n, _CHUNKS)
-        for c in prange(nc):
-            acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-            buf = np.empty_like(out[0])  # the row, copied out by stream_copy
-            for r in range(c * n // nc, (c + 1) * n // nc):
-                nx = min(r + 1, n - 1)
-                if _rms_norm_row(x[r], gamma, eps, buf, acc, x[nx]):
-                    nbad += 1
-                stream_copy(out[r], buf)
-            store_fence()
-        return nbad
-    for r in prange(n):
+    stream = _streams(out)
+    nc = min(n, _CHUNKS)
+    for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        nx = min(r + 1, n - 1)
-        if _rms_norm_row(x[r], gamma, eps, out[r], acc, x[nx]):
-            nbad += 1
+        buf = np.empty_like(out[0])  # a streamed row, before stream_copy writes it out
+        for r in range(c * n // nc, (c + 1) * n // nc):
+            o = buf if stream else out[r]
+            nx = min(r + 1, n - 1)
+            if _rms_norm_row(x[r], gamma, eps, o, acc, x[nx]):
+                nbad += 1
+            if stream:
+                stream_copy(out[r], buf)
+        if stream:
+            store_fence()
     return nbad
 
 
@@ -162,24 +161,23 @@ def rms_norm(x, gamma, eps, out):
 def rms_norm_jvp(x, v, gamma, eps, frozen, out):
     """x, v, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
+    if n == 0:
+        return 0
     nbad = 0
-    if _streams(out):
-        nc = min(n, _CHUNKS)
-        for c in prange(nc):
-            acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-            buf = np.empty_like(out[0])  # the row, copied out by stream_copy
-            for r in range(c * n // nc, (c + 1) * n // nc):
-                nx = min(r + 1, n - 1)
-                if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, buf, acc, x[nx], v[nx]):
-                    nbad += 1
-                stream_copy(out[r], buf)
-            store_fence()
-        return nbad
-    for r in prange(n):
+    stream = _streams(out)
+    nc = min(n, _CHUNKS)
+    for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        nx = min(r + 1, n - 1)
-        if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx]):
-            nbad += 1
+        buf = np.empty_like(out[0])  # a streamed row, before stream_copy writes it out
+        for r in range(c * n // nc, (c + 1) * n // nc):
+            o = buf if stream else out[r]
+            nx = min(r + 1, n - 1)
+            if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, o, acc, x[nx], v[nx]):
+                nbad += 1
+            if stream:
+                stream_copy(out[r], buf)
+        if stream:
+            store_fence()
     return nbad
 
 
@@ -188,24 +186,23 @@ def rms_norm_jvp(x, v, gamma, eps, frozen, out):
 def rms_norm_vjp(x, u, gamma, eps, frozen, out):
     """x, u, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
+    if n == 0:
+        return 0
     nbad = 0
-    if _streams(out):
-        nc = min(n, _CHUNKS)
-        for c in prange(nc):
-            acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-            buf = np.empty_like(out[0])  # the row, copied out by stream_copy
-            for r in range(c * n // nc, (c + 1) * n // nc):
-                nx = min(r + 1, n - 1)
-                if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, buf, acc, x[nx], u[nx]):
-                    nbad += 1
-                stream_copy(out[r], buf)
-            store_fence()
-        return nbad
-    for r in prange(n):
+    stream = _streams(out)
+    nc = min(n, _CHUNKS)
+    for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        nx = min(r + 1, n - 1)
-        if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx]):
-            nbad += 1
+        buf = np.empty_like(out[0])  # a streamed row, before stream_copy writes it out
+        for r in range(c * n // nc, (c + 1) * n // nc):
+            o = buf if stream else out[r]
+            nx = min(r + 1, n - 1)
+            if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, o, acc, x[nx], u[nx]):
+                nbad += 1
+            if stream:
+                stream_copy(out[r], buf)
+        if stream:
+            store_fence()
     return nbad
 
 

@@ -9,7 +9,6 @@ the Numba backend's time over the C++ one with ``out=``; the target is <= 1.5.
 
 from __future__ import annotations
 
-
 import numpy as np
 
 import pyengine as pe

@@ -138,7 +138,7 @@ def stream_copy(typingctx, dst, src):
     three bytes per byte written. Non-temporal stores write whole lines straight to
     memory, as the C++ kernels do for large outputs (``csrc/rows.hpp``,
     ``kStreamMinBytes``). Numba cannot emit them from a loop, so this copies a row
-    computed into a small per-thread buffer (in L1) out with 64-byte vector stores
+    computed into a small per-thread buffer (in cache) out with 64-byte vector stores
     marked ``!nontemporal`` on the 64-byte-aligned middle of ``dst``, and plain
     stores on its ends (and on all of a ``dst`` not aligned to its element size).
     The copied values are bit for bit those of ``src``. The stores are weakly

@@ -276,14 +276,13 @@ def _layer_norm_jacobian_row(x, gamma, eps, frozen, out, acc):
 def layer_norm(x, gamma, beta, eps, out):
     """x, out : (n, d); gamma, beta : (d,). Returns the number of bad rows."""
     n = x.shape[0]
-    if n == 0:
-        return 0
     nbad = 0
     stream = _streams(out)
+    width = x.shape[1] if stream else 0  # the row buffer of a streamed output; none otherwise
     nc = min(n, _CHUNKS)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        buf = np.empty_like(out[0])  # a streamed row, before stream_copy writes it out
+        buf = np.empty(width, dtype=out.dtype)  # hoisted: once per thread (a streamed row)
         for r in range(c * n // nc, (c + 1) * n // nc):
             o = buf if stream else out[r]
             nx = min(r + 1, n - 1)
@@ -301,14 +300,13 @@ def layer_norm(x, gamma, beta, eps, out):
 def layer_norm_jvp(x, v, gamma, eps, frozen, out):
     """x, v, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
-    if n == 0:
-        return 0
     nbad = 0
     stream = _streams(out)
+    width = x.shape[1] if stream else 0  # the row buffer of a streamed output; none otherwise
     nc = min(n, _CHUNKS)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        buf = np.empty_like(out[0])  # a streamed row, before stream_copy writes it out
+        buf = np.empty(width, dtype=out.dtype)  # hoisted: once per thread (a streamed row)
         for r in range(c * n // nc, (c + 1) * n // nc):
             o = buf if stream else out[r]
             nx = min(r + 1, n - 1)
@@ -326,14 +324,13 @@ def layer_norm_jvp(x, v, gamma, eps, frozen, out):
 def layer_norm_vjp(x, u, gamma, eps, frozen, out):
     """x, u, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
-    if n == 0:
-        return 0
     nbad = 0
     stream = _streams(out)
+    width = x.shape[1] if stream else 0  # the row buffer of a streamed output; none otherwise
     nc = min(n, _CHUNKS)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        buf = np.empty_like(out[0])  # a streamed row, before stream_copy writes it out
+        buf = np.empty(width, dtype=out.dtype)  # hoisted: once per thread (a streamed row)
         for r in range(c * n // nc, (c + 1) * n // nc):
             o = buf if stream else out[r]
             nx = min(r + 1, n - 1)

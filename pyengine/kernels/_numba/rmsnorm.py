@@ -2,8 +2,8 @@
 
 Same kernel contract and parameter names as :mod:`pyengine.kernels._reference`, and
 the same layout as :mod:`.layernorm` (whose docstring explains it): a per-token core
-``_<kernel id>_row``, run by the registered batch kernel under ``prange`` over rows
-only; reductions in float64 in ``LANES`` partial sums (:mod:`._reduce`), a single
+``_<kernel id>_row``, run by the registered batch kernel under ``prange`` over chunks of
+rows only; reductions in float64 in ``LANES`` partial sums (:mod:`._reduce`), a single
 pass over the row for the sums (RMSNorm has centre 0), and the writing pass
 prefetching the next row in blocks of ``layernorm._BLOCK``; large outputs written with
 non-temporal stores as there.
@@ -136,14 +136,13 @@ def _rms_norm_jacobian_row(x, gamma, eps, frozen, out, acc):
 def rms_norm(x, gamma, eps, out):
     """x, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
-    if n == 0:
-        return 0
     nbad = 0
     stream = _streams(out)
+    width = x.shape[1] if stream else 0  # the row buffer of a streamed output; none otherwise
     nc = min(n, _CHUNKS)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        buf = np.empty_like(out[0])  # a streamed row, before stream_copy writes it out
+        buf = np.empty(width, dtype=out.dtype)  # hoisted: once per thread (a streamed row)
         for r in range(c * n // nc, (c + 1) * n // nc):
             o = buf if stream else out[r]
             nx = min(r + 1, n - 1)
@@ -161,14 +160,13 @@ def rms_norm(x, gamma, eps, out):
 def rms_norm_jvp(x, v, gamma, eps, frozen, out):
     """x, v, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
-    if n == 0:
-        return 0
     nbad = 0
     stream = _streams(out)
+    width = x.shape[1] if stream else 0  # the row buffer of a streamed output; none otherwise
     nc = min(n, _CHUNKS)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        buf = np.empty_like(out[0])  # a streamed row, before stream_copy writes it out
+        buf = np.empty(width, dtype=out.dtype)  # hoisted: once per thread (a streamed row)
         for r in range(c * n // nc, (c + 1) * n // nc):
             o = buf if stream else out[r]
             nx = min(r + 1, n - 1)
@@ -186,14 +184,13 @@ def rms_norm_jvp(x, v, gamma, eps, frozen, out):
 def rms_norm_vjp(x, u, gamma, eps, frozen, out):
     """x, u, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
-    if n == 0:
-        return 0
     nbad = 0
     stream = _streams(out)
+    width = x.shape[1] if stream else 0  # the row buffer of a streamed output; none otherwise
     nc = min(n, _CHUNKS)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        buf = np.empty_like(out[0])  # a streamed row, before stream_copy writes it out
+        buf = np.empty(width, dtype=out.dtype)  # hoisted: once per thread (a streamed row)
         for r in range(c * n // nc, (c + 1) * n // nc):
             o = buf if stream else out[r]
             nx = min(r + 1, n - 1)

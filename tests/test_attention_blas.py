@@ -1,7 +1,9 @@
-"""The C++ attention backward kernels' BLAS path (csrc/attention_blas.hpp) and its
-register-blocked fallback (attention_force_fallback): both against the NumPy reference on
-head-sized shapes (widths >= 16), odd lengths, Tq != Tk with an offset, batched heads;
-bit-identical results for any thread count; the bad-row counts of the raw kernels."""
+"""The attention kernels' BLAS paths and their fallbacks, in both compiled backends: C++
+(csrc/attention_blas.hpp; attention_force_fallback forces its register-blocked kernels) and
+Numba (kernels/_numba/_attention_blas.py; ``attention.BLAS = False`` forces its row
+kernels). Each against the NumPy reference on head-sized shapes (widths >= 16), odd lengths,
+Tq != Tk with an offset, batched heads; bit-identical results for any thread count; the
+bad-row counts of the raw kernels."""
 
 from __future__ import annotations
 
@@ -26,16 +28,35 @@ def core():
 
 
 @contextlib.contextmanager
-def fallback(core, on: bool):
-    core.attention_force_fallback(on)
-    try:
-        yield
-    finally:
-        core.attention_force_fallback(False)
+def fallback(backend: str, on: bool):
+    """The BLAS path of ``backend`` ("cpp" or "numba") switched off inside the block when ``on``."""
+    if backend == "cpp":
+        from pyengine import _core
+
+        _core.attention_force_fallback(on)
+        try:
+            yield
+        finally:
+            _core.attention_force_fallback(False)
+    else:
+        from pyengine.kernels._numba import attention as na
+
+        na.BLAS = not on
+        try:
+            yield
+        finally:
+            na.BLAS = True
 
 
 PATHS = [False, True]
 PATH_IDS = ["blas", "fallback"]
+
+
+@pytest.fixture(params=["cpp", "numba"])
+def compiled(request):
+    """A compiled backend (skipped where not built, failed under PYENGINE_REQUIRE)."""
+    require(request.param)
+    return request.param
 
 # (lead, Tq, Tk, dv, offset): widths >= 16, so the BLAS path serves them; 45 and 97 rows
 # leave a partial block of 32; (1,) 37 x 70 with offset 33 is Tq != Tk; 20 x 60 with offset
@@ -55,7 +76,7 @@ FLOAT32_BOUND = 1.5e-6
 def test_blas_path_is_taken_where_numpy_has_openblas(core):
     info = core.attention_blas_info()
     assert info.startswith("BLAS") == core.linear_blas_info().startswith("OpenBLAS"), info
-    with fallback(core, True):
+    with fallback("cpp", True):
         assert "forced" in core.attention_blas_info()
     assert core.attention_blas_info() == info
 
@@ -64,14 +85,14 @@ def test_blas_path_is_taken_where_numpy_has_openblas(core):
 @pytest.mark.parametrize("advantage", [False, True], ids=["grad", "advantage"])
 @pytest.mark.parametrize(("lead", "tq", "tk", "dv", "offset"), SCORE_CASES,
                          ids=[f"{c[1]}x{c[2]}x{c[3]}-off{c[4]}" for c in SCORE_CASES])
-def test_score_grad_paths_match_the_reference(core, dtype, lead, tq, tk, dv, offset, advantage, forced):
+def test_score_grad_paths_match_the_reference(compiled, dtype, lead, tq, tk, dv, offset, advantage, forced):
     p, u, v = case(lead, tq, tk, dv, offset, dtype, seed=tq + dv)
     if offset is not None:
         p[..., ~visible(tq, tk, offset)] = np.nan  # masked entries are never read
     before = [a.copy() for a in (p, u, v)]
     want = pa.attention_score_grad(np.nan_to_num(p), u, v, offset=offset, advantage=advantage, backend="numpy")
-    with fallback(core, forced):
-        got = pa.attention_score_grad(p, u, v, offset=offset, advantage=advantage, backend="cpp")
+    with fallback(compiled, forced):
+        got = pa.attention_score_grad(p, u, v, offset=offset, advantage=advantage, backend=compiled)
     scale = float(np.abs(np.einsum("...id,...jd->...ij", u.astype(np.float64), v)).max())
     for g, w in zip(got if advantage else (got,), want if advantage else (want,)):
         assert g.dtype == dtype and g.shape == p.shape
@@ -85,13 +106,13 @@ def test_score_grad_paths_match_the_reference(core, dtype, lead, tq, tk, dv, off
 @pytest.mark.parametrize("forced", PATHS, ids=PATH_IDS)
 @pytest.mark.parametrize(("lead", "tq", "tk", "dk", "dv", "offset"), FUSED_CASES,
                          ids=[f"{c[1]}x{c[2]}-dk{c[3]}dv{c[4]}-off{c[5]}" for c in FUSED_CASES])
-def test_backward_paths_match_the_reference(core, dtype, lead, tq, tk, dk, dv, offset, forced):
+def test_backward_paths_match_the_reference(compiled, dtype, lead, tq, tk, dk, dv, offset, forced):
     q, k, v, d_o = head(lead, tq, tk, dk, dv, dtype, seed=tq + dk)
     before = [a.copy() for a in (q, k, v, d_o)]
     f = pa.attention_forward(q, k, v, offset=offset, backend="numpy")
     want = pa.attention_backward(q, k, v, d_o, f.lse, o=f.out, offset=offset, backend="numpy")
-    with fallback(core, forced):
-        got = pa.attention_backward(q, k, v, d_o, f.lse, o=f.out, offset=offset, backend="cpp")
+    with fallback(compiled, forced):
+        got = pa.attention_backward(q, k, v, d_o, f.lse, o=f.out, offset=offset, backend=compiled)
     for name in ("dq", "dk", "dv", "spread"):
         w = getattr(want, name)
         g = getattr(got, name)
@@ -105,15 +126,59 @@ def test_backward_paths_match_the_reference(core, dtype, lead, tq, tk, dk, dv, o
         np.testing.assert_array_equal(a, b)
 
 
+@pytest.mark.parametrize("forced", PATHS, ids=PATH_IDS)
+@pytest.mark.parametrize(("lead", "tq", "tk", "dk", "dv", "offset"), FUSED_CASES,
+                         ids=[f"{c[1]}x{c[2]}-dk{c[3]}dv{c[4]}-off{c[5]}" for c in FUSED_CASES])
+def test_numba_forward_paths_match_the_reference(dtype, lead, tq, tk, dk, dv, offset, forced):
+    """Numba's forward pass also has a BLAS path (C++'s is the register-blocked kernel alone)."""
+    require("numba")
+    q, k, v, _ = head(lead, tq, tk, dk, dv, dtype, seed=tq + dv)
+    before = [a.copy() for a in (q, k, v)]
+    want = pa.attention_forward(q, k, v, offset=offset, backend="numpy")
+    with fallback("numba", forced):
+        got = pa.attention_forward(q, k, v, offset=offset, backend="numba")
+    assert got.out.dtype == dtype and got.out.shape == want.out.shape
+    assert_close(got.out, want.out, dtype, scale=float(np.abs(want.out).max()))
+    for name in ("lse", "entropy"):
+        g, w = getattr(got, name), getattr(want, name)
+        assert g.dtype == np.float64
+        np.testing.assert_allclose(g, w, rtol=0, atol=(1e-12 if dtype == np.float64 else 2e-6) * np.abs(w).max())
+    for a, b in zip((q, k, v), before):
+        np.testing.assert_array_equal(a, b)
+
+
+def test_numba_blas_path_is_taken_on_head_shapes(monkeypatch):
+    """serves() is the C++ rule, and the dispatch calls the BLAS kernels where it says so."""
+    require("numba")
+    from pyengine.kernels._numba import _attention_blas as nb
+
+    assert nb.serves(12, 128, 128, 64, 64, True) and nb.serves(1, 256, 256, 16, 16, True)
+    assert not nb.serves(1, 2000, 2000, 64, 64, True) and nb.serves(1, 2000, 2000, 64, 64, False)
+    assert not nb.serves(12, 128, 128, 10, 64, False) and not nb.serves(12, 0, 128, 64, 64, False)
+    calls = []
+    for name in ("forward", "backward", "score_grad"):
+        fn = getattr(nb, name)
+        monkeypatch.setattr(nb, name, lambda *a, _f=fn, _n=name: calls.append(_n) or _f(*a))
+    q, k, v, d_o = head((4,), 40, 40, 16, 16, np.float32)
+    f = pa.attention_forward(q, k, v, offset=0, backend="numba")
+    pa.attention_backward(q, k, v, d_o, f.lse, o=f.out, offset=0, backend="numba")
+    pa.attention_score_grad(np.ones((4, 40, 40), np.float32), d_o, v, offset=0, backend="numba")
+    assert calls == ["forward", "backward", "score_grad"]
+    q, k, v, d_o = head((4,), 40, 40, 10, 10, np.float32)  # dk = 10: the row kernels
+    pa.attention_forward(q, k, v, offset=0, backend="numba")
+    assert calls == ["forward", "backward", "score_grad"]
+
+
 @pytest.mark.parametrize("offset", [0, None, 37], ids=["causal", "bidirectional", "off37"])
-def test_blas_path_threads_do_not_change_results(core, dtype, offset):
+def test_blas_path_threads_do_not_change_results(compiled, dtype, offset):
     q, k, v, d_o = head((6,), 100, 100, 16, 24, dtype, seed=4)
     p, u, vv = case((6,), 100, 100, 24, offset, dtype, seed=4)
     f = pa.attention_forward(q, k, v, offset=offset, backend="numpy")
 
     def run():
-        return (*pa.attention_backward(q, k, v, d_o, f.lse, o=f.out, offset=offset, backend="cpp"),
-                *pa.attention_score_grad(p, u, vv, offset=offset, advantage=True, backend="cpp"))
+        return (*pa.attention_forward(q, k, v, offset=offset, backend=compiled),
+                *pa.attention_backward(q, k, v, d_o, f.lse, o=f.out, offset=offset, backend=compiled),
+                *pa.attention_score_grad(p, u, vv, offset=offset, advantage=True, backend=compiled))
 
     with pe.num_threads(1):
         first = run()
@@ -125,7 +190,7 @@ def test_blas_path_threads_do_not_change_results(core, dtype, offset):
 
 
 @pytest.mark.parametrize("forced", PATHS, ids=PATH_IDS)
-def test_raw_kernels_count_bad_rows_as_the_reference(core, forced):
+def test_raw_kernels_count_bad_rows_as_the_reference(compiled, forced):
     """The raw kernels (no validation) count the rows that overflow as the reference does."""
     p, u, v = case((4,), 40, 40, 16, 0, np.float64, seed=1)
     u = u.copy()
@@ -135,27 +200,31 @@ def test_raw_kernels_count_bad_rows_as_the_reference(core, forced):
     d_o = d_o.copy()
     d_o[2, 5, 1] = np.inf  # row 5 of head 2: D and the advantage not finite
     counts = {}
-    for be in ("numpy", "cpp"):
-        with fallback(core, forced):
+    for be in ("numpy", compiled):
+        with fallback(compiled, forced):
             sg = backends.resolve("attention_score_grad", be)
             bw = backends.resolve("attention_backward", be)
             n1 = sg(p, u, v, 0, np.zeros_like(p))
             outs = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(vv), np.zeros((4, 40))]
             n2 = bw(q, k, vv, f.out, d_o, f.lse, 0, 0.25, *outs)
-        counts[be] = (n1, n2)
-    assert counts["cpp"] == counts["numpy"]
-    assert counts["cpp"][0] == 1 and counts["cpp"][1] >= 1
+            qb = q.copy()
+            qb[3, 7, 2] = np.inf  # row 7 of head 3: its scores, lse and out are not finite
+            fw = backends.resolve("attention_forward", be)
+            n3 = fw(qb, k, vv, 0, 0.25, np.zeros((4, 40, 16)), np.zeros((4, 40)), np.zeros((4, 40)))
+        counts[be] = (n1, n2, n3)
+    assert counts[compiled] == counts["numpy"]
+    assert counts[compiled][0] == 1 and counts[compiled][1] >= 1 and counts[compiled][2] == 1
 
 
-def test_bad_input_names_the_argument_on_blas_shapes(core):
+def test_bad_input_names_the_argument_on_blas_shapes(compiled):
     q, k, v, d_o = head((4,), 40, 40, 16, 16, np.float64)
-    f = pa.attention_forward(q, k, v, offset=0, backend="cpp")
+    f = pa.attention_forward(q, k, v, offset=0, backend=compiled)
     with pytest.raises(ValueError, match="d_o must have shape"):
-        pa.attention_backward(q, k, v, d_o[..., :8], f.lse, o=f.out, offset=0, backend="cpp")
+        pa.attention_backward(q, k, v, d_o[..., :8], f.lse, o=f.out, offset=0, backend=compiled)
     bad = d_o.copy()
     bad[0, 0, 0] = np.nan
     with pytest.raises(ValueError, match="d_o contains NaN or Inf"):
-        pa.attention_backward(q, k, v, bad, f.lse, o=f.out, offset=0, backend="cpp")
+        pa.attention_backward(q, k, v, bad, f.lse, o=f.out, offset=0, backend=compiled)
     p, u, vv = case((4,), 40, 40, 16, 0, np.float64)
     with pytest.raises(ValueError, match=r"u must have shape .* and v .*got u \(4, 40, 16\), v \(4, 40, 8\)"):
-        pa.attention_score_grad(p, u, vv[..., :8], offset=0, backend="cpp")
+        pa.attention_score_grad(p, u, vv[..., :8], offset=0, backend=compiled)

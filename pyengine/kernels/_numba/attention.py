@@ -29,7 +29,8 @@ import math
 import numpy as np
 from numba import prange
 
-from ...backends import register
+from ...backends import one_blas_thread, register
+from . import _attention_blas as _blas
 from . import _attention_short as _short
 from ._jit import jit, pjit
 from ._reduce import LANES, _fold
@@ -88,16 +89,29 @@ def _score_grad(p, u, v, offset, out, advantage, want_a):
     return nbad
 
 
+#: The BLAS kernels of :mod:`._attention_blas` serve the shapes their ``serves`` accepts;
+#: False forces the row kernels of this module everywhere (the tests run both).
+BLAS = True
+
+
+def _score_grad_any(p, u, v, offset, out, advantage, want_a):
+    n, tq, tk = p.shape
+    if BLAS and _blas.serves(n, tq, tk, u.shape[2], u.shape[2], False):
+        with one_blas_thread():
+            return _blas.score_grad(p, u, v, offset, out, advantage, want_a)
+    return _score_grad(p, u, v, offset, out, advantage, want_a)
+
+
 @register("attention_score_grad", "numba")
 def attention_score_grad(p, u, v, offset, out):
     """dL/ds = p * (b - sum_j p b), b = u v^T; p, out : (N, Tq, Tk). Returns the bad-row count."""
-    return _score_grad(p, u, v, offset, out, out, False)
+    return _score_grad_any(p, u, v, offset, out, out, False)
 
 
 @register("attention_advantage", "numba")
 def attention_advantage(p, u, v, offset, out, advantage):
     """dL/ds into out and the advantage into advantage, in one pass. Returns the bad-row count."""
-    return _score_grad(p, u, v, offset, out, advantage, True)
+    return _score_grad_any(p, u, v, offset, out, advantage, True)
 
 
 @pjit
@@ -151,6 +165,9 @@ def _as64(*arrays):
 @register("attention_forward", "numba")
 def attention_forward(q, k, v, offset, scale, out, lse, entropy):
     """Fused forward: out = softmax(scale q k^T) v, lse and entropy per row. Returns the bad-row count."""
+    if BLAS and _blas.serves(q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2], False):
+        with one_blas_thread():
+            return _blas.forward(q, k, v, offset, scale, out, lse, entropy)
     q, k, v = _as64(q, k, v)
     if k.shape[1] < SHORT:
         return _short.attention_forward_kernel(q, k, v, offset, scale, out, lse, entropy)
@@ -352,6 +369,9 @@ def _transposed(x):
 @register("attention_backward", "numba")
 def attention_backward(q, k, v, o, d_o, lse, offset, scale, dq, dk, dv, spread):
     """Fused backward: dq, dk, dv and the spread, p recomputed from lse, D = d_o.o. Returns the bad-row count."""
+    if BLAS and _blas.serves(q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2], True):
+        with one_blas_thread():
+            return _blas.backward(q, k, v, o, d_o, lse, offset, scale, dq, dk, dv, spread)
     q, k, v, o, d_o = _as64(q, k, v, o, d_o)
     delta = np.empty(lse.shape, dtype=np.float64)
     _backward_delta(o, d_o, delta)

@@ -153,8 +153,13 @@ def _sigmoid_pair(y):
 
 @fma_inline
 def _nonfinite(v):
-    """1 for NaN or +-Inf, else 0 (an integer, for a vectorizable OR over a row)."""
-    return 0 if v - v == 0.0 else 1
+    """True for NaN or +-Inf (v - v is NaN), in v's precision; for ``bad |= ...`` over a row.
+
+    A bool, not the integer 0/1 it was: an OR of int64 flags next to float32 arithmetic made
+    LLVM vectorize the gated SiLU's loop at half the width (float32 silu_gated 3.1 -> 2.2 ms
+    at (2048, 2 x 3072))."""
+    z = v - v
+    return z != z
 
 
 @fma_inline

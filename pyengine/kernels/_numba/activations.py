@@ -11,7 +11,7 @@ and gated SiLU in float32 by the ``*_f`` cores of :mod:`._vecmath` (dispatched o
 the dtype at compile time: ``gelu_t`` ...), everything else in float64 and cast to
 the dtype of the output on the store. The transcendental functions are the branch-free cores of
 :mod:`._vecmath`, inlined, so the elementwise loops vectorize as they are. The
-bad-row flag is an integer OR over the row, which LLVM vectorizes without
+bad-row flag is a boolean OR over the row, which LLVM vectorizes without
 reassociation. Numba options: :mod:`._jit` (``fma_pjit``: fast-math ``contract`` only,
 as ``_jit.FASTMATH`` explains; the bad-row tests need NaN and Inf).
 """
@@ -61,12 +61,12 @@ def gelu(x, out):
     nbad = 0
     for r in prange(x.shape[0]):
         xr, o = x[r], out[r]
-        bad = 0
+        bad = False
         for j in range(xr.size):
             v = xr[j]
             bad |= _nonfinite(v)
             o[j] = gelu_t(v)
-        nbad += bad
+        nbad += 1 if bad else 0
     return nbad
 
 
@@ -77,12 +77,12 @@ def gelu_grad(x, out):
     nbad = 0
     for r in prange(x.shape[0]):
         xr, o = x[r], out[r]
-        bad = 0
+        bad = False
         for j in range(xr.size):
             v = _f64(xr[j])
             bad |= _nonfinite(v)
             o[j] = _gelu_grad1(v)
-        nbad += bad
+        nbad += 1 if bad else 0
     return nbad
 
 
@@ -93,12 +93,12 @@ def gelu_tanh(x, out):
     nbad = 0
     for r in prange(x.shape[0]):
         xr, o = x[r], out[r]
-        bad = 0
+        bad = False
         for j in range(xr.size):
             v = xr[j]
             bad |= _nonfinite(v)
             o[j] = gelu_tanh_t(v)
-        nbad += bad
+        nbad += 1 if bad else 0
     return nbad
 
 
@@ -109,12 +109,12 @@ def gelu_tanh_grad(x, out):
     nbad = 0
     for r in prange(x.shape[0]):
         xr, o = x[r], out[r]
-        bad = 0
+        bad = False
         for j in range(xr.size):
             v = _f64(xr[j])
             bad |= _nonfinite(v)
             o[j] = _gelu_tanh_grad1(v)
-        nbad += bad
+        nbad += 1 if bad else 0
     return nbad
 
 
@@ -125,12 +125,12 @@ def relu(x, out):
     nbad = 0
     for r in prange(x.shape[0]):
         xr, o = x[r], out[r]
-        bad = 0
+        bad = False
         for j in range(xr.size):
             v = _f64(xr[j])
             bad |= _nonfinite(v)
             o[j] = _relu1(v)
-        nbad += bad
+        nbad += 1 if bad else 0
     return nbad
 
 
@@ -141,12 +141,12 @@ def relu_grad(x, out):
     nbad = 0
     for r in prange(x.shape[0]):
         xr, o = x[r], out[r]
-        bad = 0
+        bad = False
         for j in range(xr.size):
             v = _f64(xr[j])
             bad |= _nonfinite(v)
             o[j] = _relu_grad1(v)
-        nbad += bad
+        nbad += 1 if bad else 0
     return nbad
 
 
@@ -158,13 +158,13 @@ def silu_gated(u, out):
     nbad = 0
     for r in prange(u.shape[0]):
         ur, o = u[r], out[r]
-        bad = 0
+        bad = False
         for j in range(n):
             g = ur[j]
             up = ur[n + j]
             bad |= _nonfinite(g) | _nonfinite(up)
             o[j] = silu_gated_t(g, up)
-        nbad += bad
+        nbad += 1 if bad else 0
     return nbad
 
 
@@ -176,7 +176,7 @@ def silu_gated_grad(u, out_a, out_b):
     nbad = 0
     for r in prange(u.shape[0]):
         ur, oa, ob = u[r], out_a[r], out_b[r]
-        bad = 0
+        bad = False
         for j in range(n):
             g = _f64(ur[j])
             up = _f64(ur[n + j])
@@ -184,5 +184,5 @@ def silu_gated_grad(u, out_a, out_b):
             s, sn = _sigmoid_pair(g)
             oa[j] = s * (1.0 + g * sn) * up
             ob[j] = g * s
-        nbad += bad
+        nbad += 1 if bad else 0
     return nbad

@@ -66,10 +66,10 @@ def _rows(p, b, has_b, r, has_r, act, coef, has_coef, out, copy, r0, r1, buf):
             ri = r[i]
             for j in range(n):
                 pr[j] += ri[j]
-        bad = 0
+        bad = False
         for j in range(n):
             bad |= _nonfinite(pr[j])
-        nbad += bad
+        nbad += 1 if bad else 0
         if copy or act != 0 or has_coef:
             # In place, the row goes through buf: LLVM's overlap check of o against the same row
             # fails and leaves the loop scalar (measured: gelu_tanh 5x slower).

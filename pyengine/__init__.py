@@ -16,6 +16,14 @@ import os as _os
 # alternating cpp and numba calls). Passive waiting costs a few microseconds per
 # parallel region. It must be set before libgomp loads; a user's setting wins.
 _os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")
+# OpenBLAS's idle threads spin for 2^28 cycles (~0.1 s) after each threaded product before
+# they sleep, and a compiled kernel that starts meanwhile shares the cores with them: the
+# attention forward at (192, 128, 128, 64) float32 took 20-21 ms right after a NumPy matmul
+# instead of 9-10 (both backends; measured). 2^20 cycles (~0.4 ms) still spans back-to-back
+# products and gave the 10 ms back. OpenBLAS reads it when it loads, so it counts where
+# pyengine is imported before NumPy (the pyengine command, its benchmarks and their
+# workers, which inherit it); a user's setting wins.
+_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "20")
 
 from .kernels.activations import activation, activation_jvp_coef, softmax, softmax_jvp
 from .kernels.orthogonalize import orthogonalize

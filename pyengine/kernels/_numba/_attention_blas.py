@@ -28,7 +28,7 @@ import scipy.linalg  # noqa: F401  (np.dot's BLAS: loaded before one_blas_thread
 from numba import prange
 
 from ._jit import jit, pjit
-from ._reduce import LANES
+from ._reduce import LANES, _fold
 from ._vecmath import _exp_neg
 
 __all__ = ["ROWS", "backward", "forward", "score_grad", "serves"]
@@ -58,18 +58,24 @@ def _padded(n):
 
 @jit
 def _lanes(a, b, n, acc):
-    """sum_x a[x] b[x] for x < n (a multiple of LANES), in LANES partial sums folded pairwise."""
+    """sum_x a[x] b[x] for x < n (a multiple of LANES), in LANES partial sums (``_reduce._fold``)."""
     for k in range(LANES):
         acc[k] = 0.0
     for o in range(0, n, LANES):
         for k in range(LANES):
             acc[k] += a[o + k] * b[o + k]
-    w = LANES
-    while w > 1:
-        w //= 2
-        for k in range(w):
-            acc[k] += acc[k + w]
-    return acc[0]
+    return _fold(acc)
+
+
+@jit
+def _sum(a, n, acc):
+    """sum_x a[x], x < n (a multiple of LANES), in the order of :func:`_lanes`."""
+    for k in range(LANES):
+        acc[k] = 0.0
+    for o in range(0, n, LANES):
+        for k in range(LANES):
+            acc[k] += a[o + k]
+    return _fold(acc)
 
 
 @pjit
@@ -181,22 +187,6 @@ def forward(q, k, v, offset, scale, out, lse, entropy):
             if bad[r]:
                 nbad += 1
     return nbad
-
-
-@jit
-def _sum(a, n, acc):
-    """sum_x a[x], x < n (a multiple of LANES), in the order of :func:`_lanes`."""
-    for k in range(LANES):
-        acc[k] = 0.0
-    for o in range(0, n, LANES):
-        for k in range(LANES):
-            acc[k] += a[o + k]
-    w = LANES
-    while w > 1:
-        w //= 2
-        for k in range(w):
-            acc[k] += acc[k + w]
-    return acc[0]
 
 
 @pjit

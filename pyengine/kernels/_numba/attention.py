@@ -1,5 +1,9 @@
 """Numba kernels of the attention score gradient, the advantage and the fused head.
 
+Head-sized problems (widths >= 16; see ``_attention_blas.serves``) go to the BLAS kernels
+of :mod:`._attention_blas`, as the C++ backend's do; the kernels below serve the rest
+(tiny heads such as the training step's d_k = 10) and, with :data:`BLAS` off, everything.
+
 Same kernel contract and parameter names as :mod:`pyengine.kernels._reference.attention`
 (C-contiguous float32 or float64 arrays of shape (N, ...), preallocated outputs, the
 number of bad rows returned); the formulas are in its docstring. Everything is computed

@@ -6,15 +6,12 @@ variants :data:`fma_inline`, :data:`fma_jit` and :data:`fma_pjit` (:data:`CONTRA
 No module sets Numba options of its own. No eager signatures: each function is compiled on its first call for
 the types it gets (float32 or float64 arrays, which the public layer guarantees)
 and then cached on disk (``cache=True``), so ``import pyengine`` never compiles.
-Also here: the low-level memory primitives the kernels share, :func:`prefetch`, and
-:func:`stream_copy` with :func:`store_fence` (non-temporal stores, as the C++ kernels'
-``_mm512_stream_ps``).
+Also here: the low-level memory primitive the kernels share, :func:`prefetch`.
 """
 
 from __future__ import annotations
 
 import functools
-import platform
 
 import numba
 import numpy as np
@@ -32,8 +29,6 @@ __all__ = [
     "jit",
     "pjit",
     "prefetch",
-    "store_fence",
-    "stream_copy",
 ]
 
 #: No fast-math, not even per flag (the one exception is :data:`CONTRACT`). Bad-row detection tests the row statistics
@@ -127,92 +122,3 @@ if numba.config.DISABLE_JIT:  # pragma: no cover - an intrinsic cannot run as Py
 
     def prefetch(a, i):  # noqa: F811
         """No-op stand-in for the ``prefetch`` intrinsic under ``NUMBA_DISABLE_JIT``."""
-
-
-@intrinsic
-def stream_copy(typingctx, dst, src):
-    """``stream_copy(dst, src)``: ``dst[:] = src[:]`` with non-temporal stores (1-D, same float dtype, same size).
-
-    A normal store to a line that is not in cache first reads the line
-    (read-for-ownership): a kernel that reads one array and writes another moves
-    three bytes per byte written. Non-temporal stores write whole lines straight to
-    memory, as the C++ kernels do for large outputs (``csrc/rows.hpp``,
-    ``kStreamMinBytes``). Numba cannot emit them from a loop, so this copies a row
-    computed into a small per-thread buffer (in cache) out with 64-byte vector stores
-    marked ``!nontemporal`` on the 64-byte-aligned middle of ``dst``, and plain
-    stores on its ends (and on all of a ``dst`` not aligned to its element size).
-    The copied values are bit for bit those of ``src``. The stores are weakly
-    ordered: the thread must call :func:`store_fence` before the kernel returns.
-    """
-    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == 1 and src.ndim == 1
-            and dst.dtype == src.dtype and dst.dtype in (types.float32, types.float64)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        dty, sty = sig.args
-        da = context.make_array(dty)(context, builder, args[0])
-        sa = context.make_array(sty)(context, builder, args[1])
-        intp = context.get_value_type(types.intp)
-        elt = context.get_data_type(dty.dtype)
-        size = context.get_abi_sizeof(elt)
-        width = 64 // size
-        vty = ir.VectorType(elt, width)
-        dp, sp = da.data, sa.data
-        n = builder.extract_value(da.shape, 0)
-        c = functools.partial(ir.Constant, intp)
-        # Elements before dst's first 64-byte boundary; all of them if dst is not element-aligned.
-        addr = builder.ptrtoint(dp, intp)
-        head = builder.udiv(builder.and_(builder.sub(c(64), builder.and_(addr, c(63))), c(63)), c(size))
-        misaligned = builder.icmp_unsigned("!=", builder.and_(addr, c(size - 1)), c(0))
-        head = builder.select(builder.or_(misaligned, builder.icmp_signed(">", head, n)), n, head)
-        nvec = builder.udiv(builder.sub(n, head), c(width))
-        vend = builder.add(head, builder.mul(nvec, c(width)))
-        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-
-        def plain(lo, hi):
-            with cgutils.for_range_slice(builder, lo, hi, c(1), intp) as (i, _):
-                builder.store(builder.load(builder.gep(sp, [i])), builder.gep(dp, [i]))
-
-        plain(c(0), head)
-        with cgutils.for_range(builder, nvec, intp=intp) as loop:
-            i = builder.add(head, builder.mul(loop.index, c(width)))
-            v = builder.load(builder.bitcast(builder.gep(sp, [i]), vty.as_pointer()), align=size)
-            st = builder.store(v, builder.bitcast(builder.gep(dp, [i]), vty.as_pointer()), align=64)
-            st.set_metadata("nontemporal", nontemporal)
-        plain(vend, n)
-        return context.get_dummy_value()
-
-    return types.none(dst, src), codegen
-
-
-_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
-
-
-@intrinsic
-def store_fence(typingctx):
-    """``store_fence()``: order this thread's non-temporal stores before what follows.
-
-    ``sfence`` on x86 (an LLVM ``fence`` orders only ordinary stores there), a
-    sequentially consistent fence elsewhere. Call it once per thread after its last
-    :func:`stream_copy`, not per row: it waits for the write-combining buffers.
-    """
-
-    def codegen(context, builder, sig, args):
-        if _X86:
-            fnty = ir.FunctionType(ir.VoidType(), [])
-            builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse.sfence"), [])
-        else:
-            builder.fence("seq_cst")
-        return context.get_dummy_value()
-
-    return types.none(), codegen
-
-
-if numba.config.DISABLE_JIT:  # pragma: no cover - intrinsics cannot run as Python
-
-    def stream_copy(dst, src):  # noqa: F811
-        """Plain-copy stand-in for the ``stream_copy`` intrinsic under ``NUMBA_DISABLE_JIT``."""
-        dst[:] = src
-
-    def store_fence():  # noqa: F811
-        """No-op stand-in for the ``store_fence`` intrinsic under ``NUMBA_DISABLE_JIT``."""

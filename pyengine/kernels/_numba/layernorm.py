@@ -29,16 +29,13 @@ to preallocate instead: it makes a function uncacheable.
 The cores are plain ``jit`` functions; LLVM decides whether to inline them. Numba's
 ``inline="always"`` made compilation about 35 % slower and the kernels no faster
 (one call per row costs nanoseconds next to the microseconds of the row).
-The batch kernels share the rows out in ``_CHUNKS`` chunks of contiguous rows. Large
-outputs (``STREAM_MIN_BYTES``, the C++ kernels' threshold) are written with
-non-temporal stores: Numba emits none from a loop, so each row is computed into a
-per-thread buffer (in cache) and copied out with :func:`._jit.stream_copy`, and each
-chunk ends with one :func:`._jit.store_fence`. Each row is computed by the same core
-either way, so the values are bit for bit the same. Without it a normal store reads the output line
-first (read-for-ownership): a third more memory traffic than the C++ kernels. Measured
-at (8192, 4096) float32 with ``out=``: 3-7 % faster, not the 1.5x of the traffic alone,
-since the output pass computes float32 rows in float64 and is partly compute-bound
-(``benchmarks/numba_vs_cpp_norms.py``).
+The batch kernels share the rows out in ``_CHUNKS`` chunks of contiguous rows, so the
+row a core prefetches is almost always its own thread's next one. Outputs are written with
+plain stores. A streamed variant (each row computed into a per-thread buffer and copied out
+with non-temporal stores, as the C++ kernels' ``_mm512_stream_ps``) was removed after a
+measurement with the threshold set before compilation (Numba freezes module globals): it
+was slower everywhere on a 2-core AVX-512 host, 1.36-1.64x of C++ without it against
+1.91-2.67x with it at (8192, 768) float32, and no better at (2048, 4096) or (8192, 4096).
 """
 
 from __future__ import annotations
@@ -47,7 +44,7 @@ import numpy as np
 from numba import prange
 
 from ...backends import register
-from ._jit import jit, pjit, prefetch, store_fence, stream_copy
+from ._jit import jit, pjit, prefetch
 from ._reduce import (
     LANES,
     _f64,
@@ -125,17 +122,8 @@ def _ln_stats(x, eps, acc):
 _BLOCK = 64
 #: Bytes per cache line (64 on x86-64 and on most AArch64).
 _LINE = 64
-#: Outputs of at least this many bytes are written with non-temporal stores (as
-#: ``kStreamMinBytes`` in ``csrc/rows.hpp``); smaller ones stay in cache for the caller.
-STREAM_MIN_BYTES = 16 << 20
-#: Chunks of contiguous rows of a streamed output (each ends with one store fence).
+#: Chunks of contiguous rows (each run by one thread, rows in order).
 _CHUNKS = 256
-
-
-@jit
-def _streams(out):
-    """Whether the batch kernel writes ``out`` with non-temporal stores."""
-    return out.size * out.itemsize >= STREAM_MIN_BYTES
 
 
 @jit
@@ -277,21 +265,13 @@ def layer_norm(x, gamma, beta, eps, out):
     """x, out : (n, d); gamma, beta : (d,). Returns the number of bad rows."""
     n = x.shape[0]
     nbad = 0
-    stream = _streams(out)
-    width = x.shape[1] if stream else 0  # the row buffer of a streamed output; none otherwise
     nc = min(n, _CHUNKS)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        buf = np.empty(width, dtype=out.dtype)  # hoisted: once per thread (a streamed row)
         for r in range(c * n // nc, (c + 1) * n // nc):
-            o = buf if stream else out[r]
             nx = min(r + 1, n - 1)
-            if _layer_norm_row(x[r], gamma, beta, eps, o, acc, x[nx]):
+            if _layer_norm_row(x[r], gamma, beta, eps, out[r], acc, x[nx]):
                 nbad += 1
-            if stream:
-                stream_copy(out[r], buf)
-        if stream:
-            store_fence()
     return nbad
 
 
@@ -301,21 +281,13 @@ def layer_norm_jvp(x, v, gamma, eps, frozen, out):
     """x, v, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
     nbad = 0
-    stream = _streams(out)
-    width = x.shape[1] if stream else 0  # the row buffer of a streamed output; none otherwise
     nc = min(n, _CHUNKS)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        buf = np.empty(width, dtype=out.dtype)  # hoisted: once per thread (a streamed row)
         for r in range(c * n // nc, (c + 1) * n // nc):
-            o = buf if stream else out[r]
             nx = min(r + 1, n - 1)
-            if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, o, acc, x[nx], v[nx]):
+            if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx]):
                 nbad += 1
-            if stream:
-                stream_copy(out[r], buf)
-        if stream:
-            store_fence()
     return nbad
 
 
@@ -325,21 +297,13 @@ def layer_norm_vjp(x, u, gamma, eps, frozen, out):
     """x, u, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
     nbad = 0
-    stream = _streams(out)
-    width = x.shape[1] if stream else 0  # the row buffer of a streamed output; none otherwise
     nc = min(n, _CHUNKS)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        buf = np.empty(width, dtype=out.dtype)  # hoisted: once per thread (a streamed row)
         for r in range(c * n // nc, (c + 1) * n // nc):
-            o = buf if stream else out[r]
             nx = min(r + 1, n - 1)
-            if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, o, acc, x[nx], u[nx]):
+            if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx]):
                 nbad += 1
-            if stream:
-                stream_copy(out[r], buf)
-        if stream:
-            store_fence()
     return nbad
 
 

@@ -15,9 +15,9 @@ import numpy as np
 from numba import prange
 
 from ...backends import register
-from ._jit import jit, pjit, store_fence, stream_copy
+from ._jit import jit, pjit
 from ._reduce import LANES, _f64, _rms_slow, _safe, _scale, _sum_sq, _sum_sq_dot, _sum_sq_dot_gu
-from .layernorm import _BLOCK, _CHUNKS, _prefetch_block, _streams
+from .layernorm import _BLOCK, _CHUNKS, _prefetch_block
 
 __all__ = ["rms_norm", "rms_norm_jacobian", "rms_norm_jvp", "rms_norm_vjp"]
 
@@ -137,21 +137,13 @@ def rms_norm(x, gamma, eps, out):
     """x, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
     nbad = 0
-    stream = _streams(out)
-    width = x.shape[1] if stream else 0  # the row buffer of a streamed output; none otherwise
     nc = min(n, _CHUNKS)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        buf = np.empty(width, dtype=out.dtype)  # hoisted: once per thread (a streamed row)
         for r in range(c * n // nc, (c + 1) * n // nc):
-            o = buf if stream else out[r]
             nx = min(r + 1, n - 1)
-            if _rms_norm_row(x[r], gamma, eps, o, acc, x[nx]):
+            if _rms_norm_row(x[r], gamma, eps, out[r], acc, x[nx]):
                 nbad += 1
-            if stream:
-                stream_copy(out[r], buf)
-        if stream:
-            store_fence()
     return nbad
 
 
@@ -161,21 +153,13 @@ def rms_norm_jvp(x, v, gamma, eps, frozen, out):
     """x, v, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
     nbad = 0
-    stream = _streams(out)
-    width = x.shape[1] if stream else 0  # the row buffer of a streamed output; none otherwise
     nc = min(n, _CHUNKS)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        buf = np.empty(width, dtype=out.dtype)  # hoisted: once per thread (a streamed row)
         for r in range(c * n // nc, (c + 1) * n // nc):
-            o = buf if stream else out[r]
             nx = min(r + 1, n - 1)
-            if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, o, acc, x[nx], v[nx]):
+            if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx]):
                 nbad += 1
-            if stream:
-                stream_copy(out[r], buf)
-        if stream:
-            store_fence()
     return nbad
 
 
@@ -185,21 +169,13 @@ def rms_norm_vjp(x, u, gamma, eps, frozen, out):
     """x, u, out : (n, d); gamma : (d,). Returns the number of bad rows."""
     n = x.shape[0]
     nbad = 0
-    stream = _streams(out)
-    width = x.shape[1] if stream else 0  # the row buffer of a streamed output; none otherwise
     nc = min(n, _CHUNKS)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        buf = np.empty(width, dtype=out.dtype)  # hoisted: once per thread (a streamed row)
         for r in range(c * n // nc, (c + 1) * n // nc):
-            o = buf if stream else out[r]
             nx = min(r + 1, n - 1)
-            if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, o, acc, x[nx], u[nx]):
+            if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx]):
                 nbad += 1
-            if stream:
-                stream_copy(out[r], buf)
-        if stream:
-            store_fence()
     return nbad
 
 

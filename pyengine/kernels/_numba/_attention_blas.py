@@ -15,7 +15,7 @@ masked entries inside a block are written as 0 before they enter a product. Prec
 the score gradient forms b in float64 for both dtypes (a block's u and v copied to
 float64), the forward and backward products run in the input's dtype, and the row sums,
 lse, entropy, D_i = d_o_i . o_i and the spread are float64 sums in LANES partial sums
-(the order of :func:`.attention._dot_lanes`). Which product computes a number depends on
+(:func:`._reduce._dot_lanes`). Which product computes a number depends on
 the shape alone: the results do not depend on the number of threads.
 """
 
@@ -27,8 +27,9 @@ import numpy as np
 import scipy.linalg  # noqa: F401  (np.dot's BLAS: loaded before one_blas_thread() limits it)
 from numba import prange
 
-from ._jit import jit, pjit
-from ._reduce import LANES, _fold
+from ._attention_short import _visible
+from ._jit import pjit
+from ._reduce import LANES, _dot_lanes, _padded, _sum_lanes
 from ._vecmath import _exp_neg
 
 __all__ = ["ROWS", "backward", "forward", "score_grad", "serves"]
@@ -44,38 +45,6 @@ def serves(n: int, tq: int, tk: int, d1: int, d2: int, per_head: bool) -> bool:
     if tq <= 0 or tk <= 0 or min(d1, d2) < 16:
         return False
     return not per_head or n >= 4 or tq * tk <= 256 * 256
-
-
-@jit
-def _visible(i, offset, tk):
-    return tk if offset >= tk - i else i + offset + 1
-
-
-@jit
-def _padded(n):
-    return (n + LANES - 1) // LANES * LANES
-
-
-@jit
-def _lanes(a, b, n, acc):
-    """sum_x a[x] b[x] for x < n (a multiple of LANES), in LANES partial sums (``_reduce._fold``)."""
-    for k in range(LANES):
-        acc[k] = 0.0
-    for o in range(0, n, LANES):
-        for k in range(LANES):
-            acc[k] += a[o + k] * b[o + k]
-    return _fold(acc)
-
-
-@jit
-def _sum(a, n, acc):
-    """sum_x a[x], x < n (a multiple of LANES), in the order of :func:`_lanes`."""
-    for k in range(LANES):
-        acc[k] = 0.0
-    for o in range(0, n, LANES):
-        for k in range(LANES):
-            acc[k] += a[o + k]
-    return _fold(acc)
 
 
 @pjit
@@ -111,7 +80,7 @@ def score_grad(p, u, v, offset, out, advantage, want_a):
             for j in range(vis):
                 pb[j] = _f64(pr[j])
             body = vis - vis % LANES  # LANES partial sums, then the tail in order
-            c = _lanes(pb, br, body, acc)
+            c = _dot_lanes(pb, br, body, acc)
             for j in range(body, vis):
                 c += pb[j] * br[j]
             if not np.isfinite(c):
@@ -151,7 +120,7 @@ def forward(q, k, v, offset, scale, out, lse, entropy):
         nmax = _visible(i0 + rows - 1, offset, tk)
         s = sbuf[: rows * nmax].reshape((rows, nmax))
         np.dot(q[h, i0:i0 + rows], k[h, :nmax].T, s)
-        bad = np.zeros(ROWS, dtype=np.bool_)
+        bad = np.empty(ROWS, dtype=np.bool_)  # bad[r] is set for every row r < rows below
         for r in range(rows):
             i = i0 + r
             vis = _visible(i, offset, tk)
@@ -166,8 +135,8 @@ def forward(q, k, v, offset, scale, out, lse, entropy):
             for j in range(vis, npad):
                 x[j] = 0.0
                 e[j] = 0.0
-            z = _sum(e, npad, acc)
-            zs = _lanes(e, x, npad, acc)
+            z = _sum_lanes(e, npad, acc)
+            zs = _dot_lanes(e, x, npad, acc)
             lv = m + math.log(z)
             lse[h, i] = lv
             entropy[h, i] = lv - zs / z
@@ -240,7 +209,7 @@ def backward(q, k, v, o, d_o, lse, offset, scale, dq, dkey, dval, spread):
                     gr[j] = 0.0
                 for j in range(vis, npad):
                     t[j] = 0.0
-                sp = _sum(t, npad, acc)
+                sp = _sum_lanes(t, npad, acc)
                 spread[h, i] = math.sqrt(sp)
                 if not np.isfinite(d) or not np.isfinite(sp):
                     bad += 1

@@ -1,6 +1,7 @@
 """Row reductions shared by the Numba kernels: float64 sums in lanes, in a fixed order.
 
-Used by :mod:`pyengine.kernels._numba.layernorm` (row statistics and the JVP/VJP sums) and
+Used by :mod:`pyengine.kernels._numba.layernorm` (row statistics and the JVP/VJP sums), the
+attention kernels (:func:`_dot_lanes`, :func:`_sum_lanes` over padded rows) and
 :mod:`pyengine.kernels._numba.spectral` and :mod:`pyengine.kernels._numba._secular` (row statistics,
 and ``LANES``, :func:`_zero` and :func:`_fold` for their own fused passes). Every reduction accumulates in float64,
 also for float32 input; ``x``, ``w``, ``g``, ``u`` are rows ``(d,)``, ``c`` a
@@ -38,14 +39,17 @@ from ._jit import jit
 
 __all__ = [
     "LANES",
+    "_dot_lanes",
     "_fold",
     "_mean_sq",
     "_scale",
+    "_padded",
     "_sum",
     "_sum_pair",
     "_sum_pair_gu",
     "_sum_sq",
     "_sum_sq_dot",
+    "_sum_lanes",
     "_sum_sq_dot_gu",
     "_zero",
     "SAFE_HIGH",
@@ -390,3 +394,50 @@ def _rms_slow(x, eps, w, g, use_g, want_dot):
         return 1.0, 0.0, True
     # mean(x w) / r^2 = c mean(xs w) / rs^2, rs = sqrt(sq) the scaled row's r.
     return np.sqrt(sq) / c, c * ((dot / d) / sq), False
+
+# --------------------------------------------------------------------------- #
+# Sums over a length already rounded up to a multiple of LANES (the caller pads its
+# float64 scratch with 0), so there is no scalar tail: the attention kernels' sums over
+# tokens (row kernels and BLAS kernels alike).
+# --------------------------------------------------------------------------- #
+
+
+@jit
+def _padded(n):
+    """n rounded up to a multiple of LANES."""
+    return (n + LANES - 1) // LANES * LANES
+
+
+@jit
+def _dot_lanes(a, b, n, acc):
+    """sum_x a[x] b[x], x < n (a multiple of LANES), in LANES partial sums folded pairwise."""
+    for k in range(LANES):
+        acc[k] = 0.0
+    nq = n // _QUAD
+    for jb in range(nq):
+        o = jb * _QUAD
+        for k in range(LANES):
+            acc[k] += (a[o + k] * b[o + k] + a[o + LANES + k] * b[o + LANES + k]) + (
+                a[o + 2 * LANES + k] * b[o + 2 * LANES + k] + a[o + 3 * LANES + k] * b[o + 3 * LANES + k])
+    for jb in range(4 * nq, n // LANES):
+        o = jb * LANES
+        for k in range(LANES):
+            acc[k] += a[o + k] * b[o + k]
+    return _fold(acc)
+
+
+@jit
+def _sum_lanes(a, n, acc):
+    """sum_x a[x], x < n (a multiple of LANES), in the order of _dot_lanes."""
+    for k in range(LANES):
+        acc[k] = 0.0
+    nq = n // _QUAD
+    for jb in range(nq):
+        o = jb * _QUAD
+        for k in range(LANES):
+            acc[k] += (a[o + k] + a[o + LANES + k]) + (a[o + 2 * LANES + k] + a[o + 3 * LANES + k])
+    for jb in range(4 * nq, n // LANES):
+        o = jb * LANES
+        for k in range(LANES):
+            acc[k] += a[o + k]
+    return _fold(acc)

@@ -36,21 +36,14 @@ from numba import prange
 from ...backends import one_blas_thread, register
 from . import _attention_blas as _blas
 from . import _attention_short as _short
+from ._attention_short import _visible
 from ._jit import jit, pjit
-from ._reduce import LANES, _fold
+from ._reduce import LANES, _dot_lanes, _padded, _sum_lanes
 from ._vecmath import _exp_neg
-
-_QUAD = 4 * LANES
 
 __all__ = ["attention_advantage", "attention_backward", "attention_forward", "attention_score_grad"]
 
 _f64 = np.float64
-
-
-@jit
-def _visible(i, offset, tk):
-    """Number of keys visible to query i (j <= i + offset), without overflow."""
-    return tk if offset >= tk - i else i + offset + 1
 
 
 @jit
@@ -200,41 +193,6 @@ def _backward_delta(o, d_o, delta):
 
 
 @jit
-def _dot_lanes(a, b, n, acc):
-    """sum_x a[x] b[x], x < n (a multiple of LANES), in LANES partial sums folded pairwise."""
-    for k in range(LANES):
-        acc[k] = 0.0
-    nq = n // _QUAD
-    for jb in range(nq):
-        o = jb * _QUAD
-        for k in range(LANES):
-            acc[k] += (a[o + k] * b[o + k] + a[o + LANES + k] * b[o + LANES + k]) + (
-                a[o + 2 * LANES + k] * b[o + 2 * LANES + k] + a[o + 3 * LANES + k] * b[o + 3 * LANES + k])
-    for jb in range(4 * nq, n // LANES):
-        o = jb * LANES
-        for k in range(LANES):
-            acc[k] += a[o + k] * b[o + k]
-    return _fold(acc)
-
-
-@jit
-def _sum_lanes(a, n, acc):
-    """sum_x a[x], x < n (a multiple of LANES), in the order of _dot_lanes."""
-    for k in range(LANES):
-        acc[k] = 0.0
-    nq = n // _QUAD
-    for jb in range(nq):
-        o = jb * _QUAD
-        for k in range(LANES):
-            acc[k] += (a[o + k] + a[o + LANES + k]) + (a[o + 2 * LANES + k] + a[o + 3 * LANES + k])
-    for jb in range(4 * nq, n // LANES):
-        o = jb * LANES
-        for k in range(LANES):
-            acc[k] += a[o + k]
-    return _fold(acc)
-
-
-@jit
 def _accumulate(s, w, bt, n):
     """s[x] += sum_c w[c] bt[c, x] for x < n, two features per pass over s (c in order)."""
     m = w.size
@@ -248,11 +206,6 @@ def _accumulate(s, w, bt, n):
         b0 = bt[m - 1]
         for x in range(n):
             s[x] += w0 * b0[x]
-
-
-@jit
-def _padded(n):
-    return (n + LANES - 1) // LANES * LANES
 
 
 @pjit

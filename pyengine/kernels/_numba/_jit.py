@@ -6,12 +6,16 @@ variants :data:`fma_inline`, :data:`fma_jit` and :data:`fma_pjit` (:data:`CONTRA
 No module sets Numba options of its own. No eager signatures: each function is compiled on its first call for
 the types it gets (float32 or float64 arrays, which the public layer guarantees)
 and then cached on disk (``cache=True``), so ``import pyengine`` never compiles.
-Also here: the low-level memory primitive the kernels share, :func:`prefetch`.
+Also here: the low-level memory primitives the kernels share, :func:`prefetch`, and
+:func:`stream_affine` with :func:`store_fence` (non-temporal stores, as the C++ kernels'
+``_mm512_stream_ps``), used where an output is far larger than any cache: the dense
+Jacobians (:func:`.layernorm._dense_jacobian`).
 """
 
 from __future__ import annotations
 
 import functools
+import platform
 
 import numba
 import numpy as np
@@ -29,6 +33,8 @@ __all__ = [
     "jit",
     "pjit",
     "prefetch",
+    "store_fence",
+    "stream_affine",
 ]
 
 #: No fast-math, not even per flag (the one exception is :data:`CONTRACT`). Bad-row detection tests the row statistics
@@ -122,3 +128,109 @@ if numba.config.DISABLE_JIT:  # pragma: no cover - an intrinsic cannot run as Py
 
     def prefetch(a, i):  # noqa: F811
         """No-op stand-in for the ``prefetch`` intrinsic under ``NUMBA_DISABLE_JIT``."""
+
+
+@intrinsic
+def stream_affine(typingctx, dst, src, a, b, c):
+    """``stream_affine(dst, src, a, b, c)``: ``dst[j] = a * (b - c * src[j])`` with non-temporal stores.
+
+    dst : (m,) float32 or float64; src : (m,) float64; a, b, c : float64. Computed in
+    float64 in that order (no fused multiply-add), then cast to dst's dtype: bit for bit
+    the values of the same expression in a Numba loop. A normal store to a line that is
+    not in cache first reads the line (read-for-ownership), half again the traffic of
+    the write; non-temporal stores write whole lines straight to memory, as the C++
+    kernels do for large outputs (``csrc/rows.hpp``, ``kStreamMinBytes``). Numba emits
+    none from a loop (LLVM's vectorizer drops a store it cannot prove aligned), so this
+    intrinsic writes the loop itself: 64-byte vector stores marked ``!nontemporal`` on
+    the 64-byte-aligned middle of ``dst``, plain stores on its ends (and on all of a
+    ``dst`` not aligned to its element size). Its one user is the dense Jacobian row
+    (:func:`.layernorm._dense_jacobian`). The stores are weakly ordered: the thread
+    must call :func:`store_fence` before the kernel returns.
+    """
+    f64 = types.float64
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == 1 and src.ndim == 1
+            and dst.dtype in (types.float32, f64) and src.dtype == f64
+            and all(isinstance(t, types.Float) for t in (a, b, c))):
+        return None
+
+    def codegen(context, builder, sig, args):
+        dty, sty = sig.args[:2]
+        da = context.make_array(dty)(context, builder, args[0])
+        sa = context.make_array(sty)(context, builder, args[1])
+        av, bv, cv = (context.cast(builder, v, t, f64) for v, t in zip(args[2:], sig.args[2:]))
+        intp = context.get_value_type(types.intp)
+        elt = context.get_data_type(dty.dtype)
+        dbl = ir.DoubleType()
+        size = context.get_abi_sizeof(elt)
+        width = 64 // size
+        dp, sp = da.data, sa.data
+        n = builder.extract_value(da.shape, 0)
+        k = functools.partial(ir.Constant, intp)
+        # Elements before dst's first 64-byte boundary; all of them if dst is not element-aligned.
+        addr = builder.ptrtoint(dp, intp)
+        head = builder.udiv(builder.and_(builder.sub(k(64), builder.and_(addr, k(63))), k(63)), k(size))
+        misaligned = builder.icmp_unsigned("!=", builder.and_(addr, k(size - 1)), k(0))
+        head = builder.select(builder.or_(misaligned, builder.icmp_signed(">", head, n)), n, head)
+        nvec = builder.udiv(builder.sub(n, head), k(width))
+        vend = builder.add(head, builder.mul(nvec, k(width)))
+        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+
+        def value(x, a_, b_, c_):  # a * (b - c * x), then the cast to dst's dtype
+            y = builder.fmul(a_, builder.fsub(b_, builder.fmul(c_, x)))
+            return y if size == 8 else builder.fptrunc(y, elt if x.type == dbl else ir.VectorType(elt, width))
+
+        def plain(lo, hi):
+            with cgutils.for_range_slice(builder, lo, hi, k(1), intp) as (i, _):
+                builder.store(value(builder.load(builder.gep(sp, [i])), av, bv, cv), builder.gep(dp, [i]))
+
+        def splat(v):
+            vec = ir.Constant(ir.VectorType(dbl, width), ir.Undefined)
+            for j in range(width):
+                vec = builder.insert_element(vec, v, ir.Constant(ir.IntType(32), j))
+            return vec
+
+        plain(k(0), head)
+        va, vb, vc = splat(av), splat(bv), splat(cv)
+        with cgutils.for_range(builder, nvec, intp=intp) as loop:
+            i = builder.add(head, builder.mul(loop.index, k(width)))
+            x = builder.load(builder.bitcast(builder.gep(sp, [i]), ir.VectorType(dbl, width).as_pointer()), align=8)
+            st = builder.store(value(x, va, vb, vc),
+                               builder.bitcast(builder.gep(dp, [i]), ir.VectorType(elt, width).as_pointer()), align=64)
+            st.set_metadata("nontemporal", nontemporal)
+        plain(vend, n)
+        return context.get_dummy_value()
+
+    return types.none(dst, src, a, b, c), codegen
+
+
+_X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
+
+
+@intrinsic
+def store_fence(typingctx):
+    """``store_fence()``: order this thread's non-temporal stores before what follows.
+
+    ``sfence`` on x86 (an LLVM ``fence`` orders only ordinary stores there), a
+    sequentially consistent fence elsewhere. Call it once per thread after its last
+    :func:`stream_affine`, not per row: it waits for the write-combining buffers.
+    """
+
+    def codegen(context, builder, sig, args):
+        if _X86:
+            fnty = ir.FunctionType(ir.VoidType(), [])
+            builder.call(cgutils.get_or_insert_function(builder.module, fnty, "llvm.x86.sse.sfence"), [])
+        else:
+            builder.fence("seq_cst")
+        return context.get_dummy_value()
+
+    return types.none(), codegen
+
+
+if numba.config.DISABLE_JIT:  # pragma: no cover - intrinsics cannot run as Python
+
+    def stream_affine(dst, src, a, b, c):  # noqa: F811
+        """Plain-store stand-in for the ``stream_affine`` intrinsic under ``NUMBA_DISABLE_JIT``."""
+        dst[:] = a * (b - c * src)
+
+    def store_fence():  # noqa: F811
+        """No-op stand-in for the ``store_fence`` intrinsic under ``NUMBA_DISABLE_JIT``."""

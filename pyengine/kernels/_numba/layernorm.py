@@ -44,7 +44,7 @@ import numpy as np
 from numba import prange
 
 from ...backends import register
-from ._jit import jit, pjit, prefetch
+from ._jit import jit, pjit, prefetch, store_fence, stream_affine
 from ._reduce import (
     LANES,
     _f64,
@@ -231,26 +231,61 @@ def _layer_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
     return bad or not (np.isfinite(mu) and np.isfinite(mg) and np.isfinite(m2))
 
 
+#: Jacobians of at least this many bytes are written with non-temporal stores (the C++
+#: kernels' ``kStreamMinBytes``, ``csrc/rows.hpp``): a (n, d, d) output cannot stay in any
+#: cache, and a plain store first reads its line (read-for-ownership), half again the
+#: memory traffic of the write. Smaller outputs stay in cache for the caller.
+STREAM_MIN_BYTES = 16 << 20
+
+
 @jit
-def _layer_norm_jacobian_row(x, gamma, eps, frozen, out, acc):
-    """out : (d, d), J[i, j] = gamma_i/s (delta_ij - 1/d - xh_i xh_j/d); frozen drops xh.
+def _jacobian_row(xh, a, ci, c0, i, out):
+    """out[j] = a (delta_ij - c0 - ci xh_j): row i of one token's Jacobian; xh, out : (d,)."""
+    for j in range(xh.size):
+        out[j] = a * ((0.0 - c0) - ci * xh[j])
+    out[i] = a * ((1.0 - c0) - ci * xh[i])
 
-    No prefetching: the d x d output, not the row, is the memory traffic here.
+
+@pjit
+def _dense_jacobian(x, gamma, centre, scale, c0, frozen, out):
+    """out[r, i, :] = row i of token r's Jacobian, J = diag(gamma)/s (I - c0 - xh xh^T / d).
+
+    x : (n, d); gamma : (d,); centre, scale : (n,) float64 (mu and s of each token;
+    0 and r for RMSNorm); out : (n, d, d). LayerNorm: c0 = 1/d; RMSNorm: c0 = 0; the
+    xh term is dropped when ``frozen``. The second pass of the Jacobian kernels, after
+    their statistics: xh = (x - centre) / s of each token in float64, then ``prange``
+    over chunks of the n * d output rows, so that one token also uses every thread, as
+    ``dense_jacobian`` in ``csrc/layernorm.hpp``. Each output row is written by one
+    thread, the same values whatever the thread count. A large output
+    (:data:`STREAM_MIN_BYTES`) is written with non-temporal stores
+    (:func:`._jit.stream_affine`, the same expression; one :func:`._jit.store_fence`
+    per chunk): the same values, bit for bit.
     """
-    d = x.size
-    mu, s, bad = _ln_stats(x, eps, acc)
-    inv = 1.0 / s
-    invd = 1.0 / d
-    for i in range(d):
-        a = _f64(gamma[i]) / s
-        xhi = (_f64(x[i]) - mu) * inv
-        c = 0.0 if frozen else xhi / d
-        row = out[i]
+    n, d = x.shape
+    xh = np.empty((n, d), dtype=np.float64)
+    for r in prange(n):
+        inv = 1.0 / scale[r]
         for j in range(d):
-            row[j] = a * ((0.0 - invd) - c * ((_f64(x[j]) - mu) * inv))
-        row[i] = a * ((1.0 - invd) - c * xhi)
-    return bad
-
+            xh[r, j] = (_f64(x[r, j]) - centre[r]) * inv
+    m = n * d
+    stream = out.size * out.itemsize >= STREAM_MIN_BYTES
+    nc = min(m, _CHUNKS)
+    for c in prange(nc):
+        for k in range(c * m // nc, (c + 1) * m // nc):
+            r = k // d
+            i = k - r * d
+            a = _f64(gamma[i]) / scale[r]
+            ci = 0.0 if frozen else xh[r, i] / d
+            if stream:
+                # [0, i) and (i, d), each with plain stores on its partial lines: the
+                # diagonal's line is then never streamed and overwritten (a flush and a reload).
+                stream_affine(out[r, i, :i], xh[r, :i], a, 0.0 - c0, ci)
+                stream_affine(out[r, i, i + 1 :], xh[r, i + 1 :], a, 0.0 - c0, ci)
+                out[r, i, i] = a * ((1.0 - c0) - ci * xh[r, i])
+            else:
+                _jacobian_row(xh[r], a, ci, c0, i, out[r, i])
+        if stream:
+            store_fence()
 
 
 # --------------------------------------------------------------------------- #
@@ -311,9 +346,12 @@ def layer_norm_vjp(x, u, gamma, eps, frozen, out):
 @pjit
 def layer_norm_jacobian(x, gamma, eps, frozen, out):
     """x : (n, d); gamma : (d,); out : (n, d, d). Returns the number of bad rows."""
-    nbad = 0
-    for r in prange(x.shape[0]):
+    n = x.shape[0]
+    mu = np.empty(n, dtype=np.float64)
+    s = np.empty(n, dtype=np.float64)
+    bad = np.empty(n, dtype=np.bool_)
+    for r in prange(n):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        if _layer_norm_jacobian_row(x[r], gamma, eps, frozen, out[r], acc):
-            nbad += 1
-    return nbad
+        mu[r], s[r], bad[r] = _ln_stats(x[r], eps, acc)
+    _dense_jacobian(x, gamma, mu, s, 1.0 / x.shape[1], frozen, out)
+    return np.count_nonzero(bad)

@@ -5,8 +5,8 @@ the same layout as :mod:`.layernorm` (whose docstring explains it): a per-token 
 ``_<kernel id>_row``, run by the registered batch kernel under ``prange`` over chunks of
 rows only; reductions in float64 in ``LANES`` partial sums (:mod:`._reduce`), a single
 pass over the row for the sums (RMSNorm has centre 0), and the writing pass
-prefetching the next row in blocks of ``layernorm._BLOCK``; large outputs written with
-non-temporal stores as there.
+prefetching the next row in blocks of ``layernorm._BLOCK``. The dense Jacobian shares
+LayerNorm's writer (:func:`.layernorm._dense_jacobian`, centre 0).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from numba import prange
 from ...backends import register
 from ._jit import jit, pjit
 from ._reduce import LANES, _f64, _rms_slow, _safe, _scale, _sum_sq, _sum_sq_dot, _sum_sq_dot_gu
-from .layernorm import _BLOCK, _CHUNKS, _prefetch_block
+from .layernorm import _BLOCK, _CHUNKS, _dense_jacobian, _prefetch_block
 
 __all__ = ["rms_norm", "rms_norm_jacobian", "rms_norm_jvp", "rms_norm_vjp"]
 
@@ -108,23 +108,6 @@ def _rms_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
     return bad
 
 
-@jit
-def _rms_norm_jacobian_row(x, gamma, eps, frozen, out, acc):
-    """out : (d, d), J[i, j] = gamma_i/r (delta_ij - xn_i xn_j/d), xn = x/r; frozen drops xn."""
-    d = x.size
-    r, bad = _rms_scale(x, eps, acc)
-    inv = 1.0 / r
-    for i in range(d):
-        a = _f64(gamma[i]) / r
-        xni = _f64(x[i]) * inv
-        c = 0.0 if frozen else xni / d
-        row = out[i]
-        for j in range(d):
-            row[j] = a * (0.0 - c * (_f64(x[j]) * inv))
-        row[i] = a * (1.0 - c * xni)
-    return bad
-
-
 # --------------------------------------------------------------------------- #
 # Registered batch kernels: prange over rows (tokens) only; row r prefetches row
 # nx = min(r + 1, n - 1).
@@ -183,9 +166,11 @@ def rms_norm_vjp(x, u, gamma, eps, frozen, out):
 @pjit
 def rms_norm_jacobian(x, gamma, eps, frozen, out):
     """x : (n, d); gamma : (d,); out : (n, d, d). Returns the number of bad rows."""
-    nbad = 0
-    for r in prange(x.shape[0]):
+    n = x.shape[0]
+    r = np.empty(n, dtype=np.float64)
+    bad = np.empty(n, dtype=np.bool_)
+    for t in prange(n):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        if _rms_norm_jacobian_row(x[r], gamma, eps, frozen, out[r], acc):
-            nbad += 1
-    return nbad
+        r[t], bad[t] = _rms_scale(x[t], eps, acc)
+    _dense_jacobian(x, gamma, np.zeros(n), r, 0.0, frozen, out)
+    return np.count_nonzero(bad)

@@ -34,10 +34,11 @@
 // fixed order. A one-row version was bound by re-reading the 400 KB of transposed keys and
 // values from L2 for every query (12 ms for the forward pass at T = 2000).
 //
-// Parallelism: one OpenMP region per call; per head, the threads first transpose (omp for
-// over tokens), then share the tiles round-robin (causal tiles have unequal work, so
-// contiguous blocks would leave one thread the long rows). Results do not depend on the
-// number of threads. In the forward pass each tile of queries is computed whole by one
+// Parallelism: one OpenMP region per call. The forward pass shares out heads or (head,
+// tile) pairs, each thread transposing the heads it reaches into its own scratch; the
+// other passes, per head, first transpose (omp for over tokens), then share the tiles
+// round-robin (causal tiles have unequal work, so contiguous blocks would leave one thread
+// the long rows). Results do not depend on the number of threads. In the forward pass each tile of queries is computed whole by one
 // thread in a fixed order. The backward pass is one pass over the visible (query, key)
 // pairs: the row sums D_i = sum_j p_ij dp_ij are d_o_i . o_i (o from the forward pass), so
 // each tile of keys computes its scores, p (from lse), dp and g = dL/ds once, and from them
@@ -122,11 +123,14 @@ std::int64_t attention_score_grad(const T* p, const T* u, const T* v, index_t of
 /// The fused forward pass of one head per batch index: out = softmax(scale q k^T) v, and
 /// the row log-partition lse and entropy. Returns the number of bad rows.
 ///
-/// Many heads (n >= 4 per thread: a batch of sequences) are shared out whole, each thread
-/// transposing its heads' k, v into its own scratch: no barrier per head (at T = 128 the
-/// two per head cost more than the head's work on a loaded machine; issue 18). Few heads
-/// share each head's tiles instead, as before. Either way each tile is computed the same
-/// way by one thread, so the results are identical.
+/// The threads share out whole heads (at least as many heads as threads), else single
+/// (head, tile) pairs, one unit at a time (dynamic); each thread transposes a head's k, v
+/// into its own scratch when it reaches a head other than the one it holds, so there is no
+/// barrier per head. (Before, fewer than 4 heads per thread shared each head's transposes:
+/// two barriers per head, which dominated short heads: (6, 97, 97, 32) took 0.9 ms against
+/// 0.25 for Numba's BLAS forward; now 0.2. Issue 18.) Whole heads keep a head's transposes
+/// to one thread ((12, 128, 128, 64) as single tiles: 25 % slower). Each tile is computed
+/// the same way by one thread, so the results do not depend on the number of threads.
 template <class T>
 std::int64_t attention_forward(const T* q, const T* k, const T* v, index_t offset, double scale,
                                index_t n, index_t tq, index_t tk, index_t dk, index_t dv, T* out,
@@ -136,7 +140,9 @@ std::int64_t attention_forward(const T* q, const T* k, const T* v, index_t offse
     const C cscale = static_cast<C>(scale);
     const index_t tiles = (tq + kTile - 1) / kTile;
     const int threads = threads_for(n * tq, tk * (dk + dv));
-    const bool by_head = n >= 4 * static_cast<index_t>(threads);
+    // Units of work: whole heads when there are at least as many as threads, else single tiles.
+    const bool by_head = n >= static_cast<index_t>(threads);
+    const index_t units = by_head ? n : n * tiles;
     std::int64_t nbad = 0;
     // One tile of queries of head h against the transposed keys kt and values vt.
     auto tile = [&](index_t h, index_t t, const C* kt, const C* vt, C* st, C* et, C* qt, C* ot) -> std::int64_t {
@@ -180,34 +186,30 @@ std::int64_t attention_forward(const T* q, const T* k, const T* v, index_t offse
         }
         return bad_rows;
     };
-    C* kt = scratch<C>(0, dk * tk);  // shared (tile mode): the caller's slots
-    C* vt = scratch<C>(1, dv * tk);
 #pragma omp parallel num_threads(threads) reduction(+ : nbad)
     {
         C* st = scratch<C>(2, kTile * tk);
         C* et = scratch<C>(3, kTile * tk);
         C* qt = scratch<C>(4, kTile * dk);
         C* ot = scratch<C>(5, kTile * dv);
-        if (by_head) {
-            C* kt_own = scratch<C>(6, dk * tk);
-            C* vt_own = scratch<C>(7, dv * tk);
+        C* kt = scratch<C>(6, dk * tk);
+        C* vt = scratch<C>(7, dv * tk);
+        index_t have = -1;  // the head whose k, v this thread's kt, vt hold
 #pragma omp for schedule(dynamic, 1)
-            for (index_t h = 0; h < n; ++h) {
+        for (index_t unit = 0; unit < units; ++unit) {
+            const index_t h = by_head ? unit : unit / tiles;
+            if (h != have) {
                 const T* kh = k + h * tk * dk;
                 const T* vh = v + h * tk * dv;
                 for (index_t r = 0; r < tk; ++r) {
-                    for (index_t c = 0; c < dk; ++c) kt_own[c * tk + r] = static_cast<C>(kh[r * dk + c]);
-                    for (index_t c = 0; c < dv; ++c) vt_own[c * tk + r] = static_cast<C>(vh[r * dv + c]);
+                    for (index_t c = 0; c < dk; ++c) kt[c * tk + r] = static_cast<C>(kh[r * dk + c]);
+                    for (index_t c = 0; c < dv; ++c) vt[c * tk + r] = static_cast<C>(vh[r * dv + c]);
                 }
-                for (index_t t = 0; t < tiles; ++t) nbad += tile(h, t, kt_own, vt_own, st, et, qt, ot);
+                have = h;
             }
-        } else {
-            for (index_t h = 0; h < n; ++h) {
-                transpose_into(k + h * tk * dk, tk, dk, kt);
-                transpose_into(v + h * tk * dv, tk, dv, vt);
-#pragma omp for schedule(static, 1)
-                for (index_t t = 0; t < tiles; ++t) nbad += tile(h, t, kt, vt, st, et, qt, ot);
-            }
+            const index_t t0 = by_head ? 0 : unit - h * tiles;
+            const index_t t1 = by_head ? tiles : t0 + 1;
+            for (index_t t = t0; t < t1; ++t) nbad += tile(h, t, kt, vt, st, et, qt, ot);
         }
     }
     return nbad;

@@ -30,6 +30,7 @@ __all__ = [
     "fma_inline",
     "fma_jit",
     "fma_pjit",
+    "inline",
     "jit",
     "pjit",
     "prefetch",
@@ -83,9 +84,15 @@ if numba.config.DISABLE_JIT:  # pragma: no cover - only in the NUMBA_DISABLE_JIT
 CONTRACT = {"contract"}
 
 if numba.config.DISABLE_JIT:  # pragma: no cover - the NUMBA_DISABLE_JIT=1 CI job
-    fma_inline = fma_jit = jit
+    fma_inline = fma_jit = inline = jit
     fma_pjit = pjit
 else:
+    #: Row helpers inlined at the Numba IR level, without fast-math: for short rows (the
+    #: softmax JVP's Tk = 128) the call itself, with every array argument passed as its
+    #: parts, costs as much as the row. The caller's flags apply to inlined code, so a
+    #: caller compiled with :data:`CONTRACT` would fuse its products: call it from ``jit``
+    #: / ``pjit`` code only.
+    inline = functools.partial(jit, inline="always")
     #: Scalar cores: always inlined (at the Numba IR level), because LLVM's inliner
     #: leaves the larger ones (GELU) as calls, and a loop with a call does not vectorize.
     fma_inline = functools.partial(jit, inline="always", fastmath=CONTRACT)

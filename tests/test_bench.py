@@ -78,3 +78,17 @@ def test_cli_bench_rejects_a_bad_baseline(tmp_path, capsys):
     bad.write_text(json.dumps({"machine": {}}))
     assert cli.main(["bench", "--quick", "--compare", str(bad)]) == 2
     assert cli.main(["bench", "--quick", "--compare", str(tmp_path / "missing.json")]) == 2
+
+
+def test_rounds_rotate_the_backends_order(monkeypatch):
+    """Each round starts with the next backend, so no backend always runs right after another's."""
+    from pyengine._bench import measure, runner
+
+    seen = []
+    monkeypatch.setattr(measure, "sample", lambda call, loops, n: [call()] * n)
+    calls = {b: (lambda b=b: seen.append(b) or 1.0) for b in ("numpy", "numba", "cpp")}
+    lims, stats, reruns = runner._rounds(None, calls, {b: 1 for b in calls}, {b: 1 for b in calls}, 4)
+    assert reruns == 0 and lims == [None] * 4
+    assert [seen[3 * i] for i in range(4)] == ["numpy", "numba", "cpp", "numpy"]
+    assert sorted(seen[3:6]) == ["cpp", "numba", "numpy"]  # every backend once per round
+    assert set(stats) == set(calls) and all(len(v) == 4 for v in stats.values())

@@ -1,8 +1,9 @@
 """One build's normalized benchmark: every case x backend x size x dtype, in rounds.
 
 For each (case, dtype, size) every backend is set up and calibrated, then the rounds
-run: the case's machine limit is probed, then each backend takes a few samples (so the
-limit and the NumPy reference see the same machine state as the kernel); outlier rounds
+run: the case's machine limit is probed, then each backend takes a few samples, in an
+order that rotates from round to round (so the limit and the NumPy reference see the same
+machine state as the kernel, and no backend always runs right after another); outlier rounds
 are re-run once. A row's figures are medians over rounds of per-round figures, and the
 per-round values are kept (``*_rounds``) so a later comparison can use their spread.
 """
@@ -39,17 +40,26 @@ def machine_limits(quick: bool = False) -> dict[str, float]:
 
 
 def _rounds(probe, calls: dict[str, Any], loops: dict[str, int], per_round: dict[str, int], rounds: int):
-    """Per-round limit values and per-backend round statistics, outlier rounds re-run once."""
-    def one():
-        lim = probe() if probe else None
-        return lim, {b: _stats.round_stat(_m.sample(calls[b], loops[b], per_round[b])) for b in calls}
+    """Per-round limit values and per-backend round statistics, outlier rounds re-run once.
 
-    got = [one() for _ in range(rounds)]
+    The backends take turns in a rotating order (round i starts with the i-th, modulo their
+    number): a kernel timed right after another runs in its aftermath (a NumPy reference's
+    freed temporaries, a thread pool winding down), so a fixed order would tilt every round
+    the same way against the same backend.
+    """
+    names = list(calls)
+
+    def one(i):
+        lim = probe() if probe else None
+        k = i % len(names)
+        return lim, {b: _stats.round_stat(_m.sample(calls[b], loops[b], per_round[b])) for b in names[k:] + names[:k]}
+
+    got = [one(i) for i in range(rounds)]
     bad = set()
     for b in calls:
         bad.update(_stats.outlier_rounds([g[1][b] for g in got]))
     for i in sorted(bad):
-        got[i] = one()
+        got[i] = one(i)
     return [g[0] for g in got], {b: [g[1][b] for g in got] for b in calls}, len(bad)
 
 

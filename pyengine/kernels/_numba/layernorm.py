@@ -31,7 +31,7 @@ The cores are plain ``jit`` functions; LLVM decides whether to inline them. Numb
 (one call per row costs nanoseconds next to the microseconds of the row).
 The batch kernels share the rows out in ``_CHUNKS`` chunks of contiguous rows, so the
 row a core prefetches is almost always its own thread's next one. Outputs are written with
-plain stores. A streamed variant (each row computed into a per-thread buffer and copied out
+plain stores (except the dense Jacobians', see :func:`_dense_jacobian`). A streamed variant (each row computed into a per-thread buffer and copied out
 with non-temporal stores, as the C++ kernels' ``_mm512_stream_ps``) was removed after a
 measurement with the threshold set before compilation (Numba freezes module globals): it
 was slower everywhere on a 2-core AVX-512 host, 1.36-1.64x of C++ without it against

@@ -38,8 +38,8 @@
 // tile) pairs, each thread transposing the heads it reaches into its own scratch; the
 // other passes, per head, first transpose (omp for over tokens), then share the tiles
 // round-robin (causal tiles have unequal work, so contiguous blocks would leave one thread
-// the long rows). Results do not depend on the number of threads. In the forward pass each tile of queries is computed whole by one
-// thread in a fixed order. The backward pass is one pass over the visible (query, key)
+// the long rows). Results do not depend on the number of threads. In the forward pass each
+// tile of queries is computed whole by one thread in a fixed order. The backward pass is one pass over the visible (query, key)
 // pairs: the row sums D_i = sum_j p_ij dp_ij are d_o_i . o_i (o from the forward pass), so
 // each tile of keys computes its scores, p (from lse), dp and g = dL/ds once, and from them
 // its dk, dv whole and its share of dq and of the spread. Those shares go into a partial

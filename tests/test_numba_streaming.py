@@ -64,6 +64,20 @@ def test_stream_affine_misaligned_bytes(nb):
     np.testing.assert_array_equal(dst, 2.0 * (1.0 - 0.5 * src))
 
 
+def test_stream_affine_refuses_strided_arrays(nb):
+    """The intrinsic indexes memory directly, so a non-contiguous dst or src must not type-check."""
+    import numba
+
+    if numba.config.DISABLE_JIT:
+        pytest.skip("typing is compiled-mode only")
+    _, affine, _ = nb
+    src = np.arange(40, dtype=np.float64)
+    with pytest.raises(numba.core.errors.TypingError):
+        affine(np.zeros(40, np.float32)[::2], src[::2], 1.0, 0.0, 1.0)
+    with pytest.raises(numba.core.errors.TypingError):
+        affine(np.zeros(20, np.float32), src[::2], 1.0, 0.0, 1.0)
+
+
 @pytest.mark.parametrize("kernel", ["layer_norm_jacobian", "rms_norm_jacobian"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("frozen", [False, True], ids=["full", "frozen"])

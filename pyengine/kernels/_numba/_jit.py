@@ -141,7 +141,8 @@ if numba.config.DISABLE_JIT:  # pragma: no cover - an intrinsic cannot run as Py
 def stream_affine(typingctx, dst, src, a, b, c):
     """``stream_affine(dst, src, a, b, c)``: ``dst[j] = a * (b - c * src[j])`` with non-temporal stores.
 
-    dst : (m,) float32 or float64; src : (m,) float64; a, b, c : float64. Computed in
+    dst : (m,) float32 or float64; src : (m,) float64, both contiguous (other layouts do
+    not type-check); a, b, c : float64. Computed in
     float64 in that order (no fused multiply-add), then cast to dst's dtype: bit for bit
     the values of the same expression in a Numba loop. A normal store to a line that is
     not in cache first reads the line (read-for-ownership), half again the traffic of
@@ -156,6 +157,7 @@ def stream_affine(typingctx, dst, src, a, b, c):
     """
     f64 = types.float64
     if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == 1 and src.ndim == 1
+            and dst.layout == "C" and src.layout == "C"
             and dst.dtype in (types.float32, f64) and src.dtype == f64
             and all(isinstance(t, types.Float) for t in (a, b, c))):
         return None

@@ -239,11 +239,10 @@ STREAM_MIN_BYTES = 16 << 20
 
 
 @jit
-def _jacobian_row(xh, a, ci, c0, i, out):
-    """out[j] = a (delta_ij - c0 - ci xh_j): row i of one token's Jacobian; xh, out : (d,)."""
-    for j in range(xh.size):
-        out[j] = a * ((0.0 - c0) - ci * xh[j])
-    out[i] = a * ((1.0 - c0) - ci * xh[i])
+def _affine(dst, src, a, b, c):
+    """dst[j] = a * (b - c * src[j]): the plain-store twin of :func:`._jit.stream_affine`."""
+    for j in range(src.size):
+        dst[j] = a * (b - c * src[j])
 
 
 @pjit
@@ -281,9 +280,9 @@ def _dense_jacobian(x, gamma, centre, scale, c0, frozen, out):
                 # diagonal's line is then never streamed and overwritten (a flush and a reload).
                 stream_affine(out[r, i, :i], xh[r, :i], a, 0.0 - c0, ci)
                 stream_affine(out[r, i, i + 1 :], xh[r, i + 1 :], a, 0.0 - c0, ci)
-                out[r, i, i] = a * ((1.0 - c0) - ci * xh[r, i])
             else:
-                _jacobian_row(xh[r], a, ci, c0, i, out[r, i])
+                _affine(out[r, i], xh[r], a, 0.0 - c0, ci)
+            out[r, i, i] = a * ((1.0 - c0) - ci * xh[r, i])  # delta_ii = 1
         if stream:
             store_fence()
 

@@ -1,6 +1,7 @@
 """The Numba dense Jacobians' non-temporal stores (issue 18): an output over
 ``layernorm.STREAM_MIN_BYTES`` is written by ``_jit.stream_affine``; its values must be bit
-for bit those of the plain path, whatever the output's alignment."""
+for bit those of the plain path, whatever the output's alignment. Also the prefetch hints
+the norm kernels issue ahead of their rows (``_jit.prefetch``, ``_jit.prefetch_write``)."""
 
 from __future__ import annotations
 
@@ -76,6 +77,31 @@ def test_stream_affine_refuses_strided_arrays(nb):
         affine(np.zeros(40, np.float32)[::2], src[::2], 1.0, 0.0, 1.0)
     with pytest.raises(numba.core.errors.TypingError):
         affine(np.zeros(20, np.float32), src[::2], 1.0, 0.0, 1.0)
+
+
+def test_prefetch_hints_never_fault_nor_write():
+    """``prefetch`` / ``prefetch_write`` on indices far outside the array (the norm kernels ask
+    for lines ahead of the row being written) neither fault nor change a value."""
+    require("numba")
+    import numba
+
+    from pyengine.kernels._numba import _jit
+
+    @numba.njit
+    def touch(a, lo, hi, step):
+        for i in range(lo, hi, step):
+            _jit.prefetch(a, i)
+            _jit.prefetch_write(a, i)
+        return a.sum()
+
+    for dtype in (np.float32, np.float64):
+        a = np.arange(100, dtype=dtype)
+        before = a.copy()
+        assert touch(a, -(1 << 20), 1 << 20, 61) == before.sum()
+        np.testing.assert_array_equal(a, before)
+    if not numba.config.DISABLE_JIT:
+        with pytest.raises(numba.core.errors.TypingError):
+            touch(np.zeros((4, 4)), 0, 4, 1)  # 1-D arrays only
 
 
 @pytest.mark.parametrize("kernel", ["layer_norm_jacobian", "rms_norm_jacobian"])

@@ -6,7 +6,8 @@ variants :data:`fma_inline`, :data:`fma_jit` and :data:`fma_pjit` (:data:`CONTRA
 No module sets Numba options of its own. No eager signatures: each function is compiled on its first call for
 the types it gets (float32 or float64 arrays, which the public layer guarantees)
 and then cached on disk (``cache=True``), so ``import pyengine`` never compiles.
-Also here: the low-level memory primitives the kernels share, :func:`prefetch`, and
+Also here: the low-level memory primitives the kernels share, :func:`prefetch` and
+:func:`prefetch_write` (hints the norm kernels issue ahead of their rows), and
 :func:`stream_affine` with :func:`store_fence` (non-temporal stores, as the C++ kernels'
 ``_mm512_stream_ps``), used where an output is far larger than any cache: the dense
 Jacobians (:func:`.layernorm._dense_jacobian`).
@@ -34,6 +35,7 @@ __all__ = [
     "jit",
     "pjit",
     "prefetch",
+    "prefetch_write",
     "store_fence",
     "stream_affine",
 ]
@@ -102,18 +104,8 @@ else:
     fma_pjit = functools.partial(jit, parallel=True, fastmath=CONTRACT)
 
 
-@intrinsic
-def prefetch(typingctx, a, i):
-    """``prefetch(a, i)``: a hint that ``a[i]`` (1-D array, integer index) will be read soon.
-
-    Emits ``llvm.prefetch`` (read, keep in all cache levels, data): ``prefetcht0`` on
-    x86-64, ``prfm`` on AArch64, nothing on targets without it. A prefetch never
-    faults and never changes a result. The kernels use it to pull the next row in
-    from memory while they compute on the current one, since the hardware
-    prefetchers only follow the rows being read, and memory would sit idle.
-    """
-    if not (isinstance(a, types.Array) and a.ndim == 1 and isinstance(i, types.Integer)):
-        return None
+def _prefetch_codegen(rw):
+    """Codegen of ``llvm.prefetch`` of ``a[i]``: rw 0 read, 1 write; locality 3 (all cache levels), data."""
 
     def codegen(context, builder, sig, args):
         aryty, idxty = sig.args
@@ -124,17 +116,55 @@ def prefetch(typingctx, a, i):
         i32 = ir.IntType(32)
         fnty = ir.FunctionType(ir.VoidType(), [i8p, i32, i32, i32])
         fn = cgutils.get_or_insert_function(builder.module, fnty, "llvm.prefetch.p0i8")
-        # (address, rw = 0 read, locality = 3 all levels, cache type = 1 data)
-        builder.call(fn, [builder.bitcast(ptr, i8p), i32(0), i32(3), i32(1)])
+        # (address, rw, locality = 3 all levels, cache type = 1 data)
+        builder.call(fn, [builder.bitcast(ptr, i8p), i32(rw), i32(3), i32(1)])
         return context.get_dummy_value()
 
-    return types.none(a, i), codegen
+    return codegen
+
+
+def _is_index(a, i):
+    return isinstance(a, types.Array) and a.ndim == 1 and isinstance(i, types.Integer)
+
+
+@intrinsic
+def prefetch(typingctx, a, i):
+    """``prefetch(a, i)``: a hint that ``a[i]`` (1-D array, integer index) will be read soon.
+
+    Emits ``llvm.prefetch`` (read, keep in all cache levels, data): ``prefetcht0`` on
+    x86-64, ``prfm`` on AArch64, nothing on targets without it. A prefetch never
+    faults and never changes a result. The kernels use it to pull the next row in
+    from memory while they compute on the current one, since the hardware
+    prefetchers only follow the rows being read, and memory would sit idle.
+    """
+    if not _is_index(a, i):
+        return None
+    return types.none(a, i), _prefetch_codegen(0)
+
+
+@intrinsic
+def prefetch_write(typingctx, a, i):
+    """``prefetch_write(a, i)``: a hint that ``a[i]`` (1-D array, integer index) will be written soon.
+
+    ``llvm.prefetch`` with rw = 1: ``prefetchw`` on x86-64 (``prfm pstl1keep`` on
+    AArch64), which fetches the line in a state that can be written. A plain store to a
+    line that is not in cache must first read it (read-for-ownership), and the stores of a
+    row-writing loop issue those reads one line at a time as they reach it, so memory
+    waits on them; asking for the lines a few hundred bytes ahead overlaps them with the
+    computation (see ``layernorm._WRITE_AHEAD``). Never faults, never changes a result.
+    """
+    if not _is_index(a, i):
+        return None
+    return types.none(a, i), _prefetch_codegen(1)
 
 
 if numba.config.DISABLE_JIT:  # pragma: no cover - an intrinsic cannot run as Python
 
     def prefetch(a, i):  # noqa: F811
         """No-op stand-in for the ``prefetch`` intrinsic under ``NUMBA_DISABLE_JIT``."""
+
+    def prefetch_write(a, i):  # noqa: F811
+        """No-op stand-in for the ``prefetch_write`` intrinsic under ``NUMBA_DISABLE_JIT``."""
 
 
 @intrinsic

@@ -17,7 +17,7 @@ from numba import prange
 from ...backends import register
 from ._jit import jit, pjit
 from ._reduce import LANES, _f64, _rms_slow, _safe, _scale, _sum_sq, _sum_sq_dot, _sum_sq_dot_gu
-from .layernorm import _BLOCK, _CHUNKS, _dense_jacobian, _prefetch_block
+from .layernorm import _BLOCK, _CHUNKS, _dense_jacobian, _prefetch_block, _prefetch_out, _prefetch_out_head
 
 __all__ = ["rms_norm", "rms_norm_jacobian", "rms_norm_jvp", "rms_norm_vjp"]
 
@@ -41,12 +41,14 @@ def _rms_scale(x, eps, acc):
 def _rms_norm_row(x, gamma, eps, out, acc, x_next):
     """out = gamma * x / r, r = sqrt(mean(x^2) + eps)."""
     d = x.size
+    _prefetch_out_head(out)
     r, bad = _rms_scale(x, eps, acc)
     inv = 1.0 / r
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
+        _prefetch_out(out, o)
         for k in range(_BLOCK):
             i = o + k
             out[i] = _f64(gamma[i]) * (_f64(x[i]) * inv)
@@ -59,6 +61,7 @@ def _rms_norm_row(x, gamma, eps, out, acc, x_next):
 def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next):
     """out = gamma/r * (v - x mean(x v)/r^2); frozen: gamma * v / r."""
     d = x.size
+    _prefetch_out_head(out)
     # sum(x v) is needed for frozen=True too: it is non-finite iff v has NaN/Inf.
     q, dot = _sum_sq_dot(x, 0.0, v, acc)
     if _safe(q / d, eps, 0.0):
@@ -74,6 +77,7 @@ def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
         _prefetch_block(v_next, o)
+        _prefetch_out(out, o)
         for k in range(_BLOCK):
             i = o + k
             out[i] = _f64(gamma[i]) * ((_f64(v[i]) - _f64(x[i]) * c) * inv)
@@ -86,6 +90,7 @@ def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next):
 def _rms_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
     """out = (g - x mean(x g)/r^2) / r with g = gamma * u; frozen: g / r."""
     d = x.size
+    _prefetch_out_head(out)
     q, dot = _sum_sq_dot_gu(x, 0.0, gamma, u, acc)
     if _safe(q / d, eps, 0.0):
         r, bad = _scale(q / d, eps)
@@ -100,6 +105,7 @@ def _rms_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
         _prefetch_block(u_next, o)
+        _prefetch_out(out, o)
         for k in range(_BLOCK):
             i = o + k
             out[i] = (_f64(gamma[i]) * _f64(u[i]) - _f64(x[i]) * c) * inv

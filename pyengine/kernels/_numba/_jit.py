@@ -1,7 +1,7 @@
 """The one place where pyengine's Numba options live.
 
 Every Numba kernel is compiled with :data:`jit` (serial) or :data:`pjit` (``prange``
-over tokens), or, in the activation and softmax kernels, with their fused-multiply-add
+over tokens), or, in the activation, softmax and power-iteration kernels, with their fused-multiply-add
 variants :data:`fma_inline`, :data:`fma_jit` and :data:`fma_pjit` (:data:`CONTRACT`).
 No module sets Numba options of its own. No eager signatures: each function is compiled on its first call for
 the types it gets (float32 or float64 arrays, which the public layer guarantees)
@@ -77,12 +77,14 @@ if numba.config.DISABLE_JIT:  # pragma: no cover - only in the NUMBA_DISABLE_JIT
         return kernel
 
 
-#: The one fast-math flag pyengine uses, and only in the activation and softmax
-#: kernels (:mod:`._vecmath`, :mod:`.activations`, :mod:`.softmax`): ``contract`` lets
-#: LLVM fuse a * b + c into one FMA, rounded once instead of twice. It assumes nothing
-#: about NaN or Inf and reorders no sum, so the bad-row tests and the fixed summation
-#: order hold; the polynomials of :mod:`._vecmath` are chains of multiply-adds, and it
-#: makes them about 2x faster.
+#: The one fast-math flag pyengine uses, and only in the activation, softmax and
+#: power-iteration kernels (:mod:`._vecmath`, :mod:`.activations`, :mod:`.softmax`, the
+#: passes of :mod:`.spectral`'s power iteration): ``contract`` lets LLVM fuse a * b + c
+#: into one FMA, rounded once instead of twice (as the C++ kernels, compiled as GNU C++,
+#: do everywhere). It assumes nothing about NaN or Inf and reorders no sum, so the
+#: bad-row tests and the fixed summation order hold; the polynomials of :mod:`._vecmath`
+#: are chains of multiply-adds, and it makes them about 2x faster. On a machine without
+#: FMA the same code rounds twice: results there differ in the last bits.
 CONTRACT = {"contract"}
 
 if numba.config.DISABLE_JIT:  # pragma: no cover - the NUMBA_DISABLE_JIT=1 CI job

@@ -30,7 +30,9 @@ J^T J, with xh = (x - mu)/s formed on the fly from x: (B) u = J v on the fly, su
 |w|^2 and the next product's sums of w and xh w, storing w over v (normalized lazily
 through a carried factor). The existing JVP/VJP row cores of ``layernorm.py`` do not
 fit: they round to the dtype of x on the store and recompute the row statistics on
-every call.
+every call. The passes are inlined into the per-token loop and compiled with
+``_jit.CONTRACT`` (multiply-adds fused, as in the C++ kernel): Numba/C++ at (8192, 768)
+float32, 10 iterations, 1.45 -> 1.29; (1024, 4096) 1.37 -> 1.17.
 """
 
 from __future__ import annotations
@@ -41,7 +43,7 @@ import numpy as np
 from numba import prange
 
 from ...backends import register
-from ._jit import jit, pjit
+from ._jit import fma_inline, fma_jit, jit, pjit
 from ._reduce import LANES, _f64, _fold, _mean_sq, _scale, _zero
 from ._secular import _LN1, _LN2, _RMS1, _lambda_max, _pole_data
 
@@ -151,7 +153,7 @@ def rms_norm_sigma_max(x, gamma, eps, frozen, out):
 # --------------------------------------------------------------------------- #
 
 
-@jit
+@fma_inline
 def _pass_b(x, g, v, mu, inv, alpha, mv, m2, acc):
     """u = g inv (alpha v - mv - xh m2), xh = (x - mu) inv, on the fly; returns
     (|u|^2, sum g u, sum xh g u). acc : (4, LANES) (_reduce.py explains the lanes)."""
@@ -186,7 +188,7 @@ def _pass_b(x, g, v, mu, inv, alpha, mv, m2, acc):
     return uu, sg, sxg
 
 
-@jit
+@fma_inline
 def _pass_c(x, g, v, mu, inv, alpha, mv, m2, mg, m2g, rho, acc):
     """w = inv (g u - mg - xh m2g) (u recomputed); v <- w; returns
     (|w - rho alpha v|^2, |w|^2, sum w, sum xh w). acc : (4, LANES)."""
@@ -231,7 +233,7 @@ def _pass_c(x, g, v, mu, inv, alpha, mv, m2, mg, m2g, rho, acc):
     return rr, ww, sw, sxw
 
 
-@jit
+@fma_jit
 def _power_row(centre, x, g, eps, frozen, v0, tol, max_iter, v, acc):
     """Power iteration of one token; returns (bad, sigma, residual, iterations).
 

@@ -412,31 +412,32 @@ def basis_size(d: int, max_iter: int) -> int:
 
 @pjit
 def _lanczos(centre, x, gamma, eps, frozen, v0, tol, max_iter, p, nt, sigma, residual, iterations):
-    """All tokens, each by one thread; ``nt`` threads' scratch allocated once per call.
+    """All tokens, each by one thread; each of the ``nt`` threads allocates its scratch once.
 
     Token r runs on thread r % nt (strided, so tokens of differing iteration counts
-    spread evenly). The scratch of a token (its basis Q of (p + 1) x d doubles, 360 KB at
-    d = 4096 and p = 10) is allocated here, not in the ``prange`` body: Numba does not
-    hoist an array that is passed to a function, so it was allocated once per token, and
-    where malloc maps such blocks afresh (glibc above its mmap threshold; the bench pins
-    it at 128 KiB) each token paid its page faults: the kernel ran 2.1x slower than C++
-    at 256 x 4096 in ``pyengine bench``. Results do not depend on ``nt``.
+    spread evenly). ``prange(nt)`` has one iteration per thread, and each allocates the
+    scratch of its tokens (the basis Q of (p + 1) x d doubles, 67 KB at d = 768 and
+    p = 10, 360 KB at d = 4096) at its top. Not per token: Numba does not hoist an array
+    that is passed to a function, and where malloc maps blocks afresh (glibc above its
+    mmap threshold; the bench pins it at 128 KiB) each token paid page faults (2.1x C++
+    at 256 x 4096 in ``pyengine bench``). Not one (nt, p + 1, d) block per call either:
+    at d = 768 that block (135 KB) is mapped and faulted on every call, while each
+    thread's own stays below the threshold, on the heap. Results do not depend on ``nt``.
     """
     n, d = x.shape
-    Q = np.empty((nt, p + 1, d), dtype=np.float64)
-    vec = np.empty((nt, 6, d), dtype=np.float64)
-    tri = np.empty((nt, 4, p + 1), dtype=np.float64)
-    work = np.empty((nt, 4, p + 1), dtype=np.float64)
-    acc = np.empty((nt, LANES), dtype=np.float64)
     bad = np.zeros(n, dtype=np.bool_)
     for t in prange(nt):
-        tt = tri[t]
+        Q = np.empty((p + 1, d), dtype=np.float64)
+        vec = np.empty((6, d), dtype=np.float64)
+        tt = np.empty((4, p + 1), dtype=np.float64)
+        work = np.empty((4, p + 1), dtype=np.float64)
+        acc = np.empty(LANES, dtype=np.float64)
         for r in range(t, n, nt):
             for i in range(4):
                 for j in range(p + 1):
                     tt[i, j] = 0.0
             b, sg, res, k = _lanczos_row(centre, x[r], gamma, eps, frozen, v0[r], tol, max_iter,
-                                         Q[t], vec[t], tt, work[t], acc[t])
+                                         Q, vec, tt, work, acc)
             sigma[r] = sg
             residual[r] = res
             iterations[r] = k

@@ -85,3 +85,23 @@ def test_import_is_lazy():
     code = "import sys, pyengine; print('numba' in sys.modules, 'pyengine._core' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["False", "False"]
+
+
+@pytest.mark.parametrize(
+    ("user", "want"),
+    [
+        ({}, ("10000", None, "20")),  # pyengine's defaults
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, (None, "PASSIVE", "20")),  # a user's wait policy: no spin count added
+        ({"GOMP_SPINCOUNT": "0", "OPENBLAS_THREAD_TIMEOUT": "4"}, ("0", None, "4")),  # a user's settings win
+    ],
+)
+def test_thread_pool_environment_defaults(user, want):
+    """`import pyengine` sets libgomp's spin count (issue 18: passive waiting cost 70-80 us per
+    parallel region) and OpenBLAS's idle timeout only where the user set neither."""
+    import os
+
+    keys = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT")
+    env = {k: v for k, v in os.environ.items() if k not in keys} | user
+    code = "import os, pyengine; print([os.environ.get(k) for k in %r])" % (keys,)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
+    assert out.stdout.strip() == str(list(want))

@@ -63,9 +63,12 @@ def compiled(request):
 # 10 leaves keys 30..59 seen by no query (their dk, dv are 0).
 SCORE_CASES = [((12,), 128, 128, 64, 0), ((3,), 45, 45, 16, None), ((2, 2), 97, 97, 24, 0),
                ((1,), 37, 70, 20, 33), ((1,), 33, 33, 64, 5), ((2,), 20, 60, 16, 10)]
-# (lead, Tq, Tk, dk, dv, offset): n >= 4 or Tq Tk <= 256^2 takes BLAS.
+# (lead, Tq, Tk, dk, dv, offset): C++'s BLAS backward needs n >= 4 or Tq Tk <= 256^2 (the rest
+# is its register-blocked kernel); Numba's takes every one of these, the last three in chunks of
+# query blocks (_attention_blas.chunk_bounds: 2 per head), the first of them a narrow head.
 FUSED_CASES = [((12,), 128, 128, 64, 64, 0), ((4,), 45, 45, 16, 24, None), ((2, 3), 97, 97, 32, 16, 0),
-               ((1,), 37, 70, 20, 17, 33), ((5,), 65, 65, 16, 16, 64), ((2,), 20, 60, 16, 16, 10)]
+               ((1,), 37, 70, 20, 17, 33), ((5,), 65, 65, 16, 16, 64), ((2,), 20, 60, 16, 16, 10),
+               ((1,), 300, 300, 10, 8, 0), ((2,), 260, 300, 16, 16, 40), ((1,), 257, 257, 16, 24, None)]
 
 
 #: max |error| / max |result| of the float32 backward (float compute, both paths): measured
@@ -138,7 +141,11 @@ def test_numba_forward_paths_match_the_reference(dtype, lead, tq, tk, dk, dv, of
     with fallback("numba", forced):
         got = pa.attention_forward(q, k, v, offset=offset, backend="numba")
     assert got.out.dtype == dtype and got.out.shape == want.out.shape
-    assert_close(got.out, want.out, dtype, scale=float(np.abs(want.out).max()))
+    if dtype == np.float32 and not forced:  # the BLAS path computes in float, as the backward test
+        err = np.abs(got.out.astype(np.float64) - want.out).max() / np.abs(want.out).max()
+        assert err <= FLOAT32_BOUND, err  # 257 x 257 bidirectional: 8.1e-7 (C++ 7.4e-7)
+    else:  # the row kernels compute in float64
+        assert_close(got.out, want.out, dtype, scale=float(np.abs(want.out).max()))
     for name in ("lse", "entropy"):
         g, w = getattr(got, name), getattr(want, name)
         assert g.dtype == np.float64
@@ -148,13 +155,14 @@ def test_numba_forward_paths_match_the_reference(dtype, lead, tq, tk, dk, dv, of
 
 
 def test_numba_blas_path_is_taken_on_head_shapes(monkeypatch):
-    """serves() is the C++ rule, and the dispatch calls the BLAS kernels where it says so."""
+    """serves() takes every head but the tiny narrow ones, and the dispatch calls the BLAS
+    kernels where it says so."""
     require("numba")
     from pyengine.kernels._numba import _attention_blas as nb
 
-    assert nb.serves(12, 128, 128, 64, 64, True) and nb.serves(1, 256, 256, 16, 16, True)
-    assert not nb.serves(1, 2000, 2000, 64, 64, True) and nb.serves(1, 2000, 2000, 64, 64, False)
-    assert not nb.serves(12, 128, 128, 10, 64, False) and not nb.serves(12, 0, 128, 64, 64, False)
+    assert nb.serves(128, 128, 64, 64) and nb.serves(2000, 2000, 64, 64) and nb.serves(1, 3, 16, 16)
+    assert nb.serves(2000, 2000, 10, 8) and nb.serves(128, 128, 10, 64) and nb.serves(64, 256, 2, 2)
+    assert not nb.serves(40, 40, 10, 10) and not nb.serves(127, 128, 64, 8) and not nb.serves(0, 128, 64, 64)
     calls = []
     for name in ("forward", "backward", "score_grad"):
         fn = getattr(nb, name)
@@ -170,9 +178,11 @@ def test_numba_blas_path_is_taken_on_head_shapes(monkeypatch):
 
 
 @pytest.mark.parametrize("offset", [0, None, 37], ids=["causal", "bidirectional", "off37"])
-def test_blas_path_threads_do_not_change_results(compiled, dtype, offset):
-    q, k, v, d_o = head((6,), 100, 100, 16, 24, dtype, seed=4)
-    p, u, vv = case((6,), 100, 100, 24, offset, dtype, seed=4)
+@pytest.mark.parametrize(("n", "t"), [(6, 100), (1, 300)], ids=["heads", "one-head"])
+def test_blas_path_threads_do_not_change_results(compiled, dtype, offset, n, t):
+    """(1, 300): Numba's backward pass in 2 chunks of query blocks, C++'s register-blocked one."""
+    q, k, v, d_o = head((n,), t, t, 16, 24, dtype, seed=4)
+    p, u, vv = case((n,), t, t, 24, offset, dtype, seed=4)
     f = pa.attention_forward(q, k, v, offset=offset, backend="numpy")
 
     def run():
@@ -214,6 +224,38 @@ def test_raw_kernels_count_bad_rows_as_the_reference(compiled, forced):
         counts[be] = (n1, n2, n3)
     assert counts[compiled] == counts["numpy"]
     assert counts[compiled][0] == 1 and counts[compiled][1] >= 1 and counts[compiled][2] == 1
+
+
+def test_numba_backward_chunks_cover_the_blocks_by_shape():
+    """chunk_bounds: at least JOBS jobs where the blocks allow, >= MIN_BLOCKS blocks per chunk,
+    every block once, work split about evenly, the same bounds for the same shape."""
+    require("numba")
+    from pyengine.kernels._numba import _attention_blas as nb
+
+    for n, tq, tk, offset in [(1, 2000, 2000, 0), (2, 300, 300, 0), (3, 2000, 2000, 0), (4, 2000, 2000, 0),
+                              (1, 100, 100, 0), (1, 520, 600, 80), (1, 1000, 1000, 1 << 62), (1, 640, 640, -300)]:
+        b = nb.chunk_bounds(n, tq, tk, offset)
+        blocks = -(-tq // nb.ROWS)
+        nch = b.size - 1
+        assert b[0] == 0 and b[-1] == blocks and (np.diff(b) >= 1).all(), (n, tq, b)
+        assert nch == max(1, min(blocks // nb.MIN_BLOCKS, -(-nb.JOBS // n))), (n, tq, b)
+        np.testing.assert_array_equal(b, nb.chunk_bounds(n, tq, tk, offset))
+        if nch > 1 and offset == 0:  # causal: later blocks see more keys, so later chunks are shorter
+            assert np.diff(b)[0] > np.diff(b)[-1], b
+
+
+def test_numba_backward_chunks_count_bad_rows_as_the_reference():
+    """One head in chunks (the partials summed afterwards) counts bad rows as the reference."""
+    require("numba")
+    q, k, v, d_o = head((1,), 300, 300, 16, 16, np.float64, seed=2)
+    f = pa.attention_forward(q, k, v, offset=0, backend="numpy")
+    d_o = d_o.copy()
+    d_o[0, 250, 1] = np.inf  # a row of the second chunk
+    counts = []
+    for be in ("numpy", "numba"):
+        outs = [np.zeros_like(q), np.zeros_like(k), np.zeros_like(v), np.zeros((1, 300))]
+        counts.append(backends.resolve("attention_backward", be)(q, k, v, f.out, d_o, f.lse, 0, 0.25, *outs))
+    assert counts[1] == counts[0] >= 1
 
 
 def test_bad_input_names_the_argument_on_blas_shapes(compiled):

@@ -6,17 +6,22 @@ sends to SciPy's BLAS (``scipy.linalg.cython_blas``); the row epilogues run on a
 :data:`ROWS` query rows while it is in cache. The caller holds
 :func:`pyengine.backends.one_blas_thread`, so each Numba thread's products run
 single-threaded (as the C++ kernels' ``openblas_set_num_threads_local(1)``). The kernel
-contracts are those of :mod:`pyengine.kernels._reference.attention`; :func:`serves` is the
-C++ backend's rule (widths >= 16; the backward pass, one head per thread, needs >= 4 heads
-or short heads), and the row-at-a-time kernels of :mod:`.attention` serve the rest.
+contracts are those of :mod:`pyengine.kernels._reference.attention`; :func:`serves` says
+which shapes these kernels take (every head but the tiny narrow ones), and the
+row-at-a-time kernels of :mod:`.attention` serve the rest. The backward pass runs
+``prange`` over (head, chunk of query blocks), the chunks fixed by the shape
+(:func:`chunk_bounds`), each with its own dk, dv partial, summed in chunk order
+(:func:`gather`), so that one head also uses every thread.
 
 Causal masks: a block's products stop at the last key its last row sees (``nmax``), and the
 masked entries inside a block are written as 0 before they enter a product. Precision:
 the score gradient forms b in float64 for both dtypes (a block's u and v copied to
-float64), the forward and backward products run in the input's dtype, and the row sums,
-lse, entropy, D_i = d_o_i . o_i and the spread are float64 sums in LANES partial sums
-(:func:`._reduce._dot_lanes`). Which product computes a number depends on
-the shape alone: the results do not depend on the number of threads.
+float64), the forward and backward products and the probabilities e^(s - m) run in the
+input's dtype (float32 heads in float32, :func:`._vecmath.exp_as`, as the C++ fused head;
+compiled with ``CONTRACT``), and the row sums, lse, entropy, D_i = d_o_i . o_i and the
+spread are float64 sums in LANES partial sums (:func:`._reduce._dot_lanes`). Which product
+computes a number depends on the shape alone: the results do not depend on the number of
+threads.
 """
 
 from __future__ import annotations
@@ -28,11 +33,12 @@ import scipy.linalg  # noqa: F401  (np.dot's BLAS: loaded before one_blas_thread
 from numba import prange
 
 from ._attention_short import _visible
-from ._jit import pjit
-from ._reduce import LANES, _dot_lanes, _padded, _sum_lanes
-from ._vecmath import _exp_neg
+from ._jit import fma_inline, fma_pjit, pjit
+from ._reduce import LANES, _dot_lanes, _max_lanes, _padded, _sum_dot_lanes, _sum_lanes
+from ._vecmath import exp_as
 
-__all__ = ["ROWS", "backward", "forward", "score_grad", "serves"]
+__all__ = ["JOBS", "MIN_BLOCKS", "NARROW_MIN_PAIRS", "ROWS", "backward", "chunk_bounds", "forward", "gather",
+           "score_grad", "serves"]
 
 #: Query rows per block (csrc/attention_blas.hpp's kRows).
 ROWS = 32
@@ -40,11 +46,39 @@ ROWS = 32
 _f64 = np.float64
 
 
-def serves(n: int, tq: int, tk: int, d1: int, d2: int, per_head: bool) -> bool:
-    """Whether these kernels take n heads of tq x tk with widths (d1, d2): the shape alone decides."""
-    if tq <= 0 or tk <= 0 or min(d1, d2) < 16:
+#: Narrow heads (a width below 16) with fewer than this many (query, key) pairs per head stay
+#: on the row kernels of :mod:`.attention` (:func:`serves`).
+NARROW_MIN_PAIRS = 128 * 128
+
+
+def serves(tq: int, tk: int, d1: int, d2: int) -> bool:
+    """Whether these kernels take heads of tq x tk with widths (d1, d2): the shape alone decides.
+
+    Numba's own rule, not the C++ backend's (widths >= 16; its register-blocked kernels
+    serve narrow heads faster than any product): Numba's row kernels compute in float64
+    one query row at a time and lose to these kernels on every head measured but the
+    tiny narrow ones. Per call, median of 7, float32, 2 cores (C++ in brackets), measured
+    when the rule was set, before the epilogue work of the same change (the first row's
+    BLAS figures are now 2.5 / 3.0 ms):
+
+    ============================  ==========  ==========  ===============
+    shape (n x Tq=Tk, dk, dv)     rows (ms)   BLAS (ms)   kernel
+    ============================  ==========  ==========  ===============
+    1 x 2000, 10, 8               7.1 / 12.2  4.5 / 3.8   fwd / bwd (1.1 / 1.5)
+    1 x 2000, 64, 64              - / 84.7    7.7 / 10.2  fwd / bwd (3.3 / 7.9)
+    2 x 1024, 32, 32              - / 21.5    2.3 / 3.0   fwd / bwd (1.3 / 2.7)
+    12 x 512, 8, 8                5.9 / 11.5  3.0 / 2.9   fwd / bwd (1.1 / 1.7)
+    1 x 2000, 8 (score grad)      8.1         1.8         (1.0)
+    1 x 32, 2, 2                  0.01 / 0.02 0.03 / 0.05 fwd / bwd (0.01 / 0.01)
+    1 x 64, 4 (score grad)        0.012       0.025       (0.006)
+    ============================  ==========  ==========  ===============
+
+    (a "-": the BLAS forward already served widths >= 16), hence narrow heads from
+    :data:`NARROW_MIN_PAIRS` pairs on (about 128 x 128; equal there).
+    """
+    if tq <= 0 or tk <= 0:
         return False
-    return not per_head or n >= 4 or tq * tk <= 256 * 256
+    return min(d1, d2) >= 16 or tq * tk >= NARROW_MIN_PAIRS
 
 
 @pjit
@@ -102,7 +136,30 @@ def score_grad(p, u, v, offset, out, advantage, want_a):
     return nbad
 
 
-@pjit
+@fma_inline
+def _softmax_row(sr, vis, scale, x, e, acc):
+    """(m, z, zs) of a row of scores sr[:vis]: x = scale * sr and e = e^(x - m) in sr's dtype
+    (float32 heads in float32), m = max x, z = sum e, zs = sum e x in float64.
+
+    x, e : (>= padded(vis),) of sr's dtype, acc : (2, LANES) float64. x is padded to a
+    multiple of LANES with a score 2048 below the maximum, whose e is exactly 0, so the
+    loops have no scalar tail; the exponentials and the sums are separate loops (fused, one
+    loop took 0.80 ns per element against 0.47 + 0.17 for the two).
+    """
+    npad = _padded(vis)
+    for j in range(vis):
+        x[j] = scale * _f64(sr[j])
+    m = _max_lanes(x, vis, acc[0])
+    low = m - 2048.0
+    for j in range(vis, npad):
+        x[j] = low
+    for j in range(npad):
+        e[j] = exp_as(x[j], _f64(x[j]) - m)
+    z, zs = _sum_dot_lanes(e, x, npad, acc)
+    return m, z, zs
+
+
+@fma_pjit
 def forward(q, k, v, offset, scale, out, lse, entropy):
     """out = softmax(scale q kᵀ, masked) v with lse and entropy per row. Returns the bad-row count."""
     n, tq, _ = q.shape
@@ -112,9 +169,9 @@ def forward(q, k, v, offset, scale, out, lse, entropy):
     for task in prange(n * blocks):
         sbuf = np.empty(ROWS * tk, dtype=q.dtype)  # hoisted: once per thread
         obuf = np.empty(ROWS * dv, dtype=q.dtype)
-        x = np.empty(tk + LANES, dtype=np.float64)
-        e = np.empty(tk + LANES, dtype=np.float64)
-        acc = np.empty(LANES, dtype=np.float64)
+        x = np.empty(tk + LANES, dtype=q.dtype)
+        e = np.empty(tk + LANES, dtype=q.dtype)
+        acc = np.empty((2, LANES), dtype=np.float64)
         h, i0 = task // blocks, (task % blocks) * ROWS
         rows = min(ROWS, tq - i0)
         nmax = _visible(i0 + rows - 1, offset, tk)
@@ -124,19 +181,8 @@ def forward(q, k, v, offset, scale, out, lse, entropy):
         for r in range(rows):
             i = i0 + r
             vis = _visible(i, offset, tk)
-            npad = _padded(vis)
             sr = s[r]
-            m = -np.inf
-            for j in range(vis):
-                x[j] = scale * _f64(sr[j])
-                m = max(m, x[j])
-            for j in range(vis):
-                e[j] = _exp_neg(x[j] - m)
-            for j in range(vis, npad):
-                x[j] = 0.0
-                e[j] = 0.0
-            z = _sum_lanes(e, npad, acc)
-            zs = _dot_lanes(e, x, npad, acc)
+            m, z, zs = _softmax_row(sr, vis, scale, x, e, acc)
             lv = m + math.log(z)
             lse[h, i] = lv
             entropy[h, i] = lv - zs / z
@@ -158,28 +204,81 @@ def forward(q, k, v, offset, scale, out, lse, entropy):
     return nbad
 
 
+#: The backward pass splits each head into ceil(JOBS / n) chunks of query blocks (of about
+#: equal work, fixed by the shape alone), so that one to three heads also use every thread
+#: (before, a head was one task: one head of T = 2000, d = 64 ran on one thread, 8x slower
+#: than C++)...
+JOBS = 4
+#: ... but no chunk has fewer than this many blocks (of ROWS query rows): a chunk costs a
+#: dk, dv partial to clear and to sum (2 heads of T = 1024, d = 32 on 2 cores: 3.2 ms in 8
+#: chunks, 3.0 in 4, 2.7 as one task per head, which leaves a third head's thread idle).
+MIN_BLOCKS = 4
+
+
+def chunk_bounds(n: int, tq: int, tk: int, offset: int) -> np.ndarray:
+    """First query block of each of a head's chunks, and the end: (nch + 1,) int64.
+
+    nch = min(blocks, ceil(JOBS / n)); a block's work is the keys its last row sees. The
+    bounds depend on the shape alone, so the results do not depend on the number of threads.
+    """
+    blocks = (tq + ROWS - 1) // ROWS
+    nch = max(1, min(blocks // MIN_BLOCKS, -(-JOBS // max(n, 1))))
+    last = np.minimum(np.arange(1, blocks + 1) * ROWS, tq) - 1
+    work = np.cumsum(np.clip(last + min(offset, tk) + 1, 0, tk) + 1.0)
+    cuts = np.searchsorted(work, work[-1] * np.arange(1, nch) / nch, side="left") + 1
+    return np.unique(np.concatenate(([0], np.minimum(cuts, blocks), [blocks]))).astype(np.int64)
+
+
 @pjit
-def backward(q, k, v, o, d_o, lse, offset, scale, dq, dkey, dval, spread):
-    """dq, dk, dv and the spread, p recomputed from lse, one head per thread. Returns the bad-row count."""
+def gather(part, nch, out):
+    """out[h] = sum of the chunk partials part[h * nch + c] in chunk order; True where not finite.
+
+    part : (n * nch, tk, m); out : (n, tk, m). Returns the number of heads with a value
+    that is not finite."""
+    n, tk, m = out.shape
+    bad = np.zeros(n, dtype=np.bool_)
+    for h in prange(n):
+        b = False
+        for x in range(tk):
+            for c in range(m):
+                t = part[h * nch, x, c]
+                for ch in range(1, nch):
+                    t += part[h * nch + ch, x, c]
+                out[h, x, c] = t
+                b = b or not np.isfinite(t)
+        bad[h] = b
+    return np.count_nonzero(bad)
+
+
+@fma_pjit
+def backward(q, k, v, o, d_o, lse, offset, scale, dq, dkey, dval, spread, bounds):
+    """dq, dk, dv and the spread, p recomputed from lse. Returns the bad-row count.
+
+    ``prange`` over (head, chunk of query blocks) with the chunks' first blocks in
+    ``bounds`` (:func:`chunk_bounds`); dkey, dval : (n * nch, tk, dk), (n * nch, tk, dv), the
+    chunks' partials (the outputs themselves when nch = 1; else summed by :func:`gather`).
+    """
     n, tq, dk = q.shape
     tk, dv = k.shape[1], v.shape[2]
+    nch = bounds.size - 1
     nbad = 0
     colbad = 0
-    for h in prange(n):
+    for job in prange(n * nch):
+        h, ch = job // nch, job % nch
         sbuf = np.empty(ROWS * tk, dtype=q.dtype)  # hoisted: once per thread
         gbuf = np.empty(ROWS * tk, dtype=q.dtype)
         kbuf = np.empty(tk * max(dk, dv), dtype=q.dtype)
         qbuf = np.empty(ROWS * dk, dtype=q.dtype)
         t = np.empty(tk + LANES, dtype=np.float64)
         acc = np.empty(LANES, dtype=np.float64)
-        kh, vh, dkh, dvh = k[h], v[h], dkey[h], dval[h]
+        kh, vh, dkh, dvh = k[h], v[h], dkey[job], dval[job]
         for x in range(tk):
             for c in range(dk):
                 dkh[x, c] = 0.0
             for c in range(dv):
                 dvh[x, c] = 0.0
         bad = 0
-        for i0 in range(0, tq, ROWS):
+        for i0 in range(bounds[ch] * ROWS, min(tq, bounds[ch + 1] * ROWS), ROWS):
             rows = min(ROWS, tq - i0)
             nmax = _visible(i0 + rows - 1, offset, tk)
             qb, gob = q[h, i0:i0 + rows], d_o[h, i0:i0 + rows]
@@ -198,7 +297,7 @@ def backward(q, k, v, o, d_o, lse, offset, scale, dq, dkey, dval, spread):
                 sr, gr = s[r], g[r]
                 for j in range(vis):
                     # <= 0 up to rounding when lse is the forward pass's; clamped so p <= 1.
-                    pv = _exp_neg(min(scale * _f64(sr[j]) - li, 0.0))
+                    pv = exp_as(sr[j], min(scale * _f64(sr[j]) - li, 0.0))
                     ad = _f64(gr[j]) - d  # the advantage A_ij
                     gv = pv * ad  # dL/ds_ij
                     sr[j] = pv

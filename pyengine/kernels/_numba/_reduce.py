@@ -35,12 +35,13 @@ import math
 
 import numpy as np
 
-from ._jit import jit
+from ._jit import inline, jit
 
 __all__ = [
     "LANES",
     "_dot_lanes",
     "_fold",
+    "_max_lanes",
     "_mean_sq",
     "_scale",
     "_padded",
@@ -49,6 +50,7 @@ __all__ = [
     "_sum_pair_gu",
     "_sum_sq",
     "_sum_sq_dot",
+    "_sum_dot_lanes",
     "_sum_lanes",
     "_sum_sq_dot_gu",
     "_zero",
@@ -427,6 +429,34 @@ def _dot_lanes(a, b, n, acc):
 
 
 @jit
+def _sum_dot_lanes(e, x, n, acc):
+    """(sum_i e[i], sum_i e[i] x[i]) in float64, i < n (a multiple of LANES), acc : (2, LANES);
+    each in the order of :func:`_dot_lanes` (the attention softmax's z and its entropy term)."""
+    a, b = acc[0], acc[1]
+    for k in range(LANES):
+        a[k] = 0.0
+        b[k] = 0.0
+    nq = n // _QUAD
+    for jb in range(nq):
+        o = jb * _QUAD
+        for k in range(LANES):
+            i0 = o + k
+            i1 = i0 + LANES
+            i2 = i1 + LANES
+            i3 = i2 + LANES
+            e0, e1, e2, e3 = _f64(e[i0]), _f64(e[i1]), _f64(e[i2]), _f64(e[i3])
+            a[k] += (e0 + e1) + (e2 + e3)
+            b[k] += (e0 * _f64(x[i0]) + e1 * _f64(x[i1])) + (e2 * _f64(x[i2]) + e3 * _f64(x[i3]))
+    for jb in range(4 * nq, n // LANES):
+        o = jb * LANES
+        for k in range(LANES):
+            ev = _f64(e[o + k])
+            a[k] += ev
+            b[k] += ev * _f64(x[o + k])
+    return _fold(a), _fold(b)
+
+
+@jit
 def _sum_lanes(a, n, acc):
     """sum_x a[x], x < n (a multiple of LANES), in the order of _dot_lanes."""
     for k in range(LANES):
@@ -441,3 +471,30 @@ def _sum_lanes(a, n, acc):
         for k in range(LANES):
             acc[k] += a[o + k]
     return _fold(acc)
+
+
+
+@inline
+def _max_lanes(x, n, acc):
+    """max(x[:n]) over the non-NaN values (-inf if none), in float64, in LANES running maxima.
+
+    A loop ``m = max(m, x[i])`` is a chain of dependent compares, which LLVM does not
+    vectorize without fast-math; LANES elementwise maxima do vectorize, and the maximum is
+    the same in any order. Inlined (``inline="always"``): the softmax calls it per row of
+    Tk = 128, where a call costs as much as the row.
+    """
+    for k in range(LANES):
+        acc[k] = -np.inf
+    nb = n // LANES
+    for b in range(nb):
+        o = b * LANES
+        for k in range(LANES):
+            v = _f64(x[o + k])
+            acc[k] = v if v > acc[k] else acc[k]
+    m = -np.inf
+    for k in range(LANES):
+        m = acc[k] if acc[k] > m else m
+    for i in range(nb * LANES, n):
+        v = _f64(x[i])
+        m = v if v > m else m
+    return m

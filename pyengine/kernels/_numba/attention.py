@@ -1,8 +1,8 @@
 """Numba kernels of the attention score gradient, the advantage and the fused head.
 
-Head-sized problems (widths >= 16; see ``_attention_blas.serves``) go to the BLAS kernels
-of :mod:`._attention_blas`, as the C++ backend's do; the kernels below serve the rest
-(tiny heads such as the training step's d_k = 10) and, with :data:`BLAS` off, everything.
+Every head but the tiny narrow ones (see ``_attention_blas.serves``) goes to the BLAS
+kernels of :mod:`._attention_blas`; the kernels below serve the rest (widths below 16 and
+fewer than about 128 x 128 pairs) and, with :data:`BLAS` off, everything.
 
 Same kernel contract and parameter names as :mod:`pyengine.kernels._reference.attention`
 (C-contiguous float32 or float64 arrays of shape (N, ...), preallocated outputs, the
@@ -92,8 +92,8 @@ BLAS = True
 
 
 def _score_grad_any(p, u, v, offset, out, advantage, want_a):
-    n, tq, tk = p.shape
-    if BLAS and _blas.serves(n, tq, tk, u.shape[2], u.shape[2], False):
+    tq, tk = p.shape[1:]
+    if BLAS and _blas.serves(tq, tk, u.shape[2], u.shape[2]):
         with one_blas_thread():
             return _blas.score_grad(p, u, v, offset, out, advantage, want_a)
     return _score_grad(p, u, v, offset, out, advantage, want_a)
@@ -162,7 +162,7 @@ def _as64(*arrays):
 @register("attention_forward", "numba")
 def attention_forward(q, k, v, offset, scale, out, lse, entropy):
     """Fused forward: out = softmax(scale q k^T) v, lse and entropy per row. Returns the bad-row count."""
-    if BLAS and _blas.serves(q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2], False):
+    if BLAS and _blas.serves(q.shape[1], k.shape[1], q.shape[2], v.shape[2]):
         with one_blas_thread():
             return _blas.forward(q, k, v, offset, scale, out, lse, entropy)
     q, k, v = _as64(q, k, v)
@@ -323,12 +323,27 @@ def _transposed(x):
     return out
 
 
+def _blas_backward(q, k, v, o, d_o, lse, offset, scale, dq, dk, dv, spread):
+    """The BLAS backward pass: chunks of query blocks, their dk, dv partials summed in chunk order."""
+    n, tq, tk = q.shape[0], q.shape[1], k.shape[1]
+    bounds = _blas.chunk_bounds(n, tq, tk, offset)
+    nch = bounds.size - 1
+    if nch == 1:
+        pk, pv = dk, dv
+    else:
+        pk, pv = np.empty((n * nch,) + dk.shape[1:], dk.dtype), np.empty((n * nch,) + dv.shape[1:], dv.dtype)
+    with one_blas_thread():
+        nbad = _blas.backward(q, k, v, o, d_o, lse, offset, scale, dq, pk, pv, spread, bounds)
+    if nch > 1 and _blas.gather(pk, nch, dk) + _blas.gather(pv, nch, dv) and not nbad:
+        nbad = 1
+    return nbad
+
+
 @register("attention_backward", "numba")
 def attention_backward(q, k, v, o, d_o, lse, offset, scale, dq, dk, dv, spread):
     """Fused backward: dq, dk, dv and the spread, p recomputed from lse, D = d_o.o. Returns the bad-row count."""
-    if BLAS and _blas.serves(q.shape[0], q.shape[1], k.shape[1], q.shape[2], v.shape[2], True):
-        with one_blas_thread():
-            return _blas.backward(q, k, v, o, d_o, lse, offset, scale, dq, dk, dv, spread)
+    if BLAS and _blas.serves(q.shape[1], k.shape[1], q.shape[2], v.shape[2]):
+        return _blas_backward(q, k, v, o, d_o, lse, offset, scale, dq, dk, dv, spread)
     q, k, v, o, d_o = _as64(q, k, v, o, d_o)
     delta = np.empty(lse.shape, dtype=np.float64)
     _backward_delta(o, d_o, delta)

@@ -25,7 +25,7 @@ from numba import prange
 
 from ...backends import register
 from ._jit import fma_inline, fma_pjit, inline, pjit
-from ._reduce import LANES, _fold
+from ._reduce import LANES, _fold, _max_lanes
 from ._vecmath import exp_term
 
 __all__ = ["LANES", "softmax", "softmax_jvp"]
@@ -36,26 +36,6 @@ _f64 = np.float64
 # --------------------------------------------------------------------------- #
 # Row reductions in a fixed order: LANES partial results in acc (LANES,).
 # --------------------------------------------------------------------------- #
-
-
-@fma_inline
-def _max(x, n, acc):
-    """max(x[:n]) over the non-NaN values (-inf if none), in float64."""
-    for k in range(LANES):
-        acc[k] = -np.inf
-    nb = n // LANES
-    for b in range(nb):
-        o = b * LANES
-        for k in range(LANES):
-            v = _f64(x[o + k])
-            acc[k] = v if v > acc[k] else acc[k]
-    m = -np.inf
-    for k in range(LANES):
-        m = acc[k] if acc[k] > m else m
-    for i in range(nb * LANES, n):
-        v = _f64(x[i])
-        m = v if v > m else m
-    return m
 
 
 @fma_inline
@@ -109,7 +89,7 @@ def _softmax_row(x, vis, out, e, acc):
         e[j] = _f64(x[j])
     for j in range(vis, npad):
         e[j] = -np.inf
-    m = _max(e, npad, acc)
+    m = _max_lanes(e, npad, acc)
     for j in range(vis):
         e[j] = exp_term(x[j], m)  # float32 x: the float32 exp
     for j in range(vis, npad):

@@ -144,18 +144,20 @@ _WRITE_AHEAD = 2048
 
 @inline
 def _prefetch_block(a, o):
-    """Prefetch a[o : o + _BLOCK] (clipped to ``a``), one element per cache line."""
-    for k in range(o, min(o + _BLOCK, a.size), _LINE // a.itemsize):
-        prefetch(a, k)
+    """Prefetch a[o : o + _BLOCK], one element per cache line, if it lies inside ``a``."""
+    if o + _BLOCK <= a.size:
+        for k in range(0, _BLOCK, _LINE // a.itemsize):
+            prefetch(a, o + k)
 
 
 @inline
 def _prefetch_out(out, o):
-    """Prefetch for writing the block of ``out`` :data:`_WRITE_AHEAD` bytes past ``out[o]``
-    (nothing past the row's end; :func:`_prefetch_out_head` asks for a row's first bytes)."""
+    """Prefetch for writing the block of ``out`` :data:`_WRITE_AHEAD` bytes past ``out[o]``,
+    if it lies inside the row (:func:`_prefetch_out_head` asks for a row's first bytes)."""
     a = o + _WRITE_AHEAD // out.itemsize
-    for k in range(a, min(a + _BLOCK, out.size), _LINE // out.itemsize):
-        prefetch_write(out, k)
+    if a + _BLOCK <= out.size:
+        for k in range(0, _BLOCK, _LINE // out.itemsize):
+            prefetch_write(out, a + k)
 
 
 @inline

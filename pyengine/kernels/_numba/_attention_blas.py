@@ -295,12 +295,13 @@ def backward(q, k, v, o, d_o, lse, offset, scale, dq, dkey, dval, spread, bounds
                     d += _f64(d_o[h, i, c]) * _f64(o[h, i, c])
                 li = lse[h, i]
                 sr, gr = s[r], g[r]
+                # p_ij, then the rest in a second loop (in one, 1.0 ns an element against 0.73).
                 for j in range(vis):
                     # <= 0 up to rounding when lse is the forward pass's; clamped so p <= 1.
-                    pv = exp_as(sr[j], min(scale * _f64(sr[j]) - li, 0.0))
+                    sr[j] = exp_as(sr[j], min(scale * _f64(sr[j]) - li, 0.0))
+                for j in range(vis):
                     ad = _f64(gr[j]) - d  # the advantage A_ij
-                    gv = pv * ad  # dL/ds_ij
-                    sr[j] = pv
+                    gv = _f64(sr[j]) * ad  # dL/ds_ij
                     gr[j] = gv
                     t[j] = gv * ad
                 for j in range(vis, nmax):

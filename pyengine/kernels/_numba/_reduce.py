@@ -21,7 +21,12 @@ every addition is fixed by the source, so results are the same on every machine,
 whatever its vector width.
 
 Helpers are passed no function arguments (a dispatcher argument makes the caller
-uncacheable), hence one small reduction helper per combination of sums.
+uncacheable), hence one small reduction helper per combination of sums. The row sums of
+the norm kernels (:func:`_sum` .. :func:`_sum_sq_dot_gu`) are ``inline="always"``: LLVM left
+them as calls with exploded array arguments, a few tens of ns a row (with LayerNorm's
+statistics inlined too: a forward row of d = 768 in L1 390 -> 304 ns; the JVP/VJP kernels
+at (2048, 768) float32 2-6 % faster; compiling the six norm kernels for both dtypes 25.5
+-> 26.2 s).
 
 Caching: the kernels that call these helpers live in other modules, and Numba's
 on-disk cache (``cache=True``) checks only the source file of the function it
@@ -111,7 +116,7 @@ def _fold2(a, b):
     return a[0], b[0]
 
 
-@jit
+@inline
 def _sum(x, acc):
     """sum(x) in float64. x : (d,)."""
     d = x.size
@@ -134,7 +139,7 @@ def _sum(x, acc):
     return s
 
 
-@jit
+@inline
 def _sum_pair(x, w, acc):
     """(sum(x), sum(w)) in float64. x, w : (d,)."""
     d = x.size
@@ -163,7 +168,7 @@ def _sum_pair(x, w, acc):
     return sx, sw
 
 
-@jit
+@inline
 def _sum_pair_gu(x, g, u, acc):
     """(sum(x), sum(g * u)) in float64. x, u : (d,); g : (d,)."""
     d = x.size
@@ -194,7 +199,7 @@ def _sum_pair_gu(x, g, u, acc):
     return sx, sw
 
 
-@jit
+@inline
 def _sum_sq(x, c, acc):
     """sum((x - c)^2) in float64. x : (d,); c : float (mu, or 0 for RMSNorm)."""
     d = x.size
@@ -221,7 +226,7 @@ def _sum_sq(x, c, acc):
     return s
 
 
-@jit
+@inline
 def _sum_sq_dot(x, c, w, acc):
     """(sum((x - c)^2), sum((x - c) * w)) in float64. x, w : (d,); c : float."""
     d = x.size
@@ -258,7 +263,7 @@ def _sum_sq_dot(x, c, w, acc):
     return sq, dot
 
 
-@jit
+@inline
 def _sum_sq_dot_gu(x, c, g, u, acc):
     """(sum((x - c)^2), sum((x - c) * (g * u))) in float64. x, u : (d,); g : (d,); c : float."""
     d = x.size

@@ -15,7 +15,7 @@ import numpy as np
 from numba import prange
 
 from ...backends import register
-from ._jit import jit, pjit
+from ._jit import inline, jit, pjit
 from ._reduce import LANES, _f64, _rms_slow, _safe, _scale, _sum_sq, _sum_sq_dot, _sum_sq_dot_gu
 from .layernorm import _BLOCK, _CHUNKS, _dense_jacobian, _prefetch_block, _prefetch_out, _prefetch_out_head
 
@@ -27,7 +27,7 @@ __all__ = ["rms_norm", "rms_norm_jacobian", "rms_norm_jvp", "rms_norm_vjp"]
 # --------------------------------------------------------------------------- #
 
 
-@jit
+@inline
 def _rms_scale(x, eps, acc):
     """(r, bad) of one row; a row of extreme magnitude is rescaled (:func:`._reduce._rms_slow`)."""
     ms = _sum_sq(x, 0.0, acc) / x.size

@@ -36,6 +36,7 @@ from ._attention_short import _visible
 from ._jit import fma_inline, fma_pjit, jit, pjit
 from ._reduce import LANES, _dot_lanes, _max_lanes, _padded, _sum_dot_lanes, _sum_lanes
 from ._vecmath import exp_as
+from .layernorm import _prefetch_row_ahead
 
 __all__ = ["JOBS", "MIN_BLOCKS", "NARROW_MIN_PAIRS", "ROWS", "backward", "chunk_bounds", "forward", "gather",
            "score_grad", "serves"]
@@ -120,9 +121,13 @@ def score_grad(p, u, v, offset, out, advantage, want_a):
             for c in range(dv):
                 vb[j, c] = v[h, j, c]
         np.dot(ub, vb.T, b)
+        outf, advf = out[h].reshape(tq * tk), advantage[h].reshape(tq * tk)
         for r in range(rows):
             i = i0 + r
             vis = _visible(i, offset, tk)
+            _prefetch_row_ahead(outf, i * tk, tk)
+            if want_a:
+                _prefetch_row_ahead(advf, i * tk, tk)
             pr, br, o, a = p[h, i], b[r], out[h, i], advantage[h, i]
             for j in range(vis):
                 pb[j] = _f64(pr[j])

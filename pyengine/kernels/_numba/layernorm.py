@@ -167,6 +167,23 @@ def _prefetch_out(out, o):
 
 
 @inline
+def _prefetch_row_ahead(outf, o, m):
+    """Ask for writing (:func:`._jit.prefetch_write`) the m output values that start
+    ``_WRITE_AHEAD`` bytes past outf[o] (a later row), if they lie inside ``outf``: for the
+    short rows of the softmax kernels and the attention score gradient (Tk = 128: 512
+    bytes), so the hint runs per row, some rows ahead, where :func:`_prefetch_out` runs per
+    block inside a long row. A plain store to a line not in cache first
+    reads it, one line at a time as the stores reach it; softmax_jvp at (64, 12, 128, 128)
+    float32 6.1 -> 3.6 ms with the hint (C++, which streams, 3.6-3.8; 1, 2, 4, 8 KiB ahead:
+    3.8, 3.6, 3.6, 3.7). Rows longer than ``_WRITE_AHEAD`` bytes get none: a whole row's
+    lines at once overflow the line-fill buffers (one head of T = 2000: 2.1 -> 2.3 ms)."""
+    a = o + _WRITE_AHEAD // outf.itemsize
+    if m * outf.itemsize <= _WRITE_AHEAD and a + m <= outf.size:
+        for k in range(0, m, 64 // outf.itemsize):
+            prefetch_write(outf, a + k)
+
+
+@inline
 def _prefetch_out_head(out):
     """Prefetch for writing the first :data:`_WRITE_AHEAD` bytes of ``out``, before the row's
     statistics, so they arrive while the sums run."""

@@ -27,6 +27,7 @@ from ...backends import register
 from ._jit import fma_inline, fma_pjit, inline, pjit
 from ._reduce import LANES, _fold, _max_lanes
 from ._vecmath import exp_term
+from .layernorm import _prefetch_row_ahead
 
 __all__ = ["LANES", "softmax", "softmax_jvp"]
 
@@ -115,10 +116,12 @@ def softmax(x, offset, out):
     n, tq, tk = x.shape
     x2 = x.reshape((n * tq, tk))
     out2 = out.reshape((n * tq, tk))
+    outf = out.reshape(n * tq * tk)
     nbad = 0
     for row in prange(n * tq):
         e = np.empty(tk + LANES, dtype=np.float64)  # hoisted: once per thread
         acc = np.empty(LANES, dtype=np.float64)
+        _prefetch_row_ahead(outf, row * tk, tk)
         i = row % tq
         vis = tk if offset >= tk - i else i + offset + 1
         if _softmax_row(x2[row], vis, out2[row], e, acc):
@@ -147,9 +150,11 @@ def softmax_jvp(p, dx, out):
     p2 = p.reshape((prow, tk))
     dx2 = dx.reshape((r * prow, tk))
     out2 = out.reshape((r * prow, tk))
+    outf = out.reshape(r * prow * tk)
     nbad = 0
     for row in prange(r * prow):
         acc = np.empty(LANES, dtype=np.float64)  # hoisted: once per thread
+        _prefetch_row_ahead(outf, row * tk, tk)
         if _softmax_jvp_row(p2[row % prow], dx2[row], out2[row], acc):
             nbad += 1
     return nbad

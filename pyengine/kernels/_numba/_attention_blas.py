@@ -155,7 +155,7 @@ def score_grad(p, u, v, offset, out, advantage, want_a):
 
 
 @fma_inline
-def _softmax_row(sr, vis, scale, x, e, acc):
+def _row_exponentials(sr, vis, scale, x, e, acc):
     """(m, z, zs) of a row of scores sr[:vis]: x = scale * sr and e = e^(x - m) in sr's dtype
     (float32 heads in float32), m = max x, z = sum e, zs = sum e x in float64.
 
@@ -200,7 +200,7 @@ def forward(q, k, v, offset, scale, out, lse, entropy):
             i = i0 + r
             vis = _visible(i, offset, tk)
             sr = s[r]
-            m, z, zs = _softmax_row(sr, vis, scale, x, e, acc)
+            m, z, zs = _row_exponentials(sr, vis, scale, x, e, acc)
             lv = m + math.log(z)
             lse[h, i] = lv
             entropy[h, i] = lv - zs / z

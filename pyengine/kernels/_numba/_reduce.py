@@ -488,7 +488,6 @@ def _sum_lanes(a, n, acc):
     return _fold(acc)
 
 
-
 @inline
 def _max_lanes(x, n, acc):
     """max(x[:n]) over the non-NaN values (-inf if none), in float64, in LANES running maxima.

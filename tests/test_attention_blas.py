@@ -226,6 +226,22 @@ def test_raw_kernels_count_bad_rows_as_the_reference(compiled, forced):
     assert counts[compiled][0] == 1 and counts[compiled][1] >= 1 and counts[compiled][2] == 1
 
 
+@pytest.mark.parametrize("forced", PATHS, ids=PATH_IDS)
+def test_forward_of_huge_scores_matches_the_reference(compiled, dtype, forced):
+    """Scores near the dtype's range (all positive, so the row maximum is huge): Numba's BLAS
+    forward once padded its rows with m - 2048, which rounds to m itself from |m| ~ 2^35 in
+    float32 (2^63 in float64), and each pad then added 1 to z (max error 2.9, no bad row)."""
+    q, k, v, _ = head((2,), 100, 100, 16, 16, dtype, seed=4)
+    big = 1e5 if dtype == np.float32 else 1e75  # scores of about 1e11, 1e151
+    q, k = np.abs(q) * big, np.abs(k) * big
+    want = pa.attention_forward(q, k, v, offset=0, backend="numpy")
+    assert np.isfinite(want.lse).all() and want.lse.min() > 1e10
+    with fallback(compiled, forced):
+        got = pa.attention_forward(q, k, v, offset=0, backend=compiled)
+    err = np.abs(got.out.astype(np.float64) - want.out).max() / np.abs(want.out).max()
+    assert err <= (FLOAT32_BOUND if dtype == np.float32 else 1e-12), err
+
+
 def test_numba_backward_chunks_cover_the_blocks_by_shape():
     """chunk_bounds: at least JOBS jobs where the blocks allow, >= MIN_BLOCKS blocks per chunk,
     every block once, work split about evenly, the same bounds for the same shape."""

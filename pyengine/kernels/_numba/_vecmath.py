@@ -346,9 +346,13 @@ def _by_dtype(f32_impl, f64_impl, nargs):
 
 #: e^(x - m) (x an element, m the float64 row max), in x's precision.
 exp_term = _by_dtype(lambda x, y: _exp_neg_f(np.float64(x) - y), lambda x, y: _exp_neg(np.float64(x) - y), 2)
-#: e^y (y float64 <= 0) in the precision of x, whose value is not used: the attention BLAS
-#: kernels' probabilities of float32 heads in float32 (as the C++ fused head computes them).
-exp_as = _by_dtype(lambda x, y: _exp_neg_f(y), lambda x, y: _exp_neg(y), 2)
+#: e^x for x <= 0 in x's own dtype, float32 reduced in float32 (:func:`_exp_neg_ff`): the
+#: attention BLAS kernels' probabilities of float32 heads (as the C++ fused head's exp_negf).
+exp_own = _by_dtype(lambda x: _exp_neg_ff(x), lambda x: _exp_neg(x), 1)
+#: y (a float) rounded to x's dtype.
+like = _by_dtype(lambda x, y: np.float32(y), lambda x, y: np.float64(y), 2)
+#: The lowest finite value of x's dtype.
+lowest_like = _by_dtype(lambda x: np.float32(-3.4028234663852886e38), lambda x: -1.7976931348623157e308, 1)
 gelu_t = _by_dtype(lambda x: _gelu1_f(x), lambda x: _gelu1(np.float64(x)), 1)
 gelu_tanh_t = _by_dtype(lambda x: _gelu_tanh1_f(x), lambda x: _gelu_tanh1(np.float64(x)), 1)
 #: silu(g) * up.

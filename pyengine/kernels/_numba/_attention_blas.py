@@ -35,7 +35,7 @@ from numba import prange
 
 from ._attention_short import _visible
 from ._jit import fma_inline, fma_pjit, jit, pjit
-from ._reduce import LANES, _dot_lanes, _max_lanes, _padded, _sum_dot_lanes, _sum_lanes
+from ._reduce import LANES, _dot_lanes, _max_fold, _padded, _sum_dot_lanes, _sum_lanes
 from ._vecmath import exp_own, like, lowest_like
 from .layernorm import _prefetch_row_ahead
 
@@ -170,9 +170,7 @@ def _scale_max(sr, vis, scale, x, accx):
             v = sc * sr[o + k]
             x[o + k] = v
             accx[k] = v if v > accx[k] else accx[k]
-    m = _f64(-np.inf)
-    for k in range(LANES):
-        m = accx[k] if accx[k] > m else m
+    m = _f64(_max_fold(accx))
     for i in range(nb * LANES, vis):
         v = sc * sr[i]
         x[i] = v

@@ -47,6 +47,7 @@ __all__ = [
     "_dot_lanes",
     "_fold",
     "_fold2",
+    "_max_fold",
     "_max_lanes",
     "_mean_sq",
     "_scale",
@@ -443,7 +444,7 @@ def _dot_lanes(a, b, n, acc):
     return _fold(acc)
 
 
-@jit
+@inline
 def _sum_dot_lanes(e, x, n, acc):
     """(sum_i e[i], sum_i e[i] x[i]) in float64, i < n (a multiple of LANES), acc : (2, LANES);
     each in the order of :func:`_dot_lanes` (the attention softmax's z and its entropy term)."""
@@ -471,7 +472,7 @@ def _sum_dot_lanes(e, x, n, acc):
     return _fold2(a, b)
 
 
-@jit
+@inline
 def _sum_lanes(a, n, acc):
     """sum_x a[x], x < n (a multiple of LANES), in the order of _dot_lanes."""
     for k in range(LANES):
@@ -505,10 +506,21 @@ def _max_lanes(x, n, acc):
         for k in range(LANES):
             v = _f64(x[o + k])
             acc[k] = v if v > acc[k] else acc[k]
-    m = -np.inf
-    for k in range(LANES):
-        m = acc[k] if acc[k] > m else m
+    m = _f64(_max_fold(acc))
     for i in range(nb * LANES, n):
         v = _f64(x[i])
         m = v if v > m else m
     return m
+
+
+@inline
+def _max_fold(acc):
+    """max(acc[:LANES]) (none NaN), folded pairwise like :func:`_fold` (overwrites acc): the
+    maximum is the same in any order, and a chain of LANES dependent compares cost about
+    45 ns more a row (an attention row of 64 scores: 229 -> 183 ns)."""
+    h = LANES // 2
+    while h > 0:
+        for k in range(h):
+            acc[k] = acc[k + h] if acc[k + h] > acc[k] else acc[k]
+        h //= 2
+    return acc[0]

@@ -352,7 +352,9 @@ exp_own = _by_dtype(lambda x: _exp_neg_ff(x), lambda x: _exp_neg(x), 1)
 #: y (a float) rounded to x's dtype.
 like = _by_dtype(lambda x, y: np.float32(y), lambda x, y: np.float64(y), 2)
 #: The lowest finite value of x's dtype.
-lowest_like = _by_dtype(lambda x: np.float32(-3.4028234663852886e38), lambda x: -1.7976931348623157e308, 1)
+_LOWEST_F32 = np.finfo(np.float32).min
+_LOWEST_F64 = float(np.finfo(np.float64).min)
+lowest_like = _by_dtype(lambda x: _LOWEST_F32, lambda x: _LOWEST_F64, 1)
 gelu_t = _by_dtype(lambda x: _gelu1_f(x), lambda x: _gelu1(np.float64(x)), 1)
 gelu_tanh_t = _by_dtype(lambda x: _gelu_tanh1_f(x), lambda x: _gelu_tanh1(np.float64(x)), 1)
 #: silu(g) * up.

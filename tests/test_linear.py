@@ -3,7 +3,8 @@
 Every backend and dtype over awkward shapes (one row, rows not a multiple of the tile, odd
 k and n, k = 0), the epilogues (bias, residual in place, activations, a coefficient shared
 by K tangents), the C++ epilogues equal to the separate kernels bit for bit, independence of the thread count, the numpy.matmul
-fallback (forced, and the finder's reasons), aliasing and bad-input errors.
+fallback (forced, and the finder's reasons), aliasing and bad-input errors; ``matmul_one_thread``
+(numpy's product with NumPy's OpenBLAS held to one thread, the count restored under concurrent callers).
 """
 
 from __future__ import annotations
@@ -289,3 +290,76 @@ def test_numpy_keeps_its_blas_threads_after_the_linear_kernels():
     for _ in range(20):
         _core.linear(x, w, None, None, out)
         assert numpy_threads() == before
+
+
+def _numpy_blas_threads():
+    from threadpoolctl import threadpool_info
+
+    libs = [i for i in threadpool_info() if i["internal_api"] == "openblas" and "numpy" in i["filepath"]]
+    return libs[0]["num_threads"] if libs else None
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64])
+def test_matmul_one_thread_is_numpys_product(dtype):
+    rng = np.random.default_rng(3)
+    for sa, sb in [((1, 12, 1, 128, 64), (1, 12, 1, 64, 128)), ((5, 3, 2, 7, 16), (1, 3, 1, 16, 9)),
+                   ((300, 70), (70, 301)), ((4, 0), (0, 3))]:
+        a, b = rng.standard_normal(sa).astype(dtype), rng.standard_normal(sb).astype(dtype)
+        want = np.matmul(a, b)
+        got = _blas.matmul_one_thread(a, b)
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert_close(got, want, dtype)
+        out = np.full_like(want, np.nan)
+        assert _blas.matmul_one_thread(a, b.swapaxes(-1, -2).copy().swapaxes(-1, -2), out=out) is out
+        assert_close(out, want, dtype)
+
+
+def test_matmul_one_thread_holds_numpys_blas_to_one_thread_and_restores_it(monkeypatch):
+    before = _numpy_blas_threads()
+    if before is None or not _blas.find()[2]:
+        pytest.skip("needs NumPy's OpenBLAS with openblas_set_num_threads_local")
+    seen = []
+    real = _blas.np.matmul
+
+    def spy(*args, **kwargs):
+        seen.append(_numpy_blas_threads())
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(_blas.np, "matmul", spy)
+    x = np.ones((8, 8), np.float32)
+    _blas.matmul_one_thread(x, x)
+    with pytest.raises(ValueError):
+        _blas.matmul_one_thread(x, np.ones((7, 8), np.float32))
+    assert seen == [1, 1] and _numpy_blas_threads() == before
+
+
+def test_matmul_one_thread_restores_the_count_under_concurrent_callers():
+    # In NumPy's pthreads OpenBLAS the "local" count is global: callers that saved and restored
+    # it each on their own left it at 1 when they interleaved. The first in sets, the last out restores.
+    import threading
+
+    before = _numpy_blas_threads()
+    if before is None or not _blas.find()[2]:
+        pytest.skip("needs NumPy's OpenBLAS with openblas_set_num_threads_local")
+    rng = np.random.default_rng(0)
+    a = rng.standard_normal((4, 12, 96, 64)).astype(np.float32)
+    want = np.matmul(a, a.swapaxes(-1, -2))
+    bad = []
+
+    def work():
+        for _ in range(30):
+            if not np.allclose(_blas.matmul_one_thread(a, a.swapaxes(-1, -2)), want, rtol=1e-5, atol=1e-4):
+                bad.append(1)
+
+    threads = [threading.Thread(target=work) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not bad and _blas._state["depth"] == 0 and _numpy_blas_threads() == before
+
+
+def test_matmul_one_thread_without_openblas_is_numpy_matmul(monkeypatch):
+    monkeypatch.setitem(_blas._state, "set", False)
+    x = np.arange(6.0).reshape(2, 3)
+    assert np.array_equal(_blas.matmul_one_thread(x, x.T), x @ x.T)

@@ -6,14 +6,21 @@ already loaded, single-threaded in each of their own OpenMP threads
 installed. threadpoolctl names the library; ctypes gives the addresses. Anything else
 (MKL, Accelerate, BLIS, an older OpenBLAS, symbols not found) returns null pointers and the
 reason, and the kernels fall back to ``numpy.matmul`` plus a separate epilogue pass.
+
+:func:`matmul_one_thread` is ``numpy.matmul`` with that library held to one thread for the
+call, for the block engine's small products between pyengine kernels (issue 18).
 """
 
 from __future__ import annotations
 
 import ctypes
 import os
+import threading
+from typing import Any
 
-__all__ = ["find"]
+import numpy as np
+
+__all__ = ["find", "matmul_one_thread"]
 
 #: (sgemm, dgemm, ILP64) symbol names, in the order tried: NumPy >= 2's scipy_openblas64,
 #: the openblas64_ of NumPy 1.2x wheels, then LP64 builds.
@@ -64,3 +71,48 @@ def find() -> tuple[int, int, int, bool, str]:
             return sa, da, local, ilp64, (
                 f"OpenBLAS {info.get('version')} ({s}, single-threaded per tile in pyengine's threads)")
     return 0, 0, 0, False, f"{none} (no CBLAS gemm symbols in {path})"
+
+
+_lock = threading.Lock()
+_state: dict[str, Any] = {"set": None, "depth": 0, "saved": 0}
+
+
+def _setter() -> Any:
+    """``openblas_set_num_threads_local`` of NumPy's OpenBLAS as a ctypes function, or False."""
+    if _state["set"] is None:
+        addr = find()[2]
+        _state["set"] = ctypes.CFUNCTYPE(ctypes.c_int, ctypes.c_int)(addr) if addr else False
+    return _state["set"]
+
+
+def matmul_one_thread(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """``numpy.matmul(a, b, out=out)`` with NumPy's OpenBLAS on one thread for the call.
+
+    Why: after a threaded product NumPy's OpenBLAS keeps its pthread pool spinning for a
+    while, and the pyengine OpenMP kernels that follow share the two cores with it. In a
+    cached one-sequence forward (T = 128, GPT-2 small) the scores ``q k^T`` woke the pool
+    in every block and the weight products after them ran at ~90 instead of ~200 GFLOP/s:
+    the forward took 265 ms instead of 128 (issue 18). Meant for products too small to
+    gain from a second thread. The float32 head products of the block engine come out bit
+    for bit as with two threads (OpenBLAS splits a product by rows and columns); in general
+    a product may round differently on one thread, as with any change of thread count.
+
+    In NumPy's pthreads OpenBLAS the "local" count is the library's global one, so
+    concurrent callers share one count: the first one in sets it, the last one out
+    restores it (the same holds for the C++ kernels' ``blas_region``). Without NumPy's
+    OpenBLAS this is ``numpy.matmul``.
+    """
+    setter = _setter()
+    if not setter:
+        return np.matmul(a, b, out=out)
+    with _lock:
+        if _state["depth"] == 0:
+            _state["saved"] = setter(1)
+        _state["depth"] += 1
+    try:
+        return np.matmul(a, b, out=out)
+    finally:
+        with _lock:
+            _state["depth"] -= 1
+            if _state["depth"] == 0:
+                setter(_state["saved"])

@@ -10,7 +10,8 @@ The ``"cpp"`` kernels compute the product with NumPy's own OpenBLAS, called
 single-threaded on row tiles from pyengine's OpenMP threads, each applying the epilogue
 to its tile while it is in cache (:func:`blas_info` says whether this path is active;
 without NumPy's OpenBLAS they use ``numpy.matmul`` and a separate pass). So no BLAS thread
-pool spins next to pyengine's threads after a product, whatever the environment.
+pool spins next to pyengine's threads after a product, whatever the environment;
+:func:`matmul_one_thread` keeps it so for the small ``numpy.matmul`` products in between.
 
 Arrays are float32 or float64; w, b and residual are converted to x's dtype. ``x`` is
 (..., k), ``w`` (k, n), ``b`` (n,), ``residual`` and the result (..., n). ``out=`` takes a
@@ -28,8 +29,10 @@ import numpy as np
 
 from .. import _validate as _v
 from ..backends import resolve
+from ._blas import matmul_one_thread
 
-__all__ = ["ACTIVATIONS", "attention_forward_kernel", "attention_jvp_kernel", "blas_info", "kernel", "linear", "linear_mul"]
+__all__ = ["ACTIVATIONS", "attention_forward_kernel", "attention_jvp_kernel", "blas_info", "kernel", "linear", "linear_mul",
+           "matmul_one_thread"]
 
 #: Activations the epilogue applies (the kernels of :mod:`pyengine.kernels.activations`).
 ACTIVATIONS = ("none", "gelu", "gelu_tanh", "relu")

@@ -16,6 +16,7 @@ import numpy as np
 
 from ..kernels.activations import kernel
 from ..kernels.attention import kernel as attention_kernel
+from ..kernels.linear import matmul_one_thread
 from ._fast import DISCARD, attn_blas, attn_jvp_blas, attn_jvp_gemm, fused_dtype, fused_heads
 from ._linear import dense, workspace
 
@@ -111,7 +112,7 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | 
         k5, v5 = (_prepend(p[..., :s, :], x) for p, x in zip((past["attn.k"], past["attn.v"]), (k5, v5)))
     p = None
     if buf is not None:  # the compiled head above; the cache and the sites still want q, k, v and P
-        sc = np.matmul(q5, k5.swapaxes(-1, -2))
+        sc = matmul_one_thread(q5, k5.swapaxes(-1, -2))  # no BLAS pool spinning next to the kernels (issue 18)
         if read:
             hook("attn.scores", sc.reshape(B, H, T, -1))
         p = _softmax_(sc, ctx)
@@ -122,7 +123,7 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | 
         buf, view = _heads_out(B, T, cfg, a.dtype)
         check(fused_heads(cfg, s, q5, k5, v5, view), "attention scores")
         if read or not discard:  # the JVP needs P; sites read it (the output stays the fused one)
-            sc = np.matmul(q5, k5.swapaxes(-1, -2))
+            sc = matmul_one_thread(q5, k5.swapaxes(-1, -2))
             if read:
                 hook("attn.scores", sc.reshape(B, H, T, -1))
             p = _softmax_(sc, ctx)

@@ -129,9 +129,11 @@ std::int64_t linear_attention_jvp(const LinearBlas& bl, const T* dqkv, const T* 
 /// qkv (B, tq, H + 2 Hkv, dh) [q | k | v heads, unscaled], kp, vp (Hkv, s, dh) (s may be 0),
 /// out (B, tq, H, dh) (the layout of the output projection's input). Tasks are (b, h): the
 /// scores (tq, s + tq) by two single-threaded gemms into a reused workspace, the row
-/// softmax in place (max, exp in double, sum in double), then P V by two gemms; a task's
-/// result does not depend on B, the thread count or the other sequences. Returns the rows
-/// whose maximum or sum is not finite.
+/// softmax in place by the softmax kernel's rows (activations_detail::softmax_row: float32
+/// terms by exp_neg_f of x - m formed in double, sums in double; a bad row becomes NaN),
+/// then P V by two gemms; a task's result does not depend on B, the thread count or the
+/// other sequences. Returns the rows whose maximum or sum is not finite (NaN or +Inf among
+/// the visible scores, or none finite).
 template <class T>
 std::int64_t linear_attention_forward(const LinearBlas& bl, const T* qkv, const T* kp, const T* vp, index_t B,
                                       index_t tq, index_t s, index_t H, index_t Hkv, index_t dh, index_t offset,
@@ -143,6 +145,7 @@ std::int64_t linear_attention_forward(const LinearBlas& bl, const T* qkv, const 
     return blas_region(bl, threads, [&]() -> std::int64_t {
         std::int64_t nbad = 0;
         std::vector<T> ws(static_cast<std::size_t>(tq * tk));
+        std::vector<double> terms(static_cast<std::size_t>(tk));  // a float64 row's terms
         T* sc = ws.data();
 #pragma omp for schedule(dynamic, 1)
         for (index_t task = 0; task < tasks; ++task) {
@@ -150,23 +153,10 @@ std::int64_t linear_attention_forward(const LinearBlas& bl, const T* qkv, const 
             const T* qb = qkv + b * tq * W;
             if (s > 0) gemm_ab<T>(bl, true, tq, s, dh, scale, qb + h * dh, W, kp + j * s * dh, dh, T(0), sc, tk);
             gemm_ab<T>(bl, true, tq, tq, dh, scale, qb + h * dh, W, qb + (H + j) * dh, W, T(0), sc + s, tk);
-            for (index_t t = 0; t < tq; ++t) {
+            for (index_t t = 0; t < tq; ++t) {  // the softmax kernel's rows, in place (NaN rows if bad)
                 T* row = sc + t * tk;
                 const index_t n = std::min(tk, std::max<index_t>(0, offset + t + 1));
-                T m = -std::numeric_limits<T>::infinity();
-                for (index_t c = 0; c < n; ++c) m = std::max(m, row[c]);
-                double sum = 0.0;
-#pragma omp simd reduction(+ : sum)
-                for (index_t c = 0; c < n; ++c) {
-                    const double e = vmath::exp_neg(static_cast<double>(row[c]) - static_cast<double>(m));
-                    row[c] = static_cast<T>(e);
-                    sum += e;
-                }
-                if (!std::isfinite(m) || !std::isfinite(sum) || !(sum > 0.0)) ++nbad;
-                const double inv = 1.0 / sum;
-#pragma omp simd
-                for (index_t c = 0; c < n; ++c) row[c] = static_cast<T>(static_cast<double>(row[c]) * inv);
-                std::fill(row + n, row + tk, T(0));
+                nbad += activations_detail::softmax_row<T>(row, n, tk, terms.data(), row);
             }
             T* ob = out + b * tq * H * dh + h * dh;
             if (s > 0) gemm_ab<T>(bl, false, tq, dh, s, T(1), sc, tk, vp + j * s * dh, dh, T(0), ob, H * dh);

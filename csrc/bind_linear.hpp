@@ -2,10 +2,10 @@
 // dtype of linear, linear_act and linear_mul, with the reference's argument names, and
 // linear_blas_info / linear_force_fallback (which path the products take).
 //
-// BLAS: NumPy's own library, found at run time by pyengine.kernels._blas.find() (ctypes on
-// the library threadpoolctl reports): the CBLAS sgemm/dgemm entry points and OpenBLAS's
-// openblas_set_num_threads_local. They are looked up once, on the first call, with the GIL
-// held; NumPy stays loaded, so the pointers stay valid. Without them (NumPy on MKL or
+// BLAS: MKL from the mkl package (its threading layer sequential) or NumPy's own OpenBLAS,
+// found at run time by pyengine.kernels._blas.find() (ctypes): the CBLAS sgemm/dgemm entry
+// points and the library's per-thread count setter. They are looked up once, on the first
+// call, with the GIL held; the libraries stay loaded, so the pointers stay valid. Without them (NumPy on MKL or
 // Accelerate, an OpenBLAS older than 0.3.27, or linear_force_fallback(True)) the product
 // is numpy.matmul's (called here, with the GIL) and the epilogue a separate parallel pass.
 #pragma once

@@ -165,7 +165,7 @@ def test_fallback_path_forced(dtype):
         _core.linear_mul(x, w, coef, m)
     finally:
         _core.linear_force_fallback(False)
-    assert "numpy matmul" not in _core.linear_blas_info() or "OpenBLAS" not in _core.linear_blas_info()
+    assert not _core.linear_blas_info().startswith("numpy matmul") or "forced" not in _core.linear_blas_info()
     assert_close(slow, fast, dtype, scale=1.0)
     assert_close(slow_r, fast_r, dtype)
     assert_close(out, x @ w + b + r, dtype)
@@ -185,14 +185,72 @@ def test_the_finder_says_why_it_falls_back(monkeypatch):
     assert _blas.find()[:3] == (0, 0, 0)
 
 
-def test_the_finder_finds_numpys_openblas():
-    import threadpoolctl
+def _numpy_has_openblas() -> bool:
+    return not isinstance(_blas._numpy_openblas(), str)
 
-    blas = [i for i in threadpoolctl.threadpool_info() if i.get("user_api") == "blas"]
-    if not blas or blas[0].get("internal_api") != "openblas":
+
+def test_the_finder_finds_numpys_openblas(monkeypatch):
+    if not _numpy_has_openblas():
         pytest.skip("NumPy's BLAS is not OpenBLAS here")
+    monkeypatch.setenv("PYENGINE_BLAS", "openblas")
     s, d, local, _, why = _blas.find()
-    assert s and d and local and "OpenBLAS" in why
+    assert s and d and local and why.startswith("OpenBLAS")
+    monkeypatch.setattr(_blas, "_mkl_path", lambda: None)  # auto without the mkl package
+    monkeypatch.setenv("PYENGINE_BLAS", "auto")
+    assert _blas.find()[4] == why
+    monkeypatch.setenv("PYENGINE_BLAS", "mkl")  # asked for, missing: OpenBLAS, and the reason
+    got = _blas.find()
+    assert got[:4] == (s, d, local, _) and got[4].startswith("OpenBLAS") and "mkl package is not installed" in got[4]
+
+
+def test_the_finder_takes_mkl_when_installed(monkeypatch):
+    if _blas._mkl_path() is None or not _numpy_has_openblas():
+        pytest.skip("the mkl package (the mkl extra) is not installed, or NumPy's BLAS is not OpenBLAS")
+    for choice in ("auto", " MKL ", ""):
+        monkeypatch.setenv("PYENGINE_BLAS", choice)
+        s, d, local, ilp64, why = _blas.find()
+        assert s and d and local and not ilp64 and why.startswith("MKL 20"), why
+    if L.blas_info().startswith("MKL"):  # this process's kernels took it: numpy's threads untouched
+        assert "sequential" in L.blas_info()
+
+
+def test_the_finder_refuses_an_unknown_choice(monkeypatch):
+    monkeypatch.setenv("PYENGINE_BLAS", "blis")
+    with pytest.raises(ValueError, match="PYENGINE_BLAS must be 'auto', 'mkl' or 'openblas'; got 'blis'"):
+        _blas.find()
+
+
+@pytest.mark.parametrize("choice", ["openblas", "mkl"])
+def test_each_library_gives_the_references_products(choice):
+    # The library is chosen once per process: each in a process of its own, every kernel
+    # against the reference (the rest of the suite runs on whichever this process took).
+    import os
+    import subprocess
+    import sys
+
+    require("cpp")
+    if choice == "mkl" and _blas._mkl_path() is None:
+        pytest.skip("the mkl package (the mkl extra) is not installed")
+    code = """
+import numpy as np
+from pyengine import _core, backends
+info = _core.linear_blas_info()
+assert info.startswith({want!r}), info
+rng = np.random.default_rng(5)
+for dt, tol in ((np.float32, 2e-5), (np.float64, 1e-12)):
+    for N, k, n in ((1, 7, 5), (300, 70, 90), (2100, 64, 33), (40, 768, 2304)):
+        x, w = rng.standard_normal((N, k)).astype(dt), (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dt)
+        b, r, coef = rng.standard_normal(n).astype(dt), rng.standard_normal((N, n)).astype(dt), rng.standard_normal((1, n)).astype(dt)
+        for name, args in (("linear", (x, w, b, r)), ("linear_act", (x, w, b, "gelu_tanh", None)), ("linear_mul", (x, w, coef))):
+            want, got = np.empty((N, n), dt), np.empty((N, n), dt)
+            assert backends.resolve(name, "numpy")(*args, want) == 0 and backends.resolve(name, "cpp")(*args, got) == 0
+            err = np.abs(got - want).max() / np.abs(want).max()
+            assert err < tol, (name, dt, N, k, n, err)
+print("ok", info)
+""".format(want="OpenBLAS" if choice == "openblas" else "MKL")
+    env = dict(os.environ, PYENGINE_BLAS=choice)
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
 
 
 def test_public_function_shapes_and_out(dtype):
@@ -276,8 +334,8 @@ def test_numpy_keeps_its_blas_threads_after_the_linear_kernels():
     from pyengine import _core
 
     libs = [i["filepath"] for i in threadpool_info() if i["internal_api"] == "openblas" and "numpy" in i["filepath"]]
-    if not _core.linear_blas_info().startswith("OpenBLAS") or _core.get_num_threads() < 2 or not libs:
-        pytest.skip("needs NumPy's OpenBLAS and two threads")
+    if _core.linear_blas_info().startswith("numpy matmul") or _core.get_num_threads() < 2 or not libs:
+        pytest.skip("needs NumPy's OpenBLAS, the kernels' BLAS path (OpenBLAS or MKL) and two threads")
     lib = libs[0]
 
     def numpy_threads():

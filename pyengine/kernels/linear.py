@@ -6,10 +6,11 @@ activation's JVP). The kernels ``linear``, ``linear_act`` and ``linear_mul`` (co
 :mod:`pyengine.kernels._reference.linear`) are what the block engine's weight products
 run on (:mod:`pyengine.models._linear`).
 
-The ``"cpp"`` kernels compute the product with NumPy's own OpenBLAS, called
-single-threaded on row tiles from pyengine's OpenMP threads, each applying the epilogue
-to its tile while it is in cache (:func:`blas_info` says whether this path is active;
-without NumPy's OpenBLAS they use ``numpy.matmul`` and a separate pass). So no BLAS thread
+The ``"cpp"`` kernels compute the product with MKL (the ``mkl`` extra, sequential) or else
+NumPy's own OpenBLAS, called single-threaded on row tiles from pyengine's OpenMP threads,
+each applying the epilogue to its tile while it is in cache (:func:`blas_info` says which
+library, and whether this path is active; without either they use ``numpy.matmul`` and a
+separate pass; ``PYENGINE_BLAS`` picks, see :mod:`pyengine.kernels._blas`). So no BLAS thread
 pool spins next to pyengine's threads after a product, whatever the environment;
 :func:`matmul_one_thread` keeps it so for the small ``numpy.matmul`` products in between.
 

@@ -134,7 +134,8 @@ def main() -> None:
     print(f"vmap(jvp) / linearized         {res['torch_vmap_jvp'] / res['pe_linearized']:.2f}  (issue 18: >= 1.6)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "max_rel_diff": err, "seconds": res}, f, indent=1)
+            json.dump({"args": vars(args), "blas": pe.kernels.linear.blas_info(), "max_rel_diff": err, "seconds": res},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

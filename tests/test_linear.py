@@ -221,7 +221,7 @@ def test_the_finder_refuses_an_unknown_choice(monkeypatch):
 
 
 @pytest.mark.parametrize("choice", ["openblas", "mkl"])
-def test_each_library_gives_the_references_products(choice):
+def test_each_library_gives_the_references_products(choice, tmp_path):
     # The library is chosen once per process: each in a process of its own, every kernel
     # against the reference (the rest of the suite runs on whichever this process took).
     import os
@@ -249,7 +249,9 @@ for dt, tol in ((np.float32, 2e-5), (np.float64, 1e-12)):
 print("ok", info)
 """.format(want="OpenBLAS" if choice == "openblas" else "MKL")
     env = dict(os.environ, PYENGINE_BLAS=choice)
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300)
+    # cwd elsewhere: from the checkout, `python -c` would import its pyengine/, not the installed one
+    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
+                         cwd=tmp_path)
     assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
 
 

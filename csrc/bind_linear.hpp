@@ -35,13 +35,14 @@ struct LinearState {
 inline LinearState& linear_state() {
     static LinearState s;
     if (!s.looked_up) {  // GIL held: every caller is a bound function
-        s.looked_up = true;
+        // find() raises on a bad PYENGINE_BLAS: then every call raises, none falls back silently.
         py::tuple t = py::module_::import("pyengine.kernels._blas").attr("find")();
         s.blas.sgemm = reinterpret_cast<void*>(t[0].cast<std::uintptr_t>());
         s.blas.dgemm = reinterpret_cast<void*>(t[1].cast<std::uintptr_t>());
         s.blas.set_threads_local = reinterpret_cast<pyengine::LinearBlas::local_t>(t[2].cast<std::uintptr_t>());
         s.blas.ilp64 = t[3].cast<bool>();
         s.info = t[4].cast<std::string>();
+        s.looked_up = true;
     }
     return s;
 }

@@ -220,6 +220,31 @@ def test_the_finder_refuses_an_unknown_choice(monkeypatch):
         _blas.find()
 
 
+def test_a_bad_choice_fails_every_compiled_call(tmp_path):
+    # Not only the first: a lookup that raised is tried again, never left as the fallback.
+    import os
+    import subprocess
+    import sys
+
+    require("cpp")
+    code = """
+import numpy as np
+from pyengine import _core
+x = np.ones((4, 3), np.float32)
+for _ in range(2):
+    try:
+        _core.linear(x, np.ones((3, 2), np.float32), None, None, np.empty((4, 2), np.float32))
+    except ValueError as exc:
+        assert "PYENGINE_BLAS must be" in str(exc), exc
+    else:
+        raise SystemExit("no error")
+print("ok")
+"""
+    run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYENGINE_BLAS="blis"), capture_output=True,
+                         text=True, timeout=300, cwd=tmp_path)
+    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
+
+
 @pytest.mark.parametrize("choice", ["openblas", "mkl"])
 def test_each_library_gives_the_references_products(choice, tmp_path):
     # The library is chosen once per process: each in a process of its own, every kernel

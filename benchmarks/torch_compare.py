@@ -61,7 +61,8 @@ def main() -> None:
         from pyengine import _core
 
         _core.linear_force_fallback(True)
-    print("linear kernels:", pe.kernels.linear.blas_info())
+    blas = pe.kernels.linear.blas_info()
+    print("linear kernels:", blas)
     if args.no_fused:  # an A/B switch for this script only
         import pyengine.models._attention as _attention
 
@@ -134,8 +135,7 @@ def main() -> None:
     print(f"vmap(jvp) / linearized         {res['torch_vmap_jvp'] / res['pe_linearized']:.2f}  (issue 18: >= 1.6)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "blas": pe.kernels.linear.blas_info(), "max_rel_diff": err, "seconds": res},
-                      f, indent=1)
+            json.dump({"args": vars(args), "blas": blas, "max_rel_diff": err, "seconds": res}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -5,9 +5,10 @@
 // BLAS: MKL from the mkl package (its threading layer sequential) or NumPy's own OpenBLAS,
 // found at run time by pyengine.kernels._blas.find() (ctypes): the CBLAS sgemm/dgemm entry
 // points and the library's per-thread count setter. They are looked up once, on the first
-// call, with the GIL held; the libraries stay loaded, so the pointers stay valid. Without them (NumPy on MKL or
-// Accelerate, an OpenBLAS older than 0.3.27, or linear_force_fallback(True)) the product
-// is numpy.matmul's (called here, with the GIL) and the epilogue a separate parallel pass.
+// call, with the GIL held; the libraries stay loaded, so the pointers stay valid. Without
+// them (NumPy on MKL or Accelerate, an OpenBLAS older than 0.3.27, or
+// linear_force_fallback(True)) the product is numpy.matmul's (called here, with the GIL)
+// and the epilogue a separate parallel pass.
 #pragma once
 
 #include <pybind11/numpy.h>

@@ -3,8 +3,7 @@
 Every backend and dtype over awkward shapes (one row, rows not a multiple of the tile, odd
 k and n, k = 0), the epilogues (bias, residual in place, activations, a coefficient shared
 by K tangents), the C++ epilogues equal to the separate kernels bit for bit, independence of the thread count, the numpy.matmul
-fallback (forced, and the finder's reasons), aliasing and bad-input errors; ``matmul_one_thread``
-(numpy's product with NumPy's OpenBLAS held to one thread, the count restored under concurrent callers).
+fallback (forced), aliasing and bad-input errors. The BLAS library under them: test_blas.py.
 """
 
 from __future__ import annotations
@@ -15,7 +14,6 @@ import pytest
 from conftest import require
 from helpers import assert_close
 from pyengine import backends
-from pyengine.kernels import _blas
 from pyengine.kernels import linear as L
 
 SHAPES = [(1, 7, 5), (37, 33, 17), (130, 64, 96), (1000, 48, 130), (513, 1, 3)]
@@ -174,112 +172,6 @@ def test_fallback_path_forced(dtype):
     assert_close(m, ((x @ w).reshape(3, 100, 90) * coef).reshape(300, 90), dtype)
 
 
-def test_the_finder_says_why_it_falls_back(monkeypatch):
-    import threadpoolctl
-
-    monkeypatch.setattr(threadpoolctl, "threadpool_info", lambda: [
-        {"user_api": "blas", "internal_api": "mkl", "filepath": "/x/libmkl_rt.so", "version": "2024"}])
-    s, d, local, _, why = _blas.find()
-    assert (s, d, local) == (0, 0, 0) and "mkl" in why and why.startswith("numpy matmul")
-    monkeypatch.setattr(threadpoolctl, "threadpool_info", lambda: [])
-    assert _blas.find()[:3] == (0, 0, 0)
-
-
-def _numpy_has_openblas() -> bool:
-    return not isinstance(_blas._numpy_openblas(), str)
-
-
-def test_the_finder_finds_numpys_openblas(monkeypatch):
-    if not _numpy_has_openblas():
-        pytest.skip("NumPy's BLAS is not OpenBLAS here")
-    monkeypatch.setenv("PYENGINE_BLAS", "openblas")
-    s, d, local, _, why = _blas.find()
-    assert s and d and local and why.startswith("OpenBLAS")
-    monkeypatch.setattr(_blas, "_mkl_path", lambda: None)  # auto without the mkl package
-    monkeypatch.setenv("PYENGINE_BLAS", "auto")
-    assert _blas.find()[4] == why
-    monkeypatch.setenv("PYENGINE_BLAS", "mkl")  # asked for, missing: OpenBLAS, and the reason
-    got = _blas.find()
-    assert got[:4] == (s, d, local, _) and got[4].startswith("OpenBLAS") and "mkl package is not installed" in got[4]
-
-
-def test_the_finder_takes_mkl_when_installed(monkeypatch):
-    if _blas._mkl_path() is None or not _numpy_has_openblas():
-        pytest.skip("the mkl package (the mkl extra) is not installed, or NumPy's BLAS is not OpenBLAS")
-    for choice in ("auto", " MKL ", ""):
-        monkeypatch.setenv("PYENGINE_BLAS", choice)
-        s, d, local, ilp64, why = _blas.find()
-        assert s and d and local and not ilp64 and why.startswith("MKL 20"), why
-    if L.blas_info().startswith("MKL"):  # this process's kernels took it: numpy's threads untouched
-        assert "sequential" in L.blas_info()
-
-
-def test_the_finder_refuses_an_unknown_choice(monkeypatch):
-    monkeypatch.setenv("PYENGINE_BLAS", "blis")
-    with pytest.raises(ValueError, match="PYENGINE_BLAS must be 'auto', 'mkl' or 'openblas'; got 'blis'"):
-        _blas.find()
-
-
-def test_a_bad_choice_fails_every_compiled_call(tmp_path):
-    # Not only the first: a lookup that raised is tried again, never left as the fallback.
-    import os
-    import subprocess
-    import sys
-
-    require("cpp")
-    code = """
-import numpy as np
-from pyengine import _core
-x = np.ones((4, 3), np.float32)
-for _ in range(2):
-    try:
-        _core.linear(x, np.ones((3, 2), np.float32), None, None, np.empty((4, 2), np.float32))
-    except ValueError as exc:
-        assert "PYENGINE_BLAS must be" in str(exc), exc
-    else:
-        raise SystemExit("no error")
-print("ok")
-"""
-    run = subprocess.run([sys.executable, "-c", code], env=dict(os.environ, PYENGINE_BLAS="blis"), capture_output=True,
-                         text=True, timeout=300, cwd=tmp_path)
-    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
-
-
-@pytest.mark.parametrize("choice", ["openblas", "mkl"])
-def test_each_library_gives_the_references_products(choice, tmp_path):
-    # The library is chosen once per process: each in a process of its own, every kernel
-    # against the reference (the rest of the suite runs on whichever this process took).
-    import os
-    import subprocess
-    import sys
-
-    require("cpp")
-    if choice == "mkl" and _blas._mkl_path() is None:
-        pytest.skip("the mkl package (the mkl extra) is not installed")
-    code = """
-import numpy as np
-from pyengine import _core, backends
-info = _core.linear_blas_info()
-assert info.startswith({want!r}), info
-rng = np.random.default_rng(5)
-for dt, tol in ((np.float32, 2e-5), (np.float64, 1e-12)):
-    for N, k, n in ((1, 7, 5), (300, 70, 90), (2100, 64, 33), (40, 768, 2304)):
-        x, w = rng.standard_normal((N, k)).astype(dt), (rng.standard_normal((k, n)) / np.sqrt(k)).astype(dt)
-        b, r, coef = rng.standard_normal(n).astype(dt), rng.standard_normal((N, n)).astype(dt), rng.standard_normal((1, n)).astype(dt)
-        for name, args in (("linear", (x, w, b, r)), ("linear_act", (x, w, b, "gelu_tanh", None)), ("linear_mul", (x, w, coef))):
-            want, got = np.empty((N, n), dt), np.empty((N, n), dt)
-            assert backends.resolve(name, "numpy")(*args, want) == 0 and backends.resolve(name, "cpp")(*args, got) == 0
-            err = np.abs(got - want).max() / np.abs(want).max()
-            assert err < tol, (name, dt, N, k, n, err)
-print("ok", info)
-""".format(want="OpenBLAS" if choice == "openblas" else "MKL")
-    env = dict(os.environ, PYENGINE_BLAS=choice)
-    # cwd elsewhere: from the checkout, `python -c` would import its pyengine/, not the installed one
-    run = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=300,
-                         cwd=tmp_path)
-    assert run.returncode == 0 and run.stdout.startswith("ok"), run.stdout + run.stderr
-
-
 def test_public_function_shapes_and_out(dtype):
     x, w, b, r = _case(6 * 5, 8, 9, dtype, seed=9)
     x3 = x.reshape(6, 5, 8)
@@ -350,101 +242,3 @@ def test_pyengine_backends_says_which_path_is_active(capsys):
     assert cli.main(["backends"]) == 0
     line = capsys.readouterr().out.splitlines()[-1]
     assert line.startswith("linear kernels' products (cpp): ") and line.endswith(L.blas_info())
-
-
-def test_numpy_keeps_its_blas_threads_after_the_linear_kernels():
-    # Each OpenMP thread of a linear kernel runs OpenBLAS single-threaded. Restoring the count
-    # from every thread raced where OpenBLAS keeps it globally: NumPy was left on one thread
-    # after a block forward (a numpy 8192x3072x768 product: 202 ms before, 373 ms after).
-    from threadpoolctl import threadpool_info
-
-    from pyengine import _core
-
-    libs = [i["filepath"] for i in threadpool_info() if i["internal_api"] == "openblas" and "numpy" in i["filepath"]]
-    if _core.linear_blas_info().startswith("numpy matmul") or _core.get_num_threads() < 2 or not libs:
-        pytest.skip("needs NumPy's OpenBLAS, the kernels' BLAS path (OpenBLAS or MKL) and two threads")
-    lib = libs[0]
-
-    def numpy_threads():
-        return next(i["num_threads"] for i in threadpool_info() if i["filepath"] == lib)
-
-    before = numpy_threads()
-    rng = np.random.default_rng(0)
-    x, w = rng.standard_normal((2048, 512), np.float32), rng.standard_normal((512, 512), np.float32)
-    out = np.empty((2048, 512), np.float32)
-    for _ in range(20):
-        _core.linear(x, w, None, None, out)
-        assert numpy_threads() == before
-
-
-def _numpy_blas_threads():
-    from threadpoolctl import threadpool_info
-
-    libs = [i for i in threadpool_info() if i["internal_api"] == "openblas" and "numpy" in i["filepath"]]
-    return libs[0]["num_threads"] if libs else None
-
-
-@pytest.mark.parametrize("dtype", [np.float32, np.float64])
-def test_matmul_one_thread_is_numpys_product(dtype):
-    rng = np.random.default_rng(3)
-    for sa, sb in [((1, 12, 1, 128, 64), (1, 12, 1, 64, 128)), ((5, 3, 2, 7, 16), (1, 3, 1, 16, 9)),
-                   ((300, 70), (70, 301)), ((4, 0), (0, 3))]:
-        a, b = rng.standard_normal(sa).astype(dtype), rng.standard_normal(sb).astype(dtype)
-        want = np.matmul(a, b)
-        got = _blas.matmul_one_thread(a, b)
-        assert got.shape == want.shape and got.dtype == want.dtype
-        assert_close(got, want, dtype)
-        out = np.full_like(want, np.nan)
-        assert _blas.matmul_one_thread(a, b.swapaxes(-1, -2).copy().swapaxes(-1, -2), out=out) is out
-        assert_close(out, want, dtype)
-
-
-def test_matmul_one_thread_holds_numpys_blas_to_one_thread_and_restores_it(monkeypatch):
-    before = _numpy_blas_threads()
-    if before is None or not _blas.find()[2]:
-        pytest.skip("needs NumPy's OpenBLAS with openblas_set_num_threads_local")
-    seen = []
-    real = _blas.np.matmul
-
-    def spy(*args, **kwargs):
-        seen.append(_numpy_blas_threads())
-        return real(*args, **kwargs)
-
-    monkeypatch.setattr(_blas.np, "matmul", spy)
-    x = np.ones((8, 8), np.float32)
-    _blas.matmul_one_thread(x, x)
-    with pytest.raises(ValueError):
-        _blas.matmul_one_thread(x, np.ones((7, 8), np.float32))
-    assert seen == [1, 1] and _numpy_blas_threads() == before
-
-
-def test_matmul_one_thread_restores_the_count_under_concurrent_callers():
-    # In NumPy's pthreads OpenBLAS the "local" count is global: callers that saved and restored
-    # it each on their own left it at 1 when they interleaved. The first in sets, the last out restores.
-    import threading
-
-    before = _numpy_blas_threads()
-    if before is None or not _blas.find()[2]:
-        pytest.skip("needs NumPy's OpenBLAS with openblas_set_num_threads_local")
-    rng = np.random.default_rng(0)
-    a = rng.standard_normal((4, 12, 96, 64)).astype(np.float32)
-    want = np.matmul(a, a.swapaxes(-1, -2))
-    bad = []
-
-    def work():
-        for _ in range(30):
-            if not np.allclose(_blas.matmul_one_thread(a, a.swapaxes(-1, -2)), want, rtol=1e-5, atol=1e-4):
-                bad.append(1)
-
-    threads = [threading.Thread(target=work) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert not bad and _blas._state["depth"] == 0 and _numpy_blas_threads() == before
-
-
-def test_matmul_one_thread_without_openblas_is_numpy_matmul(monkeypatch):
-    monkeypatch.setitem(_blas._state, "set", False)
-    x = np.arange(6.0).reshape(2, 3)
-    assert np.array_equal(_blas.matmul_one_thread(x, x.T), x @ x.T)

@@ -33,6 +33,20 @@ from pyengine.bench import time_call
 from benchmarks.bench_propagate_torch import torch_stack  # benchmarks/benchmarks (this script's folder is on sys.path)
 
 
+def cpu_name() -> str:
+    """The CPU as /proc/cpuinfo names it (vendor and model), for the record: which BLAS is
+    fastest, and so the ratios, depend on it (issue 18)."""
+    from pyengine.kernels._blas import _cpu_vendor
+
+    model = ""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            model = next((ln.partition(":")[2].strip() for ln in f if ln.startswith("model name")), "")
+    except OSError:
+        pass
+    return " ".join(filter(None, (_cpu_vendor(), model))) or "unknown"
+
+
 def main() -> None:
     import torch
 
@@ -61,7 +75,8 @@ def main() -> None:
         from pyengine import _core
 
         _core.linear_force_fallback(True)
-    blas = pe.kernels.linear.blas_info()
+    blas, cpu = pe.kernels.linear.blas_info(), cpu_name()
+    print("cpu:", cpu)
     print("linear kernels:", blas)
     if args.no_fused:  # an A/B switch for this script only
         import pyengine.models._attention as _attention
@@ -135,7 +150,7 @@ def main() -> None:
     print(f"vmap(jvp) / linearized         {res['torch_vmap_jvp'] / res['pe_linearized']:.2f}  (issue 18: >= 1.6)")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "blas": blas, "max_rel_diff": err, "seconds": res}, f, indent=1)
+            json.dump({"args": vars(args), "cpu": cpu, "blas": blas, "max_rel_diff": err, "seconds": res}, f, indent=1)
 
 
 if __name__ == "__main__":

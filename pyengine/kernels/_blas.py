@@ -2,7 +2,8 @@
 
 The compiled dense-layer kernels call a CBLAS ``sgemm``/``dgemm`` single-threaded in each of
 their own OpenMP threads: MKL's, from the optional ``mkl`` package (the ``mkl`` extra;
-Linux x86-64), with its threading layer set to sequential, when it is installed; otherwise
+Linux x86-64), with its threading layer set to sequential, when it is installed and the CPU
+is Intel's (on AMD's its gemm measured slower than OpenBLAS's, see :func:`find`); otherwise
 that of the OpenBLAS NumPy already loaded (``openblas_set_num_threads_local``, OpenBLAS >=
 0.3.27), so nothing is linked. threadpoolctl names NumPy's library; ctypes gives the
 addresses. Anything else (NumPy on MKL, Accelerate or BLIS, an older OpenBLAS, symbols not
@@ -108,14 +109,28 @@ def _find_mkl() -> tuple[int, int, int, bool, str] | str:
     return s, d, local, False, f"MKL {version} ({os.path.basename(path)}, sequential per tile in pyengine's threads)"
 
 
+def _cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...), or ``""`` if unknown."""
+    try:
+        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
+            for line in f:
+                if line.startswith("vendor_id"):
+                    return line.partition(":")[2].strip()
+    except OSError:
+        pass
+    return ""
+
+
 def find() -> tuple[int, int, int, bool, str]:
     """(sgemm, dgemm, set_num_threads_local addresses, ILP64, description); zeros if not usable.
 
     ``PYENGINE_BLAS`` (read here, once per process): ``auto`` (default) takes MKL from the
-    ``mkl`` package when it is installed (the ``mkl`` extra; 8-11 % faster propagation on
-    an AVX-512 host, issue 18), else NumPy's OpenBLAS; ``openblas`` and ``mkl`` ask for one.
-    Either way only while NumPy's own BLAS is OpenBLAS (NumPy on MKL or Accelerate keeps
-    ``numpy.matmul``: two copies of MKL in one process are not worth the risk).
+    ``mkl`` package when it is installed (the ``mkl`` extra) *and the CPU is Intel's*, else
+    NumPy's OpenBLAS; ``openblas`` and ``mkl`` ask for one. Measured (issue 18): on an
+    AVX-512 Intel host MKL made propagation 8-11 % faster; on an AMD Zen 4 host its
+    single-threaded sgemm ran at 63-78 GFLOP/s against OpenBLAS's 91-97, so there the
+    default is OpenBLAS. Either way only while NumPy's own BLAS is OpenBLAS (NumPy on MKL or
+    Accelerate keeps ``numpy.matmul``: two copies of MKL in one process are not worth the risk).
     """
     none = "numpy matmul + separate epilogue"
     raw = os.environ.get(ENV, "auto")
@@ -126,7 +141,10 @@ def find() -> tuple[int, int, int, bool, str]:
     if isinstance(got, str):
         return 0, 0, 0, False, f"{none} ({got})"
     note = ""
-    if choice != "openblas":
+    vendor = _cpu_vendor()
+    if choice == "auto" and vendor != "GenuineIntel" and _mkl_path() is not None:
+        note = f"; MKL installed but not used: CPU vendor {vendor or 'unknown'}, not GenuineIntel ({ENV}=mkl takes it)"
+    elif choice != "openblas":
         mkl = _find_mkl()
         if not isinstance(mkl, str):
             return mkl

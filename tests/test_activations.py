@@ -4,6 +4,9 @@ differences, every backend against the reference, identities, awkward and bad in
 from __future__ import annotations
 
 import math
+import os
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -12,6 +15,7 @@ from scipy import special
 import pyengine as pe
 from pyengine.kernels import activations as pa
 from pyengine import backends
+from conftest import require
 
 #: Comparison tolerances against the reference, per dtype: (rtol, atol relative to the
 #: scale of the result's terms). float32 results are the double results rounded once.
@@ -262,6 +266,59 @@ def test_softmax_masked_entries_are_never_read(backend):
     x2[..., ~visible_mask(5, 5, 0)] = np.nan
     np.testing.assert_array_equal(pa.softmax(x2, offset=0, backend=backend),
                                   pa.softmax(x, offset=0, backend=backend))
+
+
+@pytest.mark.parametrize("tk", [7, 100, 130])
+def test_softmax_rows_of_any_length(backend, dtype, tk):
+    """The Numba kernel reads a row's visible scores rounded up to 64, into the next row (or,
+    for the last rows, a staging copy). Masked keys that are +inf there, bad rows next to
+    good ones, the last row bad, and in place on two threads: each row as when alone."""
+    x = scores((3, 9, tk), dtype, seed=tk)
+    x[0, 2, :] = np.nan  # a bad row; the row before reads into it
+    x[1, 4, 1] = np.inf  # a bad row
+    x[-1, -1, 0] = np.nan  # the very last row bad (the staged tail)
+    x[..., ~visible_mask(9, tk, 3)] = np.inf  # the masked keys: never part of a result
+    kernel = pa.kernel("softmax", backend)
+    want = np.empty_like(x)
+    for i in range(3):
+        kernel(x[i:i + 1].copy(), 3, want[i:i + 1])
+    with backends.num_threads(2):
+        got = np.empty_like(x)
+        assert kernel(x, 3, got) == 3
+        y = x.copy()
+        assert kernel(y, 3, y) == 3
+    for z in (got, y):
+        np.testing.assert_array_equal(np.isnan(z).all(-1), np.isnan(want).all(-1))
+        np.testing.assert_array_equal(z[~np.isnan(want)], want[~np.isnan(want)])
+    good = np.ones((3, 9), bool)
+    good[0, 2] = good[1, 4] = good[-1, -1] = False
+    ref = np.empty_like(x, dtype=np.float64)
+    pa.kernel("softmax", "numpy")(x.astype(np.float64), 3, ref)
+    assert np.isnan(want[~good]).all()
+    assert_close(want[good], ref[good], dtype, scale=1.0)
+
+
+_BOUNDS = """
+import numpy as np
+from pyengine.kernels import activations as pa
+k = pa.kernel("softmax", "numba")
+for tk in (7, 100, 130, 128):
+    for dt in (np.float32, np.float64):
+        x = np.random.default_rng(tk).standard_normal((2, 5, tk)).astype(dt)
+        out = np.empty_like(x)
+        assert k(x, 0, out) == 0 and k(x, tk, out) == 0
+"""
+
+
+def test_softmax_reads_stay_inside_x(tmp_path):
+    """The Numba softmax's reach into the next row never leaves x: recompiled with Numba's
+    bounds checks (NUMBA_BOUNDSCHECK=1, in a fresh process and cache), any read past the
+    last row raises. About 15 s of compilation."""
+    require("numba")
+    env = dict(os.environ, NUMBA_BOUNDSCHECK="1", NUMBA_CACHE_DIR=str(tmp_path))
+    r = subprocess.run([sys.executable, "-c", _BOUNDS], env=env, capture_output=True, text=True, timeout=600,
+                       cwd=tmp_path)
+    assert r.returncode == 0, r.stderr[-3000:]
 
 
 def test_offsets_mean_what_they_say(backend):

@@ -80,7 +80,11 @@ class LayerNormVsTorch:
 
 
 class NumbaVsCpp:
-    params = [["layer_norm", "layer_norm_jvp", "layer_norm_vjp", "rms_norm", "rms_norm_jvp", "rms_norm_vjp"]]
+    """The norm kernels at (8192, 4096) float32; the attention softmax and its JVP on a GPT-2
+    small batch of causal scores, (64 sequences x 12 heads, 128, 128) float32."""
+
+    params = [["layer_norm", "layer_norm_jvp", "layer_norm_vjp", "rms_norm", "rms_norm_jvp", "rms_norm_vjp",
+               "softmax", "softmax_jvp"]]
     param_names = ["kernel"]
     timeout = 600
 
@@ -88,6 +92,17 @@ class NumbaVsCpp:
         require_backend("numba")
         require_backend("cpp")
         rng = np.random.default_rng(0)
+        if kernel.startswith("softmax"):
+            s = (3.0 * rng.standard_normal((64 * 12, 128, 128))).astype(np.float32)
+            if kernel == "softmax":
+                out = np.empty_like(s)
+                self.calls = {be: (lambda be=be: pe.softmax(s, offset=0, backend=be, out=out)) for be in ("numba", "cpp")}
+            else:
+                p = pe.softmax(s[:12], offset=0)
+                dx = rng.standard_normal((64, 12, 128, 128)).astype(np.float32)
+                out = np.empty_like(dx)
+                self.calls = {be: (lambda be=be: pe.softmax_jvp(p, dx, backend=be, out=out)) for be in ("numba", "cpp")}
+            return
         x = (1.0 + rng.standard_normal((8192, 4096))).astype(np.float32)
         g = rng.uniform(0.5, 1.5, 4096).astype(np.float32)
         args = (x, g) if kernel == "rms_norm" else (x, g, np.zeros(4096, np.float32))

@@ -10,8 +10,8 @@ results do not depend on the number of threads. The loops over a row run in whol
 of ``LANES`` with a select for what lies past the row's visible keys, not over lengths
 known only at run time: on a Zen 4 host LLVM vectorizes those 64 floats at a time and
 leaves most of a causal row (a mean of Tk / 2 keys) to the scalar remainder. With both
-changes the softmax at (768, 128, 128) float32 ran 17.3-18.8 -> 10.8-11.1 ms (C++
-9.1), its JVP at (64, 12, 128, 128) 6.7 -> 5.4 ms (C++ 3.8), the same values bit for bit. Everything is computed in float64 and cast to the dtype of the output on
+changes the softmax at (768, 128, 128) float32 ran 15.7-17.6 -> 10.8-12.1 ms (C++
+9.0-9.1), its JVP at (64, 12, 128, 128) 6.7 -> 5.4 ms (C++ 3.8), the same values bit for bit. Everything is computed in float64 and cast to the dtype of the output on
 the store, except the softmax's exponential of float32 scores, which is
 :func:`._vecmath._exp_neg_f` (float32, vectorizable; :func:`._vecmath._exp_neg` for float64). Without
 ``reassoc`` LLVM keeps float sums in source order, so the reductions (the softmax's
@@ -79,8 +79,8 @@ def _softmax_row(x, vis, out, e, acc):
     vectorizes 64 floats at a time (16 lanes, 4 interleaved; Zen 4). On the Zen 4 host,
     float32 (768, 128, 128) causal, 2 threads: 17.5-17.9 ms with the former five passes (a
     copy into e padded with -inf, the max, the terms, their sum, the output), 13.0 ms
-    blocked (C++ 9.3-9.8); the values are the same bit for bit (the same terms summed in
-    the same lanes in the same order).
+    blocked (C++ 9.3-9.8), before the rows were chunked; the values are the same bit for
+    bit (the same terms summed in the same lanes in the same order).
     """
     npad = (vis + LANES - 1) // LANES * LANES
     nb = npad // LANES

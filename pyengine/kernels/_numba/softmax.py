@@ -25,6 +25,7 @@ row of Tk = 128 costs about as much as a call with its array arguments (the JVP 
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import prange
 
@@ -193,6 +194,11 @@ def _softmax_staged(x, offset, out, start):
         if _softmax_row(xs, vis, out2[row], e, acc):
             nbad += 1
     return nbad
+
+
+if numba.config.DISABLE_JIT:  # pragma: no cover - the NUMBA_DISABLE_JIT=1 runs
+    # As Python the masked keys' terms warn (e^(garbage - m)); the errstate wrapper of pjit.
+    _softmax_staged = pjit(_softmax_staged)
 
 
 @inline

@@ -298,6 +298,12 @@ def test_softmax_rows_of_any_length(backend, dtype, tk):
     assert_close(want[good], ref[good], dtype, scale=1.0)
 
 
+def test_raw_softmax_of_empty_rows(compiled):
+    """Rows of Tk = 0 (the public layer refuses them) are bad rows, not a crash, in both backends."""
+    x = np.zeros((2, 3, 0), np.float32)
+    assert pa.kernel("softmax", compiled)(x, 0, x.copy()) == 6
+
+
 _BOUNDS = """
 import numpy as np
 from pyengine.kernels import activations as pa

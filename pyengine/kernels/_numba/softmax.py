@@ -143,8 +143,8 @@ def softmax(x, offset, out):
     """
     n, tq, tk = x.shape
     rows = n * tq
-    over = -tk % LANES  # how far a full row's reach runs past its end
-    inside = max(0, rows - (over + tk - 1) // tk)  # rows r with r * tk + tk + over <= rows * tk
+    over = -tk % LANES  # how far a full row's reach runs past its end (0 also for Tk = 0)
+    inside = rows if over == 0 else max(0, rows - (over + tk - 1) // tk)  # r * tk + tk + over <= rows * tk
     nbad = _softmax_rows(x, offset, out, inside)
     if inside < rows:
         nbad += _softmax_staged(x, offset, out, inside)

@@ -95,21 +95,17 @@ class NumbaVsCpp:
         if kernel.startswith("softmax"):
             s = (3.0 * rng.standard_normal((64 * 12, 128, 128))).astype(np.float32)
             if kernel == "softmax":
-                out = np.empty_like(s)
-                self.calls = {be: (lambda be=be: pe.softmax(s, offset=0, backend=be, out=out)) for be in ("numba", "cpp")}
+                args, kw = (s,), {"offset": 0}
             else:
-                p = pe.softmax(s[:12], offset=0)
-                dx = rng.standard_normal((64, 12, 128, 128)).astype(np.float32)
-                out = np.empty_like(dx)
-                self.calls = {be: (lambda be=be: pe.softmax_jvp(p, dx, backend=be, out=out)) for be in ("numba", "cpp")}
-            return
-        x = (1.0 + rng.standard_normal((8192, 4096))).astype(np.float32)
-        g = rng.uniform(0.5, 1.5, 4096).astype(np.float32)
-        args = (x, g) if kernel == "rms_norm" else (x, g, np.zeros(4096, np.float32))
-        if kernel.endswith(("jvp", "vjp")):
-            args = (x, rng.standard_normal(x.shape).astype(np.float32), g)
-        fn, out = getattr(pe, kernel), np.empty_like(x)
-        self.calls = {be: (lambda be=be: fn(*args, backend=be, out=out)) for be in ("numba", "cpp")}
+                args, kw = (pe.softmax(s[:12], offset=0), rng.standard_normal((64, 12, 128, 128)).astype(np.float32)), {}
+        else:
+            x = (1.0 + rng.standard_normal((8192, 4096))).astype(np.float32)
+            g = rng.uniform(0.5, 1.5, 4096).astype(np.float32)
+            args, kw = ((x, g) if kernel == "rms_norm" else (x, g, np.zeros(4096, np.float32))), {}
+            if kernel.endswith(("jvp", "vjp")):
+                args = (x, rng.standard_normal(x.shape).astype(np.float32), g)
+        fn, out = getattr(pe, kernel), np.empty_like(args[1] if kernel == "softmax_jvp" else args[0])
+        self.calls = {be: (lambda be=be: fn(*args, backend=be, out=out, **kw)) for be in ("numba", "cpp")}
 
     def track_ratio(self, kernel):
         return median_time(self.calls["numba"], 10) / median_time(self.calls["cpp"], 10)

@@ -11,8 +11,8 @@ of ``LANES`` with a select for what lies past the row's visible keys, not over l
 known only at run time: on a Zen 4 host LLVM vectorizes those 64 floats at a time and
 leaves most of a causal row (a mean of Tk / 2 keys) to the scalar remainder. With both
 changes the softmax at (768, 128, 128) float32 ran 15.7-17.6 -> 10.8-12.1 ms (C++
-9.0-9.1), its JVP at (64, 12, 128, 128) 6.7 -> 5.4 ms (C++ 3.8), the same values bit for bit. Everything is computed in float64 and cast to the dtype of the output on
-the store, except the softmax's exponential of float32 scores, which is
+9.0-9.1), its JVP at (64, 12, 128, 128) 6.7 -> 5.4 ms (C++ 3.8), the same values bit for bit.
+Everything is computed in float64 and cast to the dtype of the output on the store, except the softmax's exponential of float32 scores, which is
 :func:`._vecmath._exp_neg_f` (float32, vectorizable; :func:`._vecmath._exp_neg` for float64). Without
 ``reassoc`` LLVM keeps float sums in source order, so the reductions (the softmax's
 max and sum, the JVP's dot product) use ``LANES`` partial results in a scratch
@@ -31,7 +31,8 @@ from numba import prange
 
 from ...backends import register
 from ._jit import fma_inline, fma_jit, fma_pjit, inline, pjit
-from ._reduce import LANES, _fold, _max_fold
+from ._attention_short import _visible
+from ._reduce import LANES, _fold, _max_fold, _padded
 from ._vecmath import exp_term
 from .layernorm import _CHUNKS, _prefetch_row_ahead
 
@@ -83,7 +84,7 @@ def _softmax_row(x, vis, out, e, acc):
     blocked (C++ 9.3-9.8), before the rows were chunked; the values are the same bit for
     bit (the same terms summed in the same lanes in the same order).
     """
-    npad = (vis + LANES - 1) // LANES * LANES
+    npad = _padded(vis)
     nb = npad // LANES
     for k in range(LANES):
         acc[k] = -np.inf
@@ -167,10 +168,9 @@ def _softmax_rows(x, offset, out, stop):
         acc = np.empty(LANES, dtype=np.float64)
         for row in range(c * stop // nc, (c + 1) * stop // nc):
             _prefetch_row_ahead(outf, row * tk, tk)
-            i = row % tq
-            vis = tk if offset >= tk - i else i + offset + 1
+            vis = _visible(row % tq, offset, tk)
             o = row * tk
-            if _softmax_row(xf[o:o + (vis + LANES - 1) // LANES * LANES], vis, out2[row], e, acc):
+            if _softmax_row(xf[o:o + _padded(vis)], vis, out2[row], e, acc):
                 nbad += 1
     return nbad
 
@@ -186,8 +186,7 @@ def _softmax_staged(x, offset, out, start):
     acc = np.empty(LANES, dtype=np.float64)
     nbad = 0
     for row in range(start, n * tq):
-        i = row % tq
-        vis = tk if offset >= tk - i else i + offset + 1
+        vis = _visible(row % tq, offset, tk)
         xr = x2[row]
         for j in range(vis):
             xs[j] = xr[j]

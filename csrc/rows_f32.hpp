@@ -10,6 +10,7 @@
 #pragma once
 
 #include <cmath>
+#include <algorithm>
 #include <cstdint>
 
 #include "rows.hpp"
@@ -37,9 +38,24 @@ struct LanesF32 {
     using V = __m512;
     static V load(const float* p) { return _mm512_loadu_ps(p); }
     static V set1(float a) { return _mm512_set1_ps(a); }
+    static V zero() { return _mm512_setzero_ps(); }
+    static V add(V a, V b) { return _mm512_add_ps(a, b); }
     static V sub(V a, V b) { return _mm512_sub_ps(a, b); }
     static V mul(V a, V b) { return _mm512_mul_ps(a, b); }
     static V fma(V a, V b, V c) { return _mm512_fmadd_ps(a, b, c); }
+    // The lanes widened to double and added to acc (8 doubles).
+    static void widen_add(__m512d& acc, V v) {
+        acc = _mm512_add_pd(acc, _mm512_add_pd(_mm512_cvtps_pd(_mm512_castps512_ps256(v)),
+                                               _mm512_cvtps_pd(_mm256_castpd_ps(
+                                                   _mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)))));
+    }
+    using D = __m512d;
+    static D dzero() { return _mm512_setzero_pd(); }
+    static double dsum(D a) {
+        alignas(64) double t[8];
+        _mm512_store_pd(t, a);
+        return ((t[0] + t[1]) + (t[2] + t[3])) + ((t[4] + t[5]) + (t[6] + t[7]));
+    }
     static void store(float* p, V v) { _mm512_storeu_ps(p, v); }
     static void stream(float* p, V v) { _mm512_stream_ps(p, v); }  // p 64-byte aligned
 };
@@ -49,9 +65,23 @@ struct LanesF32 {
     using V = __m256;
     static V load(const float* p) { return _mm256_loadu_ps(p); }
     static V set1(float a) { return _mm256_set1_ps(a); }
+    static V zero() { return _mm256_setzero_ps(); }
+    static V add(V a, V b) { return _mm256_add_ps(a, b); }
     static V sub(V a, V b) { return _mm256_sub_ps(a, b); }
     static V mul(V a, V b) { return _mm256_mul_ps(a, b); }
     static V fma(V a, V b, V c) { return _mm256_fmadd_ps(a, b, c); }
+    // The lanes widened to double and added to acc (4 doubles).
+    static void widen_add(__m256d& acc, V v) {
+        acc = _mm256_add_pd(acc, _mm256_add_pd(_mm256_cvtps_pd(_mm256_castps256_ps128(v)),
+                                               _mm256_cvtps_pd(_mm256_extractf128_ps(v, 1))));
+    }
+    using D = __m256d;
+    static D dzero() { return _mm256_setzero_pd(); }
+    static double dsum(D a) {
+        alignas(32) double t[4];
+        _mm256_store_pd(t, a);
+        return (t[0] + t[1]) + (t[2] + t[3]);
+    }
     static void store(float* p, V v) { _mm256_storeu_ps(p, v); }
     static void stream(float* p, V v) { _mm256_stream_ps(p, v); }  // p 32-byte aligned
 };
@@ -76,6 +106,38 @@ PYENGINE_ALWAYS_INLINE void write_body_f32(float* out, index_t& j, index_t d, bo
             }
         }
     }
+}
+
+// sum_j (x_j - m)^2 over a float row, in float lanes: four accumulators of kWidth floats,
+// each adding at most kFlushTerms squares before they are widened into a double
+// accumulator, so a float partial sum holds few terms (all positive: its relative error is
+// at most about kFlushTerms + 4 float roundings); the tail (d mod 4 kWidth) in double.
+// The order of the additions is fixed by d.
+inline constexpr index_t kFlushTerms = 8;
+PYENGINE_ALWAYS_INLINE double sum_sq_dev_f32(const float* xr, index_t d, float m) {
+    using L = LanesF32;
+    constexpr index_t w = L::kWidth, block = 4 * w, chunk = kFlushTerms * block;
+    const L::V mv = L::set1(m);
+    L::D total = L::dzero();
+    index_t j = 0;
+    for (; j + block <= d;) {
+        L::V a0 = L::zero(), a1 = a0, a2 = a0, a3 = a0;
+        const index_t stop = std::min(d - d % block, j + chunk);
+        for (; j < stop; j += block) {
+            const L::V c0 = L::sub(L::load(xr + j), mv), c1 = L::sub(L::load(xr + j + w), mv);
+            const L::V c2 = L::sub(L::load(xr + j + 2 * w), mv);
+            const L::V c3 = L::sub(L::load(xr + j + 3 * w), mv);
+            a0 = L::fma(c0, c0, a0), a1 = L::fma(c1, c1, a1);
+            a2 = L::fma(c2, c2, a2), a3 = L::fma(c3, c3, a3);
+        }
+        L::widen_add(total, L::add(L::add(a0, a1), L::add(a2, a3)));
+    }
+    double sum = L::dsum(total);
+    for (; j < d; ++j) {
+        const double c = static_cast<double>(xr[j]) - static_cast<double>(m);
+        sum += c * c;
+    }
+    return sum;
 }
 
 // write_row (rows.hpp) for float output computed in float: value(lane, j) with lane

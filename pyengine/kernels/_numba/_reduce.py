@@ -4,7 +4,7 @@ Used by :mod:`pyengine.kernels._numba.layernorm` (row statistics and the JVP/VJP
 attention kernels (:func:`_dot_lanes`, :func:`_sum_lanes` over padded rows) and
 :mod:`pyengine.kernels._numba.spectral` and :mod:`pyengine.kernels._numba._secular` (row statistics,
 and ``LANES``, :func:`_zero` and :func:`_fold` for their own fused passes). Every reduction accumulates in float64,
-also for float32 input; ``x``, ``w``, ``g``, ``u`` are rows ``(d,)``, ``c`` a
+also for float32 input (:func:`_sum_sq_f32` adds float32 groups of four squares); ``x``, ``w``, ``g``, ``u`` are rows ``(d,)``, ``c`` a
 float64 centre (the mean, or 0 for RMSNorm), ``acc`` a float64 scratch of shape
 ``(2, LANES)`` (or more rows) owned by the calling thread.
 
@@ -56,6 +56,7 @@ __all__ = [
     "_sum_pair",
     "_sum_pair_gu",
     "_sum_sq",
+    "_sum_sq_f32",
     "_sum_sq_dot",
     "_sum_dot_lanes",
     "_sum_lanes",
@@ -215,6 +216,40 @@ def _sum_sq(x, c, acc):
             t2 = _f64(x[o + 2 * LANES + k]) - c
             t3 = _f64(x[o + 3 * LANES + k]) - c
             a[k] += (t0 * t0 + t1 * t1) + (t2 * t2 + t3 * t3)
+    for j in range(4 * nq, d // LANES):
+        o = j * LANES
+        for k in range(LANES):
+            t0 = _f64(x[o + k]) - c
+            a[k] += t0 * t0
+    s = _fold(a)
+    for i in range(d - d % LANES, d):
+        t0 = _f64(x[i]) - c
+        s += t0 * t0
+    return s
+
+
+@inline
+def _sum_sq_f32(x, m, acc):
+    """sum((x - m)^2) of a float32 row with m a float32 centre: the differences, their
+    squares and the pairwise sums of four squares in float32 (16 lanes a vector, no
+    conversions), each such sum widened and added into the float64 lanes; the values
+    past the last block of 4 * LANES widened first, as in :func:`_sum_sq`. Each difference
+    is one float32 rounding relative to itself and every term is positive, so the result is
+    within about five float32 roundings of the exact sum, relative (the LayerNorm
+    forward's variance pass for float32 rows: ``layernorm._ln_stats``)."""
+    d = x.size
+    _zero(acc, 1)
+    a = acc[0]
+    nq = d // _QUAD
+    for j in range(nq):
+        o = j * _QUAD
+        for k in range(LANES):
+            t0 = x[o + k] - m
+            t1 = x[o + LANES + k] - m
+            t2 = x[o + 2 * LANES + k] - m
+            t3 = x[o + 3 * LANES + k] - m
+            a[k] += _f64((t0 * t0 + t1 * t1) + (t2 * t2 + t3 * t3))
+    c = _f64(m)
     for j in range(4 * nq, d // LANES):
         o = j * LANES
         for k in range(LANES):

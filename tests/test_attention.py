@@ -8,6 +8,7 @@ import pytest
 
 import pyengine as pe
 from pyengine.kernels import attention as pa
+import helpers
 
 #: (rtol, atol relative to the scale of the result's terms), per dtype. float32 inputs are
 #: rounded first, which both sides share; the score gradient is the float64 result rounded
@@ -16,11 +17,7 @@ TOL = {np.float32: (2e-6, 2e-7), np.float64: (1e-12, 1e-13)}
 
 
 def assert_close(actual, desired, dtype, scale=None):
-    rtol, atol = TOL[np.dtype(dtype).type]
-    desired = np.asarray(desired, np.float64)
-    big = np.max(np.abs(desired)) if desired.size else 1.0
-    np.testing.assert_allclose(np.asarray(actual, np.float64), desired, rtol=rtol,
-                               atol=atol * (big if scale is None else scale))
+    helpers.assert_close(actual, desired, dtype, scale, TOL)
 
 
 def visible(tq, tk, offset):

@@ -12,7 +12,7 @@
 // Numerics: everything is computed in double, also for float input, and cast on the
 // way out (two exceptions, both in LayerNorm's forward pass on float rows: the output
 // pass, see f32_output_pass_ok, and pass 2, the squared deviations from float(mu), see
-// ln_mean_var; the sums and the statistics are still double). The variance is two-pass (mean first, then the mean of squared deviations)
+// centred_var_f32; the sums and the statistics are still double). The variance is two-pass (mean first, then the mean of squared deviations)
 // because E[x^2] - E[x]^2 cancels catastrophically when |mean| >> std. Reductions are
 // vectorized by explicit lanes (rows.hpp), not by -ffast-math, which stays off
 // because the bad-row test needs std::isfinite. Each row is reduced in an order fixed
@@ -87,35 +87,36 @@ bool constant_row(const T* xr, index_t d, double mu, double var) {
     return true;
 }
 
-// Mean and two-pass variance of a LayerNorm row, given the row's sum; an exactly
-// constant row gets mean x[0] and variance 0 (see constant_row).
-template <class T>
-std::pair<double, double> ln_mean_var(const T* xr, index_t d, double sum) {
-    const double mu = sum / static_cast<double>(d);
-    const double var = centred_var(xr, d, mu);
-    if (constant_row(xr, d, mu, var)) return {static_cast<double>(xr[0]), 0.0};
-    return {mu, var};
-}
-
 #ifdef PYENGINE_HAVE_F32_ROWS
-// Mean and two-pass variance of a float LayerNorm row whose mean (pass 1) is in double,
-// with pass 2 in float lanes: c_j = x_j - m with m = float(mu) (one rounding, relative to
-// c_j), sum c_j^2 (sum_sq_dev_f32), and var = mean(c^2) - (mu - m)^2, the identity
-// sum (x - m)^2 = sum (x - mu)^2 + d (mu - m)^2 (sum (x - mu) = 0). Rows whose float
-// squares may overflow or underflow (var outside [2^-60, 2^100]) take the double pass.
+// Pass 2 of a float LayerNorm row in float lanes: c_j = x_j - m with m = float(mu) (one
+// rounding, relative to c_j), sum c_j^2 (sum_sq_dev_f32), and var = mean(c^2) - (mu - m)^2,
+// the identity sum (x - m)^2 = sum (x - mu)^2 + d (mu - m)^2 (sum (x - mu) = 0). Rows whose
+// float squares may overflow or underflow (var outside [2^-60, 2^100]) take the double pass.
 // Within a few float roundings of the double pass, relative; 16 floats a vector and no
 // conversions: the (2048, 768) float32 forward 15-20 % faster per core (Zen 4).
-inline std::pair<double, double> ln_mean_var(const float* xr, index_t d, double sum,
-                                             std::true_type /*float pass 2*/) {
-    const double mu = sum / static_cast<double>(d);
+inline double centred_var_f32(const float* xr, index_t d, double mu) {
     const float m = static_cast<float>(mu);
     const double shift = mu - static_cast<double>(m);
-    double var = sum_sq_dev_f32(xr, d, m) / static_cast<double>(d) - shift * shift;
-    if (!(var >= 0x1p-60 && var <= 0x1p100)) var = centred_var(xr, d, mu);
+    const double var = sum_sq_dev_f32(xr, d, m) / static_cast<double>(d) - shift * shift;
+    return var >= 0x1p-60 && var <= 0x1p100 ? var : centred_var(xr, d, mu);
+}
+#endif
+
+// Mean and two-pass variance of a LayerNorm row, given the row's sum; an exactly
+// constant row gets mean x[0] and variance 0 (see constant_row). kF32Var: pass 2 of a
+// float row in float (centred_var_f32; LayerNorm's forward only), where it is built.
+template <bool kF32Var = false, class T>
+std::pair<double, double> ln_mean_var(const T* xr, index_t d, double sum) {
+    const double mu = sum / static_cast<double>(d);
+    const double var = [&] {
+#ifdef PYENGINE_HAVE_F32_ROWS
+        if constexpr (kF32Var && std::is_same_v<T, float>) return centred_var_f32(xr, d, mu);
+#endif
+        return centred_var(xr, d, mu);
+    }();
     if (constant_row(xr, d, mu, var)) return {static_cast<double>(xr[0]), 0.0};
     return {mu, var};
 }
-#endif
 
 // Per-row statistics the dense Jacobians need: the centre (mu, or 0 for RMSNorm) and
 // 1/scale; computed in a first parallel pass so that the d x d writing can then be
@@ -210,17 +211,7 @@ std::int64_t layer_norm(const T* x, const T* gamma, const T* beta, double eps, i
         n, d, ln_first_pass(x, d), [=](index_t row, auto sums, auto* next) {
             const T* xr = x + row * d;
             T* o = out + row * d;
-#ifdef PYENGINE_HAVE_F32_ROWS
-            const auto stats = [&] {
-                if constexpr (std::is_same_v<T, float>) {
-                    return ln_mean_var(xr, d, sums.first, std::true_type{});
-                } else {
-                    return ln_mean_var(xr, d, sums.first);
-                }
-            }();
-#else
-            const auto stats = ln_mean_var(xr, d, sums.first);
-#endif
+            const auto stats = ln_mean_var<true>(xr, d, sums.first);
             double mu = stats.first;  // a plain local: the row writer captures it
             const double sq = stats.second + eps;
             double inv_s = 1.0 / std::sqrt(sq);

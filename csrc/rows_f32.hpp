@@ -9,8 +9,8 @@
 // float operations (FMA spelled out), so a value does not depend on the output's alignment.
 #pragma once
 
-#include <cmath>
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 
 #include "rows.hpp"

@@ -9,6 +9,7 @@ import pytest
 import pyengine as pe
 from pyengine.kernels import attention as pa
 import helpers
+from helpers import visible_mask as visible
 
 #: (rtol, atol relative to the scale of the result's terms), per dtype. float32 inputs are
 #: rounded first, which both sides share; the score gradient is the float64 result rounded
@@ -18,10 +19,6 @@ TOL = {np.float32: (2e-6, 2e-7), np.float64: (1e-12, 1e-13)}
 
 def assert_close(actual, desired, dtype, scale=None):
     helpers.assert_close(actual, desired, dtype, scale, TOL)
-
-
-def visible(tq, tk, offset):
-    return np.arange(tk)[None, :] <= np.arange(tq)[:, None] + (tk if offset is None else offset)
 
 
 def case(lead, tq, tk, dv, offset, dtype, seed=0, logit_scale=2.0):

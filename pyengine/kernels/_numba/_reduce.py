@@ -202,6 +202,24 @@ def _sum_pair_gu(x, g, u, acc):
 
 
 @inline
+def _sum_sq_rest(x, c, a, start):
+    """The end of :func:`_sum_sq` and :func:`_sum_sq_f32`: the whole blocks of ``LANES`` from
+    block ``start`` on added into the float64 lanes ``a``, the lanes folded, the
+    ``d % LANES`` leftover values added last; returns sum((x - c)^2) of the row."""
+    d = x.size
+    for j in range(start, d // LANES):
+        o = j * LANES
+        for k in range(LANES):
+            t0 = _f64(x[o + k]) - c
+            a[k] += t0 * t0
+    s = _fold(a)
+    for i in range(d - d % LANES, d):
+        t0 = _f64(x[i]) - c
+        s += t0 * t0
+    return s
+
+
+@inline
 def _sum_sq(x, c, acc):
     """sum((x - c)^2) in float64. x : (d,); c : float (mu, or 0 for RMSNorm)."""
     d = x.size
@@ -216,16 +234,7 @@ def _sum_sq(x, c, acc):
             t2 = _f64(x[o + 2 * LANES + k]) - c
             t3 = _f64(x[o + 3 * LANES + k]) - c
             a[k] += (t0 * t0 + t1 * t1) + (t2 * t2 + t3 * t3)
-    for j in range(4 * nq, d // LANES):
-        o = j * LANES
-        for k in range(LANES):
-            t0 = _f64(x[o + k]) - c
-            a[k] += t0 * t0
-    s = _fold(a)
-    for i in range(d - d % LANES, d):
-        t0 = _f64(x[i]) - c
-        s += t0 * t0
-    return s
+    return _sum_sq_rest(x, c, a, 4 * nq)
 
 
 @inline
@@ -249,17 +258,7 @@ def _sum_sq_f32(x, m, acc):
             t2 = x[o + 2 * LANES + k] - m
             t3 = x[o + 3 * LANES + k] - m
             a[k] += _f64((t0 * t0 + t1 * t1) + (t2 * t2 + t3 * t3))
-    c = _f64(m)
-    for j in range(4 * nq, d // LANES):
-        o = j * LANES
-        for k in range(LANES):
-            t0 = _f64(x[o + k]) - c
-            a[k] += t0 * t0
-    s = _fold(a)
-    for i in range(d - d % LANES, d):
-        t0 = _f64(x[i]) - c
-        s += t0 * t0
-    return s
+    return _sum_sq_rest(x, _f64(m), a, 4 * nq)
 
 
 @inline

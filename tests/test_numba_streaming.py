@@ -133,3 +133,134 @@ def test_streamed_jacobian_equals_plain(nb, kernel, dtype, frozen, offset):
             np.testing.assert_array_equal(out[r], one[0])
     np.testing.assert_array_equal(x, keep[0])
     np.testing.assert_array_equal(gamma, keep[1])
+
+
+# --------------------------------------------------------------------------- #
+# The norm kernels' long rows: _jit.stream_span and layernorm._stream_rows.
+# --------------------------------------------------------------------------- #
+
+
+@pytest.fixture(scope="module")
+def span():
+    """A jitted caller of stream_span (with the fence) and the plain copy it must equal."""
+    require("numba")
+    import numba
+
+    from pyengine.kernels._numba import _jit
+
+    @numba.njit
+    def streamed(dst, src, o, m):
+        _jit.stream_span(dst, src, o, m)
+        _jit.store_fence()
+
+    return streamed
+
+
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+@pytest.mark.parametrize("offset", [0, 1, 2, 3, 4, 5])
+@pytest.mark.parametrize("o, m", [(0, 0), (0, 1), (0, 7), (0, 64), (3, 61), (5, 200), (64, 64), (190, 50),
+                                  (-4, 10), (0, 10**6), (250, 10)])
+def test_stream_span_copies_exactly_the_span(span, dtype, offset, o, m):
+    """dst[o:o+m] = src[o:o+m] bit for bit (NaN, -0, subnormals, random bits), the span [o, o + m)
+    cut to the arrays, whatever dst's alignment; nothing else of dst, and nothing of src, changes."""
+    n = 200
+    rng = np.random.default_rng(offset * 1000 + m)
+    uint = np.uint64 if dtype == np.float64 else np.uint32
+    src = rng.integers(0, np.iinfo(uint).max, n, dtype=uint, endpoint=True).view(dtype)  # any bits, NaNs too
+    src[:4] = [np.nan, -0.0, np.finfo(dtype).smallest_subnormal, np.inf]
+    keep = src.copy()
+    store = np.full(n + offset + 3, 7.0, dtype)
+    dst = store[offset : offset + n]
+    span(dst, src, o, m)
+    lo, hi = min(max(o, 0), n), min(max(o + m, 0), n)
+    want = np.full(n, 7.0, dtype)
+    want[lo:hi] = src[lo:hi]
+    np.testing.assert_array_equal(dst.view(np.uint8), want.view(np.uint8))
+    assert (store[:offset] == 7.0).all() and (store[offset + n :] == 7.0).all()
+    np.testing.assert_array_equal(src.view(np.uint8), keep.view(np.uint8))
+
+
+def test_stream_span_refuses_strided_or_mixed_arrays(span):
+    import numba
+
+    if numba.config.DISABLE_JIT:
+        pytest.skip("typing is compiled-mode only")
+    src = np.arange(40, dtype=np.float32)
+    with pytest.raises(numba.core.errors.TypingError):
+        span(np.zeros(40, np.float32)[::2], src[::2], 0, 20)
+    with pytest.raises(numba.core.errors.TypingError):
+        span(np.zeros(40, np.float64), src, 0, 40)  # one dtype for both
+
+
+def test_stream_rows_rule(nb):
+    """Streamed: >= STREAM_MIN_BYTES in all, rows >= STREAM_ROW_MIN_BYTES, rows on 16-byte
+    boundaries. Not: small outputs, short rows (d = 768), rows off 16-byte boundaries."""
+    layernorm = nb[0]
+    rule = layernorm._stream_rows
+    assert layernorm.STREAM_ROW_MIN_BYTES == 8 << 10 and layernorm.STREAM_MIN_BYTES == 16 << 20
+
+    def aligned(n, d, dtype, shift=0):
+        item = np.dtype(dtype).itemsize
+        raw = np.empty(n * d + 64, dtype)
+        start = (-raw.ctypes.data % 64) // item + shift
+        return raw[start : start + n * d].reshape(n, d)
+
+    assert rule(aligned(2048, 4096, np.float32))  # 32 MiB, 16 KiB rows
+    assert rule(aligned(2048, 2048, np.float32))  # exactly 16 MiB, 8 KiB rows
+    assert rule(aligned(2048, 1024, np.float64))
+    assert rule(aligned(2048, 2048, np.float32, shift=4))  # 16 bytes past a line
+    assert not rule(aligned(2047, 2048, np.float32))  # just under 16 MiB
+    assert not rule(aligned(8192, 768, np.float32))  # 24 MiB of 3 KiB rows
+    assert not rule(aligned(4096, 2047, np.float32))  # 8188-byte rows
+    assert not rule(aligned(2048, 2048, np.float32, shift=1))  # rows 4 bytes past 16
+    assert not rule(aligned(2048, 2049, np.float32))  # rows that drift off 16 bytes
+
+
+_NORM_ARGS = {
+    "layer_norm": lambda x, t, g, b: (x, g, b, 1e-5),
+    "layer_norm_jvp": lambda x, t, g, b: (x, t, g, 1e-5, False),
+    "layer_norm_vjp": lambda x, t, g, b: (x, t, g, 1e-5, False),
+    "rms_norm": lambda x, t, g, b: (x, g, 1e-5),
+    "rms_norm_jvp": lambda x, t, g, b: (x, t, g, 1e-5, False),
+    "rms_norm_vjp": lambda x, t, g, b: (x, t, g, 1e-5, False),
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(_NORM_ARGS))
+@pytest.mark.parametrize("dtype, d", [(np.float32, 2052), (np.float64, 1024)], ids=["float32", "float64"])
+@pytest.mark.parametrize("shift", [0, 4, 1], ids=["line", "16B", "4B"])
+def test_streamed_norm_rows_equal_plain(nb, kernel, dtype, d, shift):
+    """A norm kernel's output streamed (16 MiB or more, long rows) equals, bit for bit, what the
+    same kernel writes with plain stores on slices of a few rows (its rows are independent);
+    an output whose rows are off 16-byte boundaries (shift 1) takes the plain path and agrees
+    too. The float32 rows include the d % 64 tail (d = 2052), a row whose mean takes
+    LayerNorm's float64 writing pass, and a bad row, counted on both paths."""
+    layernorm = nb[0]
+    fn = resolve(kernel, "numba")
+    item = np.dtype(dtype).itemsize
+    n = -(-layernorm.STREAM_MIN_BYTES // (item * d))
+    rng = np.random.default_rng(11)
+    x = (1.0 + rng.standard_normal((n, d))).astype(dtype)
+    t = rng.standard_normal((n, d)).astype(dtype)
+    x[5] += 2.0**110  # LayerNorm: mu beyond 2^100, the float64 writing pass (float32 rows)
+    x[9, 3] = np.nan
+    g = rng.uniform(0.5, 1.5, d).astype(dtype)
+    b = rng.standard_normal(d).astype(dtype)
+    keep = [a.copy() for a in (x, t, g, b)]
+    raw = np.full(n * d + 64, 7.0, dtype)
+    start = (-raw.ctypes.data % 64) // item + shift
+    out = raw[start : start + n * d].reshape(n, d)
+    assert bool(layernorm._stream_rows(out)) == (shift != 1)
+    bad = fn(*_NORM_ARGS[kernel](x, t, g, b), out)
+    assert bad == 1
+    assert (raw[:start] == 7.0).all() and (raw[start + n * d :] == 7.0).all()
+    step = 256  # 256 rows: 2 MiB, plain stores
+    total = 0
+    for r in range(0, n, step):
+        part = np.empty((min(step, n - r), d), dtype)
+        total += fn(*_NORM_ARGS[kernel](x[r : r + step], t[r : r + step], g, b), part)
+        rows = np.arange(r, r + part.shape[0]) != 9
+        np.testing.assert_array_equal(out[r : r + step][rows], part[rows])
+    assert total == 1
+    for a, k in zip((x, t, g, b), keep):
+        np.testing.assert_array_equal(a, k)

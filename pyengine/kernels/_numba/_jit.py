@@ -8,9 +8,10 @@ the types it gets (float32 or float64 arrays, which the public layer guarantees)
 and then cached on disk (``cache=True``), so ``import pyengine`` never compiles.
 Also here: the low-level memory primitives the kernels share, :func:`prefetch` and
 :func:`prefetch_write` (hints the norm kernels issue ahead of their rows), and
-:func:`stream_affine` with :func:`store_fence` (non-temporal stores, as the C++ kernels'
-``_mm512_stream_ps``), used where an output is far larger than any cache: the dense
-Jacobians (:func:`.layernorm._dense_jacobian`).
+:func:`stream_affine` and :func:`stream_span` with :func:`store_fence` (non-temporal stores,
+as the C++ kernels' ``_mm512_stream_ps`` and ``_mm_stream_ps``), used where an output is far
+larger than any cache: the dense Jacobians (:func:`.layernorm._dense_jacobian`) and the norm
+kernels' long rows (``layernorm.STREAM_ROW_MIN_BYTES``).
 """
 
 from __future__ import annotations
@@ -38,6 +39,7 @@ __all__ = [
     "prefetch_write",
     "store_fence",
     "stream_affine",
+    "stream_span",
 ]
 
 #: No fast-math, not even per flag (the one exception is :data:`CONTRACT`). Bad-row detection tests the row statistics
@@ -169,6 +171,21 @@ if numba.config.DISABLE_JIT:  # pragma: no cover - an intrinsic cannot run as Py
         """No-op stand-in for the ``prefetch_write`` intrinsic under ``NUMBA_DISABLE_JIT``."""
 
 
+def _vector_span(builder, intp, dp, n, size, width_bytes):
+    """(head, nvec, vend) of the ``n`` elements of ``size`` bytes at ``dp``: the elements before
+    the first ``width_bytes`` boundary (all of them when ``dp`` is not aligned to its element
+    size), the whole vectors of ``width_bytes`` after them, and where those end."""
+    k = functools.partial(ir.Constant, intp)
+    addr = builder.ptrtoint(dp, intp)
+    head = builder.udiv(builder.and_(builder.sub(k(width_bytes), builder.and_(addr, k(width_bytes - 1))),
+                                     k(width_bytes - 1)), k(size))
+    misaligned = builder.icmp_unsigned("!=", builder.and_(addr, k(size - 1)), k(0))
+    head = builder.select(builder.or_(misaligned, builder.icmp_signed(">", head, n)), n, head)
+    width = width_bytes // size
+    nvec = builder.udiv(builder.sub(n, head), k(width))
+    return head, nvec, builder.add(head, builder.mul(nvec, k(width)))
+
+
 @intrinsic
 def stream_affine(typingctx, dst, src, a, b, c):
     """``stream_affine(dst, src, a, b, c)``: ``dst[j] = a * (b - c * src[j])`` with non-temporal stores.
@@ -207,13 +224,7 @@ def stream_affine(typingctx, dst, src, a, b, c):
         dp, sp = da.data, sa.data
         n = builder.extract_value(da.shape, 0)
         k = functools.partial(ir.Constant, intp)
-        # Elements before dst's first 64-byte boundary; all of them if dst is not element-aligned.
-        addr = builder.ptrtoint(dp, intp)
-        head = builder.udiv(builder.and_(builder.sub(k(64), builder.and_(addr, k(63))), k(63)), k(size))
-        misaligned = builder.icmp_unsigned("!=", builder.and_(addr, k(size - 1)), k(0))
-        head = builder.select(builder.or_(misaligned, builder.icmp_signed(">", head, n)), n, head)
-        nvec = builder.udiv(builder.sub(n, head), k(width))
-        vend = builder.add(head, builder.mul(nvec, k(width)))
+        head, nvec, vend = _vector_span(builder, intp, dp, n, size, 64)
         nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
 
         def value(x, a_, b_, c_):  # a * (b - c * x), then the cast to dst's dtype
@@ -244,6 +255,70 @@ def stream_affine(typingctx, dst, src, a, b, c):
     return types.none(dst, src, a, b, c), codegen
 
 
+@intrinsic
+def stream_span(typingctx, dst, src, o, m):
+    """``stream_span(dst, src, o, m)``: ``dst[o:o+m] = src[o:o+m]`` with non-temporal stores.
+
+    dst, src : 1-D contiguous arrays of one dtype (float32 or float64); o, m : integers; the
+    span [o, o + m) is cut to both arrays (nothing is written outside them). The span is written with
+    16-byte vector stores marked ``!nontemporal`` (``movntps``, as the C++ kernels'
+    ``_mm_stream_ps``) from its first 16-byte boundary on, plain stores before it and after
+    the last whole 16 bytes (all of a ``dst`` not aligned to its element size). The values
+    are copied bit for bit. A writing loop computes a block of its row into a scratch in L1
+    and streams it out right away (``layernorm._stream_block``): Numba emits no streaming
+    store from a loop. 16-byte stores, not 64-byte ones, so that a row that starts 16 bytes
+    past a cache line (as NumPy's large arrays do) streams its partial first and last lines
+    too: with plain stores there, the shared line cost a flush per row. The stores are
+    weakly ordered: the thread must call :func:`store_fence` before the kernel returns.
+    """
+    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == 1 and src.ndim == 1
+            and dst.layout == "C" and src.layout == "C" and dst.dtype == src.dtype
+            and dst.dtype in (types.float32, types.float64)
+            and isinstance(o, types.Integer) and isinstance(m, types.Integer)):
+        return None
+
+    def codegen(context, builder, sig, args):
+        dty, sty = sig.args[:2]
+        da = context.make_array(dty)(context, builder, args[0])
+        sa = context.make_array(sty)(context, builder, args[1])
+        intp = context.get_value_type(types.intp)
+        k = functools.partial(ir.Constant, intp)
+
+        def clip(v, lo, hi):
+            v = builder.select(builder.icmp_signed("<", v, lo), lo, v)
+            return builder.select(builder.icmp_signed(">", v, hi), hi, v)
+
+        size_d = builder.extract_value(da.shape, 0)
+        size_s = builder.extract_value(sa.shape, 0)
+        limit = builder.select(builder.icmp_signed("<", size_d, size_s), size_d, size_s)
+        first = context.cast(builder, args[2], sig.args[2], types.intp)
+        start = clip(first, k(0), limit)  # [o, o + m) cut to [0, limit)
+        stop = clip(builder.add(first, context.cast(builder, args[3], sig.args[3], types.intp)), start, limit)
+        n = builder.sub(stop, start)
+        elt = context.get_data_type(dty.dtype)
+        size = context.get_abi_sizeof(elt)
+        width = 16 // size
+        vec = ir.VectorType(elt, width)
+        dp, sp = builder.gep(da.data, [start]), builder.gep(sa.data, [start])
+        head, nvec, vend = _vector_span(builder, intp, dp, n, size, 16)
+        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
+
+        def plain(lo, hi):
+            with cgutils.for_range_slice(builder, lo, hi, k(1), intp) as (i, _):
+                builder.store(builder.load(builder.gep(sp, [i])), builder.gep(dp, [i]))
+
+        plain(k(0), head)
+        with cgutils.for_range(builder, nvec, intp=intp) as loop:
+            i = builder.add(head, builder.mul(loop.index, k(width)))
+            v = builder.load(builder.bitcast(builder.gep(sp, [i]), vec.as_pointer()), align=size)
+            st = builder.store(v, builder.bitcast(builder.gep(dp, [i]), vec.as_pointer()), align=16)
+            st.set_metadata("nontemporal", nontemporal)
+        plain(vend, n)
+        return context.get_dummy_value()
+
+    return types.none(dst, src, o, m), codegen
+
+
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
@@ -272,6 +347,12 @@ if numba.config.DISABLE_JIT:  # pragma: no cover - intrinsics cannot run as Pyth
     def stream_affine(dst, src, a, b, c):  # noqa: F811
         """Plain-store stand-in for the ``stream_affine`` intrinsic under ``NUMBA_DISABLE_JIT``."""
         dst[:] = a * (b - c * src)
+
+    def stream_span(dst, src, o, m):  # noqa: F811
+        """Plain-copy stand-in for the ``stream_span`` intrinsic under ``NUMBA_DISABLE_JIT``."""
+        lo = min(max(o, 0), dst.size, src.size)
+        hi = min(max(o + m, lo), dst.size, src.size)
+        dst[lo:hi] = src[lo:hi]
 
     def store_fence():  # noqa: F811
         """No-op stand-in for the ``store_fence`` intrinsic under ``NUMBA_DISABLE_JIT``."""

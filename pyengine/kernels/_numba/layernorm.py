@@ -44,11 +44,12 @@ ns with the calls and 304 without (C++ about 210); ``layer_norm`` at (2048, 768)
 kernel gave nothing and stays a call.
 The batch kernels share the rows out in ``_CHUNKS`` chunks of contiguous rows, so the
 row a core prefetches is almost always its own thread's next one. Outputs are written with
-plain stores (except the dense Jacobians', see :func:`_dense_jacobian`). A streamed variant (each row computed into a per-thread buffer and copied out
-with non-temporal stores, as the C++ kernels' ``_mm512_stream_ps``) was removed after a
-measurement with the threshold set before compilation (Numba freezes module globals): it
-was slower everywhere on a 2-core AVX-512 host, 1.36-1.64x of C++ without it against
-1.91-2.67x with it at (8192, 768) float32, and no better at (2048, 4096) or (8192, 4096).
+plain stores, except the dense Jacobians' (see :func:`_dense_jacobian`) and the long rows of
+large outputs (:data:`STREAM_ROW_MIN_BYTES`): those are computed a block at a time into the
+thread's scratch row and streamed out at once (:func:`_stream_block`). An earlier streamed
+variant sent each row out whole after its writing pass, for every large output: it was slower
+everywhere, 1.36-1.64x of C++ without it against 1.91-2.67x with it at (8192, 768) float32,
+and no better at (2048, 4096) or (8192, 4096).
 """
 
 from __future__ import annotations
@@ -57,7 +58,7 @@ import numpy as np
 from numba import prange
 
 from ...backends import register
-from ._jit import inline, jit, pjit, prefetch, prefetch_write, store_fence, stream_affine
+from ._jit import inline, jit, pjit, prefetch, prefetch_write, store_fence, stream_affine, stream_span
 from ._reduce import (
     LANES,
     _f64,
@@ -170,6 +171,13 @@ _CHUNKS = 256
 #: cache (a second output array in the loop).
 _WRITE_AHEAD = 2048
 
+#: Jacobians of at least this many bytes are written with non-temporal stores (the C++
+#: kernels' ``kStreamMinBytes``, ``csrc/rows.hpp``): a (n, d, d) output cannot stay in any
+#: cache, and a plain store first reads its line (read-for-ownership), half again the
+#: memory traffic of the write. Smaller outputs stay in cache for the caller. The norm
+#: kernels' rows also need :data:`STREAM_ROW_MIN_BYTES`.
+STREAM_MIN_BYTES = 16 << 20
+
 
 @inline
 def _prefetch_block(a, o):
@@ -180,13 +188,15 @@ def _prefetch_block(a, o):
 
 
 @inline
-def _prefetch_out(out, o):
+def _prefetch_out(out, o, buf):
     """Prefetch for writing the block of ``out`` :data:`_WRITE_AHEAD` bytes past ``out[o]``,
-    if it lies inside the row (:func:`_prefetch_out_head` asks for a row's first bytes)."""
-    a = o + _WRITE_AHEAD // out.itemsize
-    if a + _BLOCK <= out.size:
-        for k in range(0, _BLOCK, _LINE // out.itemsize):
-            prefetch_write(out, a + k)
+    if it lies inside the row (:func:`_prefetch_out_head` asks for a row's first bytes);
+    nothing when the row is streamed (``buf`` given, see :func:`_stream_block`)."""
+    if buf is None:
+        a = o + _WRITE_AHEAD // out.itemsize
+        if a + _BLOCK <= out.size:
+            for k in range(0, _BLOCK, _LINE // out.itemsize):
+                prefetch_write(out, a + k)
 
 
 @inline
@@ -207,42 +217,92 @@ def _prefetch_row_ahead(outf, o, m):
 
 
 @inline
-def _prefetch_out_head(out):
+def _prefetch_out_head(out, buf):
     """Prefetch for writing the first :data:`_WRITE_AHEAD` bytes of ``out``, before the row's
-    statistics, so they arrive while the sums run."""
-    for k in range(0, min(_WRITE_AHEAD // out.itemsize, out.size), _LINE // out.itemsize):
-        prefetch_write(out, k)
+    statistics, so they arrive while the sums run; nothing when the row is streamed."""
+    if buf is None:
+        for k in range(0, min(_WRITE_AHEAD // out.itemsize, out.size), _LINE // out.itemsize):
+            prefetch_write(out, k)
+
+
+# --------------------------------------------------------------------------- #
+# Long rows of large outputs are streamed out.
+# --------------------------------------------------------------------------- #
+
+#: Rows of at least this many bytes, in outputs of at least :data:`STREAM_MIN_BYTES`, are
+#: written with non-temporal stores (:func:`_stream_rows`); shorter rows with plain stores and
+#: the write prefetch (:data:`_WRITE_AHEAD`). A plain store first reads its line, so a norm
+#: kernel writing to memory moves 4 bytes for every 3 it needs. Streamed, the writing pass
+#: computes each block of ``_BLOCK`` values into the thread's scratch row (in L1) and sends it
+#: out at once (:func:`._jit.stream_span`), so the stores stay spread over the pass as in the
+#: C++ kernels (rows sent out whole after their pass were slower than plain stores). On Zen 4,
+#: 2 threads, ``pyengine bench --compare-rev`` (interleaved, new / old time) at (2048, 4096):
+#: ``layer_norm`` 0.70-0.85 (float32) and 0.82-0.84 (float64), ``rms_norm`` 0.78-0.92 and
+#: 0.77-0.82, their JVPs and VJPs 0.87-0.95 (LayerNorm's float32 JVP and VJP 0.91-1.04). Rows of
+#: d = 768 float32 (3 KiB) lost, streamed, even in an output twice the last-level cache
+#: (``rms_norm`` (16384, 768) 3.1 -> 4.3 ms, (8192, 768) 1.45 -> 2.17 ms, whose 24 MiB the
+#: plain stores leave in the 32 MiB L3; scratch tests, medians of interleaved calls), and
+#: streaming stores alone filled rows of 3 and 4 KiB slower than plain ones (26-49 against
+#: 33-66 GB/s); 8 KiB rows ((4096, 2048)) came out between 2 % slower and 24 % faster in
+#: three runs. Why short rows lose was not found.
+STREAM_ROW_MIN_BYTES = 8 << 10
+
+
+@jit
+def _stream_rows(out):
+    """Whether a norm kernel streams the rows of ``out`` (n, d): at least
+    :data:`STREAM_MIN_BYTES` in all, rows of at least :data:`STREAM_ROW_MIN_BYTES`, and every
+    row starting on a 16-byte boundary (:func:`._jit.stream_span` writes 16 bytes at a time;
+    a row's partial first and last lines then come whole from two streamed rows)."""
+    row = out.shape[1] * out.itemsize
+    return (out.size * out.itemsize >= STREAM_MIN_BYTES and row >= STREAM_ROW_MIN_BYTES and row % 16 == 0
+            and out.ctypes.data % 16 == 0)
+
+
+@inline
+def _stream_block(out, buf, o, m):
+    """Send out[o : o + m] from the scratch row ``buf`` with streaming stores; nothing when
+    ``buf`` is None (the row was written to ``out`` directly). The cores write into
+    ``w = out if buf is None else buf``; Numba compiles each core once for ``buf`` None and
+    once for an array, each with only its own branch (a runtime flag in the row loop made the
+    plain rows 5-10 % slower)."""
+    if buf is not None:
+        stream_span(out, buf, o, m)
 
 
 # --------------------------------------------------------------------------- #
 # Per-token cores. x, v, u, out : (d,); gamma, beta : (d,); acc : (2, LANES).
 # x_next (and v_next / u_next): the row(s) of the next token, prefetched while
-# this one is written; pass the row itself when there is none. The output row is
-# prefetched for writing (_prefetch_out_head, _prefetch_out).
+# this one is written; pass the row itself when there is none. buf: None (the row is
+# written to out, its lines prefetched for writing: _prefetch_out_head, _prefetch_out),
+# or the thread's scratch row (d,) through which it is streamed (_stream_block).
 # Each returns True for a bad row (its output is then unspecified).
 # --------------------------------------------------------------------------- #
 
 
 @jit
-def _layer_norm_row(x, gamma, beta, eps, out, acc, x_next):
+def _layer_norm_row(x, gamma, beta, eps, out, acc, x_next, buf):
     """out = gamma * (x - mu) / s + beta."""
     d = x.size
-    _prefetch_out_head(out)
+    _prefetch_out_head(out, buf)
     mu, s, bad = _ln_stats(x, eps, acc, True)
     inv = 1.0 / s
     if out.itemsize == 4 and _f32_pass_ok(mu, inv):
-        _layer_norm_write_f32(x, gamma, beta, mu, inv, out, x_next)
+        _layer_norm_write_f32(x, gamma, beta, mu, inv, out, x_next, buf)
         return bad
+    w = out if buf is None else buf
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
-        _prefetch_out(out, o)
+        _prefetch_out(out, o, buf)
         for k in range(_BLOCK):
             i = o + k
-            out[i] = _f64(gamma[i]) * ((_f64(x[i]) - mu) * inv) + _f64(beta[i])
+            w[i] = _f64(gamma[i]) * ((_f64(x[i]) - mu) * inv) + _f64(beta[i])
+        _stream_block(out, buf, o, _BLOCK)
     for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
-        out[i] = _f64(gamma[i]) * ((_f64(x[i]) - mu) * inv) + _f64(beta[i])
+        w[i] = _f64(gamma[i]) * ((_f64(x[i]) - mu) * inv) + _f64(beta[i])
+    _stream_block(out, buf, nb * _BLOCK, d - nb * _BLOCK)
     return bad
 
 
@@ -254,7 +314,7 @@ def _f32_pass_ok(mu, inv):
 
 
 @inline
-def _layer_norm_write_f32(x, gamma, beta, mu, inv, out, x_next):
+def _layer_norm_write_f32(x, gamma, beta, mu, inv, out, x_next, buf):
     """The writing pass of a float32 row in float32 (the C++ kernel's ``write_row_f32``).
 
     gamma * (((x - mu_hi) - mu_lo) * inv) + beta with mu = mu_hi + mu_lo to about 2^-48
@@ -268,23 +328,26 @@ def _layer_norm_write_f32(x, gamma, beta, mu, inv, out, x_next):
     mh = np.float32(mu)
     ml = np.float32(mu - _f64(mh))
     fi = np.float32(inv)
+    w = out if buf is None else buf
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
-        _prefetch_out(out, o)
+        _prefetch_out(out, o, buf)
         for k in range(_BLOCK):
             i = o + k
-            out[i] = gamma[i] * (((x[i] - mh) - ml) * fi) + beta[i]
+            w[i] = gamma[i] * (((x[i] - mh) - ml) * fi) + beta[i]
+        _stream_block(out, buf, o, _BLOCK)
     for i in range(nb * _BLOCK, d):
-        out[i] = gamma[i] * (((x[i] - mh) - ml) * fi) + beta[i]
+        w[i] = gamma[i] * (((x[i] - mh) - ml) * fi) + beta[i]
+    _stream_block(out, buf, nb * _BLOCK, d - nb * _BLOCK)
 
 
 @jit
-def _layer_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next):
+def _layer_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next, buf):
     """out = gamma/s * (v - mean v - xh mean(xh v)); frozen drops the xh term."""
     d = x.size
-    _prefetch_out_head(out)
+    _prefetch_out_head(out, buf)
     sx, sv = _sum_pair(x, v, acc)
     mu = sx / d
     mv = sv / d
@@ -302,27 +365,30 @@ def _layer_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next):
     else:  # a row of extreme magnitude: its statistics, rescaled
         mu, s, m2, bad = _ln_slow(x, eps, v, gamma, False, not frozen)
         inv = 1.0 / s
+    w = out if buf is None else buf
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
         _prefetch_block(v_next, o)
-        _prefetch_out(out, o)
+        _prefetch_out(out, o, buf)
         for k in range(_BLOCK):
             i = o + k
             xh = (_f64(x[i]) - mu) * inv
-            out[i] = _f64(gamma[i]) * (((_f64(v[i]) - mv) - xh * m2) * inv)
+            w[i] = _f64(gamma[i]) * (((_f64(v[i]) - mv) - xh * m2) * inv)
+        _stream_block(out, buf, o, _BLOCK)
     for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
         xh = (_f64(x[i]) - mu) * inv
-        out[i] = _f64(gamma[i]) * (((_f64(v[i]) - mv) - xh * m2) * inv)
+        w[i] = _f64(gamma[i]) * (((_f64(v[i]) - mv) - xh * m2) * inv)
+    _stream_block(out, buf, nb * _BLOCK, d - nb * _BLOCK)
     return bad or not (np.isfinite(mu) and np.isfinite(mv) and np.isfinite(m2))
 
 
 @jit
-def _layer_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
+def _layer_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next, buf):
     """out = (g - mean g - xh mean(xh g)) / s with g = gamma * u; frozen drops the xh term."""
     d = x.size
-    _prefetch_out_head(out)
+    _prefetch_out_head(out, buf)
     sx, sg = _sum_pair_gu(x, gamma, u, acc)
     mu = sx / d
     mg = sg / d
@@ -340,27 +406,23 @@ def _layer_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
     else:  # a row of extreme magnitude: its statistics, rescaled
         mu, s, m2, bad = _ln_slow(x, eps, u, gamma, True, not frozen)
         inv = 1.0 / s
+    w = out if buf is None else buf
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
         _prefetch_block(u_next, o)
-        _prefetch_out(out, o)
+        _prefetch_out(out, o, buf)
         for k in range(_BLOCK):
             i = o + k
             xh = (_f64(x[i]) - mu) * inv
-            out[i] = ((_f64(gamma[i]) * _f64(u[i]) - mg) - xh * m2) * inv
+            w[i] = ((_f64(gamma[i]) * _f64(u[i]) - mg) - xh * m2) * inv
+        _stream_block(out, buf, o, _BLOCK)
     for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
         xh = (_f64(x[i]) - mu) * inv
-        out[i] = ((_f64(gamma[i]) * _f64(u[i]) - mg) - xh * m2) * inv
+        w[i] = ((_f64(gamma[i]) * _f64(u[i]) - mg) - xh * m2) * inv
+    _stream_block(out, buf, nb * _BLOCK, d - nb * _BLOCK)
     return bad or not (np.isfinite(mu) and np.isfinite(mg) and np.isfinite(m2))
-
-
-#: Jacobians of at least this many bytes are written with non-temporal stores (the C++
-#: kernels' ``kStreamMinBytes``, ``csrc/rows.hpp``): a (n, d, d) output cannot stay in any
-#: cache, and a plain store first reads its line (read-for-ownership), half again the
-#: memory traffic of the write. Smaller outputs stay in cache for the caller.
-STREAM_MIN_BYTES = 16 << 20
 
 
 @jit
@@ -425,12 +487,22 @@ def layer_norm(x, gamma, beta, eps, out):
     n = x.shape[0]
     nbad = 0
     nc = min(n, _CHUNKS)
+    stream = _stream_rows(out)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        for r in range(c * n // nc, (c + 1) * n // nc):
-            nx = min(r + 1, n - 1)
-            if _layer_norm_row(x[r], gamma, beta, eps, out[r], acc, x[nx]):
-                nbad += 1
+        rows = range(c * n // nc, (c + 1) * n // nc)
+        if stream:
+            buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
+            for r in rows:
+                nx = min(r + 1, n - 1)
+                if _layer_norm_row(x[r], gamma, beta, eps, out[r], acc, x[nx], buf):
+                    nbad += 1
+            store_fence()
+        else:
+            for r in rows:
+                nx = min(r + 1, n - 1)
+                if _layer_norm_row(x[r], gamma, beta, eps, out[r], acc, x[nx], None):
+                    nbad += 1
     return nbad
 
 
@@ -441,12 +513,22 @@ def layer_norm_jvp(x, v, gamma, eps, frozen, out):
     n = x.shape[0]
     nbad = 0
     nc = min(n, _CHUNKS)
+    stream = _stream_rows(out)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        for r in range(c * n // nc, (c + 1) * n // nc):
-            nx = min(r + 1, n - 1)
-            if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx]):
-                nbad += 1
+        rows = range(c * n // nc, (c + 1) * n // nc)
+        if stream:
+            buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
+            for r in rows:
+                nx = min(r + 1, n - 1)
+                if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx], buf):
+                    nbad += 1
+            store_fence()
+        else:
+            for r in rows:
+                nx = min(r + 1, n - 1)
+                if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx], None):
+                    nbad += 1
     return nbad
 
 
@@ -457,12 +539,22 @@ def layer_norm_vjp(x, u, gamma, eps, frozen, out):
     n = x.shape[0]
     nbad = 0
     nc = min(n, _CHUNKS)
+    stream = _stream_rows(out)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        for r in range(c * n // nc, (c + 1) * n // nc):
-            nx = min(r + 1, n - 1)
-            if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx]):
-                nbad += 1
+        rows = range(c * n // nc, (c + 1) * n // nc)
+        if stream:
+            buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
+            for r in rows:
+                nx = min(r + 1, n - 1)
+                if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx], buf):
+                    nbad += 1
+            store_fence()
+        else:
+            for r in rows:
+                nx = min(r + 1, n - 1)
+                if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx], None):
+                    nbad += 1
     return nbad
 
 

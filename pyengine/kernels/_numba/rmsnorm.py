@@ -5,7 +5,8 @@ the same layout as :mod:`.layernorm` (whose docstring explains it): a per-token 
 ``_<kernel id>_row``, run by the registered batch kernel under ``prange`` over chunks of
 rows only; reductions in float64 in ``LANES`` partial sums (:mod:`._reduce`), a single
 pass over the row for the sums (RMSNorm has centre 0), and the writing pass
-prefetching the next row in blocks of ``layernorm._BLOCK``. The dense Jacobian shares
+prefetching the next row in blocks of ``layernorm._BLOCK`` (and streaming long rows of large
+outputs, ``layernorm.STREAM_ROW_MIN_BYTES``). The dense Jacobian shares
 LayerNorm's writer (:func:`.layernorm._dense_jacobian`, centre 0).
 """
 
@@ -15,9 +16,18 @@ import numpy as np
 from numba import prange
 
 from ...backends import register
-from ._jit import inline, jit, pjit
+from ._jit import inline, jit, pjit, store_fence
 from ._reduce import LANES, _f64, _rms_slow, _safe, _scale, _sum_sq, _sum_sq_dot, _sum_sq_dot_gu
-from .layernorm import _BLOCK, _CHUNKS, _dense_jacobian, _prefetch_block, _prefetch_out, _prefetch_out_head
+from .layernorm import (
+    _BLOCK,
+    _CHUNKS,
+    _dense_jacobian,
+    _prefetch_block,
+    _prefetch_out,
+    _prefetch_out_head,
+    _stream_block,
+    _stream_rows,
+)
 
 __all__ = ["rms_norm", "rms_norm_jacobian", "rms_norm_jvp", "rms_norm_vjp"]
 
@@ -38,30 +48,33 @@ def _rms_scale(x, eps, acc):
 
 
 @jit
-def _rms_norm_row(x, gamma, eps, out, acc, x_next):
+def _rms_norm_row(x, gamma, eps, out, acc, x_next, buf):
     """out = gamma * x / r, r = sqrt(mean(x^2) + eps)."""
     d = x.size
-    _prefetch_out_head(out)
+    _prefetch_out_head(out, buf)
     r, bad = _rms_scale(x, eps, acc)
     inv = 1.0 / r
+    w = out if buf is None else buf
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
-        _prefetch_out(out, o)
+        _prefetch_out(out, o, buf)
         for k in range(_BLOCK):
             i = o + k
-            out[i] = _f64(gamma[i]) * (_f64(x[i]) * inv)
+            w[i] = _f64(gamma[i]) * (_f64(x[i]) * inv)
+        _stream_block(out, buf, o, _BLOCK)
     for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
-        out[i] = _f64(gamma[i]) * (_f64(x[i]) * inv)
+        w[i] = _f64(gamma[i]) * (_f64(x[i]) * inv)
+    _stream_block(out, buf, nb * _BLOCK, d - nb * _BLOCK)
     return bad
 
 
 @jit
-def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next):
+def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next, buf):
     """out = gamma/r * (v - x mean(x v)/r^2); frozen: gamma * v / r."""
     d = x.size
-    _prefetch_out_head(out)
+    _prefetch_out_head(out, buf)
     # sum(x v) is needed for frozen=True too: it is non-finite iff v has NaN/Inf.
     q, dot = _sum_sq_dot(x, 0.0, v, acc)
     if _safe(q / d, eps, 0.0):
@@ -72,25 +85,28 @@ def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next):
         r, c, bad = _rms_slow(x, eps, v, gamma, False, True)
         c = 0.0 if frozen else c
     inv = 1.0 / r
+    w = out if buf is None else buf
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
         _prefetch_block(v_next, o)
-        _prefetch_out(out, o)
+        _prefetch_out(out, o, buf)
         for k in range(_BLOCK):
             i = o + k
-            out[i] = _f64(gamma[i]) * ((_f64(v[i]) - _f64(x[i]) * c) * inv)
+            w[i] = _f64(gamma[i]) * ((_f64(v[i]) - _f64(x[i]) * c) * inv)
+        _stream_block(out, buf, o, _BLOCK)
     for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
-        out[i] = _f64(gamma[i]) * ((_f64(v[i]) - _f64(x[i]) * c) * inv)
+        w[i] = _f64(gamma[i]) * ((_f64(v[i]) - _f64(x[i]) * c) * inv)
+    _stream_block(out, buf, nb * _BLOCK, d - nb * _BLOCK)
     return bad
 
 
 @jit
-def _rms_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
+def _rms_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next, buf):
     """out = (g - x mean(x g)/r^2) / r with g = gamma * u; frozen: g / r."""
     d = x.size
-    _prefetch_out_head(out)
+    _prefetch_out_head(out, buf)
     q, dot = _sum_sq_dot_gu(x, 0.0, gamma, u, acc)
     if _safe(q / d, eps, 0.0):
         r, bad = _scale(q / d, eps)
@@ -100,17 +116,20 @@ def _rms_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next):
         r, c, bad = _rms_slow(x, eps, u, gamma, True, True)
         c = 0.0 if frozen else c
     inv = 1.0 / r
+    w = out if buf is None else buf
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
         _prefetch_block(u_next, o)
-        _prefetch_out(out, o)
+        _prefetch_out(out, o, buf)
         for k in range(_BLOCK):
             i = o + k
-            out[i] = (_f64(gamma[i]) * _f64(u[i]) - _f64(x[i]) * c) * inv
+            w[i] = (_f64(gamma[i]) * _f64(u[i]) - _f64(x[i]) * c) * inv
+        _stream_block(out, buf, o, _BLOCK)
     for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
-        out[i] = (_f64(gamma[i]) * _f64(u[i]) - _f64(x[i]) * c) * inv
+        w[i] = (_f64(gamma[i]) * _f64(u[i]) - _f64(x[i]) * c) * inv
+    _stream_block(out, buf, nb * _BLOCK, d - nb * _BLOCK)
     return bad
 
 
@@ -127,12 +146,22 @@ def rms_norm(x, gamma, eps, out):
     n = x.shape[0]
     nbad = 0
     nc = min(n, _CHUNKS)
+    stream = _stream_rows(out)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        for r in range(c * n // nc, (c + 1) * n // nc):
-            nx = min(r + 1, n - 1)
-            if _rms_norm_row(x[r], gamma, eps, out[r], acc, x[nx]):
-                nbad += 1
+        rows = range(c * n // nc, (c + 1) * n // nc)
+        if stream:
+            buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
+            for r in rows:
+                nx = min(r + 1, n - 1)
+                if _rms_norm_row(x[r], gamma, eps, out[r], acc, x[nx], buf):
+                    nbad += 1
+            store_fence()
+        else:
+            for r in rows:
+                nx = min(r + 1, n - 1)
+                if _rms_norm_row(x[r], gamma, eps, out[r], acc, x[nx], None):
+                    nbad += 1
     return nbad
 
 
@@ -143,12 +172,22 @@ def rms_norm_jvp(x, v, gamma, eps, frozen, out):
     n = x.shape[0]
     nbad = 0
     nc = min(n, _CHUNKS)
+    stream = _stream_rows(out)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        for r in range(c * n // nc, (c + 1) * n // nc):
-            nx = min(r + 1, n - 1)
-            if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx]):
-                nbad += 1
+        rows = range(c * n // nc, (c + 1) * n // nc)
+        if stream:
+            buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
+            for r in rows:
+                nx = min(r + 1, n - 1)
+                if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx], buf):
+                    nbad += 1
+            store_fence()
+        else:
+            for r in rows:
+                nx = min(r + 1, n - 1)
+                if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx], None):
+                    nbad += 1
     return nbad
 
 
@@ -159,12 +198,22 @@ def rms_norm_vjp(x, u, gamma, eps, frozen, out):
     n = x.shape[0]
     nbad = 0
     nc = min(n, _CHUNKS)
+    stream = _stream_rows(out)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        for r in range(c * n // nc, (c + 1) * n // nc):
-            nx = min(r + 1, n - 1)
-            if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx]):
-                nbad += 1
+        rows = range(c * n // nc, (c + 1) * n // nc)
+        if stream:
+            buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
+            for r in rows:
+                nx = min(r + 1, n - 1)
+                if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx], buf):
+                    nbad += 1
+            store_fence()
+        else:
+            for r in rows:
+                nx = min(r + 1, n - 1)
+                if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx], None):
+                    nbad += 1
     return nbad
 
 

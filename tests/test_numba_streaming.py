@@ -1,7 +1,9 @@
-"""The Numba dense Jacobians' non-temporal stores (issue 18): an output over
-``layernorm.STREAM_MIN_BYTES`` is written by ``_jit.stream_affine``; its values must be bit
-for bit those of the plain path, whatever the output's alignment. Also the prefetch hints
-the norm kernels issue ahead of their rows (``_jit.prefetch``, ``_jit.prefetch_write``)."""
+"""The Numba kernels' non-temporal stores (issue 18). The dense Jacobians: an output over
+``layernorm.STREAM_MIN_BYTES`` is written by ``_jit.stream_affine``. The norm kernels: long rows
+of large outputs (``layernorm._stream_rows``) are sent out a block at a time by
+``_jit.stream_span``. Their values must be bit for bit those of the plain path, whatever the
+output's alignment. Also the prefetch hints the norm kernels issue ahead of their rows
+(``_jit.prefetch``, ``_jit.prefetch_write``)."""
 
 from __future__ import annotations
 
@@ -142,7 +144,7 @@ def test_streamed_jacobian_equals_plain(nb, kernel, dtype, frozen, offset):
 
 @pytest.fixture(scope="module")
 def span():
-    """A jitted caller of stream_span (with the fence) and the plain copy it must equal."""
+    """A jitted caller of stream_span, with the fence."""
     require("numba")
     import numba
 
@@ -178,6 +180,17 @@ def test_stream_span_copies_exactly_the_span(span, dtype, offset, o, m):
     np.testing.assert_array_equal(dst.view(np.uint8), want.view(np.uint8))
     assert (store[:offset] == 7.0).all() and (store[offset + n :] == 7.0).all()
     np.testing.assert_array_equal(src.view(np.uint8), keep.view(np.uint8))
+
+
+def test_stream_span_misaligned_bytes(span):
+    """A float64 destination that is not 8-byte aligned (a byte view) is copied with plain stores."""
+    raw = np.zeros(8 * 200 + 3, np.uint8)
+    dst = raw[3 : 3 + 8 * 200].view(np.float64)
+    assert not dst.flags.aligned
+    src = np.arange(200, dtype=np.float64)
+    span(dst, src, 10, 150)
+    np.testing.assert_array_equal(dst[10:160], src[10:160])
+    assert (dst[:10] == 0).all() and (dst[160:] == 0).all()
 
 
 def test_stream_span_refuses_strided_or_mixed_arrays(span):
@@ -228,13 +241,17 @@ _NORM_ARGS = {
 
 @pytest.mark.parametrize("kernel", sorted(_NORM_ARGS))
 @pytest.mark.parametrize("dtype, d", [(np.float32, 2052), (np.float64, 1024)], ids=["float32", "float64"])
-@pytest.mark.parametrize("shift", [0, 4, 1], ids=["line", "16B", "4B"])
+@pytest.mark.parametrize("shift", [0, 16, 8], ids=["line", "16B", "8B"])
 def test_streamed_norm_rows_equal_plain(nb, kernel, dtype, d, shift):
     """A norm kernel's output streamed (16 MiB or more, long rows) equals, bit for bit, what the
     same kernel writes with plain stores on slices of a few rows (its rows are independent);
-    an output whose rows are off 16-byte boundaries (shift 1) takes the plain path and agrees
-    too. The float32 rows include the d % 64 tail (d = 2052), a row whose mean takes
+    an output whose rows are off 16-byte boundaries (``shift`` 8 bytes past a line) takes the
+    plain path and agrees too. The float32 rows include the d % 64 tail (d = 2052), a row whose mean takes
     LayerNorm's float64 writing pass, and a bad row, counted on both paths."""
+    import numba
+
+    if numba.config.DISABLE_JIT:
+        pytest.skip("16 MiB through Python; the stand-ins are checked by the stream_span tests")
     layernorm = nb[0]
     fn = resolve(kernel, "numba")
     item = np.dtype(dtype).itemsize
@@ -248,9 +265,10 @@ def test_streamed_norm_rows_equal_plain(nb, kernel, dtype, d, shift):
     b = rng.standard_normal(d).astype(dtype)
     keep = [a.copy() for a in (x, t, g, b)]
     raw = np.full(n * d + 64, 7.0, dtype)
-    start = (-raw.ctypes.data % 64) // item + shift
+    start = (-raw.ctypes.data % 64 + shift) // item
     out = raw[start : start + n * d].reshape(n, d)
-    assert bool(layernorm._stream_rows(out)) == (shift != 1)
+    assert out.ctypes.data % 64 == shift
+    assert bool(layernorm._stream_rows(out)) == (shift % 16 == 0)
     bad = fn(*_NORM_ARGS[kernel](x, t, g, b), out)
     assert bad == 1
     assert (raw[:start] == 7.0).all() and (raw[start + n * d :] == 7.0).all()
@@ -264,3 +282,39 @@ def test_streamed_norm_rows_equal_plain(nb, kernel, dtype, d, shift):
     assert total == 1
     for a, k in zip((x, t, g, b), keep):
         np.testing.assert_array_equal(a, k)
+
+
+_CORES = {  # a row core and its arguments before (out, acc, next rows..., buf)
+    "layer_norm": ("layernorm", "_layer_norm_row", lambda x, t, g: (x, g, g, 1e-5), 1),
+    "layer_norm_jvp": ("layernorm", "_layer_norm_jvp_row", lambda x, t, g: (x, t, g, 1e-5, False), 2),
+    "layer_norm_vjp": ("layernorm", "_layer_norm_vjp_row", lambda x, t, g: (x, t, g, 1e-5, False), 2),
+    "rms_norm": ("rmsnorm", "_rms_norm_row", lambda x, t, g: (x, g, 1e-5), 1),
+    "rms_norm_jvp": ("rmsnorm", "_rms_norm_jvp_row", lambda x, t, g: (x, t, g, 1e-5, False), 2),
+    "rms_norm_vjp": ("rmsnorm", "_rms_norm_vjp_row", lambda x, t, g: (x, t, g, 1e-5, False), 2),
+}
+
+
+@pytest.mark.parametrize("kernel", sorted(_CORES))
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+def test_row_core_streams_through_its_scratch(kernel, dtype):
+    """Given a scratch row, a core computes the whole row into it and streams every value to
+    ``out`` (the scratch ends up equal to the output row); given None it writes ``out`` directly
+    and leaves a scratch alone. Both write the same values (d = 300: blocks and a tail)."""
+    require("numba")
+    import importlib
+
+    module, name, args, nexts = _CORES[kernel]
+    core = getattr(importlib.import_module(f"pyengine.kernels._numba.{module}"), name)
+    d = 300
+    rng = np.random.default_rng(5)
+    x = (1.0 + rng.standard_normal(d)).astype(dtype)
+    t = rng.standard_normal(d).astype(dtype)
+    g = rng.uniform(0.5, 1.5, d).astype(dtype)
+    acc = np.empty((2, 64))
+    streamed, plain = np.full(d, 7.0, dtype), np.full(d, 7.0, dtype)
+    buf = np.full(d, -3.0, dtype)
+    assert not core(*args(x, t, g), streamed, acc, *([x] * nexts), buf)
+    np.testing.assert_array_equal(buf, streamed)
+    assert not core(*args(x, t, g), plain, acc, *([x] * nexts), None)
+    np.testing.assert_array_equal(plain, streamed)
+    assert not (plain == 7.0).any()

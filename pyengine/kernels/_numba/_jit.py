@@ -194,7 +194,7 @@ def stream_affine(typingctx, dst, src, a, b, c):
     not type-check); a, b, c : float64. Computed in
     float64 in that order (no fused multiply-add), then cast to dst's dtype: bit for bit
     the values of the same expression in a Numba loop. A normal store to a line that is
-    not in cache first reads the line (read-for-ownership), half again the traffic of
+    not in cache first reads the line (read-for-ownership), as much traffic again as
     the write; non-temporal stores write whole lines straight to memory, as the C++
     kernels do for large outputs (``csrc/rows.hpp``, ``kStreamMinBytes``). Numba emits
     none from a loop (LLVM's vectorizer drops a store it cannot prove aligned), so this
@@ -261,8 +261,8 @@ def stream_span(typingctx, dst, src, o, m):
 
     dst, src : 1-D contiguous arrays of one dtype (float32 or float64); o, m : integers; the
     span [o, o + m) is cut to both arrays (nothing is written outside them). The span is written with
-    16-byte vector stores marked ``!nontemporal`` (``movntps``, as the C++ kernels'
-    ``_mm_stream_ps``) from its first 16-byte boundary on, plain stores before it and after
+    16-byte vector stores marked ``!nontemporal`` (``movntps`` / ``movntpd``, as the C++
+    kernels' ``_mm_stream_ps``) from its first 16-byte boundary on, plain stores before it and after
     the last whole 16 bytes (all of a ``dst`` not aligned to its element size). The values
     are copied bit for bit. A writing loop computes a block of its row into a scratch in L1
     and streams it out right away (``layernorm._stream_block``): Numba emits no streaming
@@ -328,7 +328,8 @@ def store_fence(typingctx):
 
     ``sfence`` on x86 (an LLVM ``fence`` orders only ordinary stores there), a
     sequentially consistent fence elsewhere. Call it once per thread after its last
-    :func:`stream_affine`, not per row: it waits for the write-combining buffers.
+    :func:`stream_affine` or :func:`stream_span`, not per row: it waits for the
+    write-combining buffers.
     """
 
     def codegen(context, builder, sig, args):

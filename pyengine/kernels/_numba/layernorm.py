@@ -14,7 +14,9 @@ on the number of threads. Inside a row there are at most three passes over ``d``
    never E[x^2] - E[x]^2; RMSNorm needs only this pass, with centre 0;
 3. the output, written once, cast to the dtype of ``out`` only on the store; in
    the same loop the next row is prefetched (see ``_BLOCK``) and the output lines
-   ahead are asked for with write intent (see ``_WRITE_AHEAD``). Two exceptions, as in
+   ahead are asked for with write intent (see ``_WRITE_AHEAD``), or, for the long rows of
+   a large output, each block is streamed out from the thread's scratch row (see
+   ``STREAM_ROW_MIN_BYTES``). Two exceptions, as in
    the C++ kernels, both in LayerNorm's forward pass on float32 rows: it computes its
    output in float32 (:func:`_layer_norm_write_f32`), and its pass 2 takes the squared
    deviations from float32(mu) in float32 (:func:`_ln_stats`).
@@ -29,7 +31,9 @@ the top of the ``prange`` body, and Numba's parfor pass hoists that allocation o
 of the loop: it runs once per thread (per scheduled chunk of rows), not per row,
 and each thread gets its own scratch (``kernel.parallel_diagnostics(level=4)``
 reports it under "Allocation hoisting"). ``numba.get_num_threads()`` cannot be used
-to preallocate instead: it makes a function uncacheable.
+to preallocate instead: it makes a function uncacheable. The scratch row of streamed
+rows (``buf``, one row of ``out``'s dtype) is allocated per chunk of rows, in the branch
+that streams.
 
 The cores are plain ``jit`` functions; LLVM decides whether to inline them. Numba's
 ``inline="always"`` on all of them made compilation about 35 % slower and the kernels no
@@ -44,9 +48,9 @@ ns with the calls and 304 without (C++ about 210); ``layer_norm`` at (2048, 768)
 kernel gave nothing and stays a call.
 The batch kernels share the rows out in ``_CHUNKS`` chunks of contiguous rows, so the
 row a core prefetches is almost always its own thread's next one. Outputs are written with
-plain stores, except the dense Jacobians' (see :func:`_dense_jacobian`) and the long rows of
-large outputs (:data:`STREAM_ROW_MIN_BYTES`): those are computed a block at a time into the
-thread's scratch row and streamed out at once (:func:`_stream_block`). An earlier streamed
+plain stores, except the dense Jacobians' (streamed, see :func:`_dense_jacobian`) and the
+long rows of large outputs (:data:`STREAM_ROW_MIN_BYTES`), which the norm kernels compute a
+block at a time into the thread's scratch row and stream out at once (:func:`_stream_block`). An earlier streamed
 variant sent each row out whole after its writing pass, for every large output: it was slower
 everywhere, 1.36-1.64x of C++ without it against 1.91-2.67x with it at (8192, 768) float32,
 and no better at (2048, 4096) or (8192, 4096).
@@ -173,8 +177,8 @@ _WRITE_AHEAD = 2048
 
 #: Jacobians of at least this many bytes are written with non-temporal stores (the C++
 #: kernels' ``kStreamMinBytes``, ``csrc/rows.hpp``): a (n, d, d) output cannot stay in any
-#: cache, and a plain store first reads its line (read-for-ownership), half again the
-#: memory traffic of the write. Smaller outputs stay in cache for the caller. The norm
+#: cache, and a plain store first reads its line (read-for-ownership), as much memory
+#: traffic again as the write. Smaller outputs stay in cache for the caller. The norm
 #: kernels' rows also need :data:`STREAM_ROW_MIN_BYTES`.
 STREAM_MIN_BYTES = 16 << 20
 
@@ -232,14 +236,14 @@ def _prefetch_out_head(out, buf):
 #: Rows of at least this many bytes, in outputs of at least :data:`STREAM_MIN_BYTES`, are
 #: written with non-temporal stores (:func:`_stream_rows`); shorter rows with plain stores and
 #: the write prefetch (:data:`_WRITE_AHEAD`). A plain store first reads its line, so a norm
-#: kernel writing to memory moves 4 bytes for every 3 it needs. Streamed, the writing pass
+#: kernel writing to memory moves 3 bytes for every 2 it needs (4 for 3 with a tangent). Streamed, the writing pass
 #: computes each block of ``_BLOCK`` values into the thread's scratch row (in L1) and sends it
 #: out at once (:func:`._jit.stream_span`), so the stores stay spread over the pass as in the
 #: C++ kernels (rows sent out whole after their pass were slower than plain stores). On Zen 4,
 #: 2 threads, ``pyengine bench --compare-rev`` (interleaved, new / old time) at (2048, 4096):
 #: ``layer_norm`` 0.70-0.85 (float32) and 0.82-0.84 (float64), ``rms_norm`` 0.78-0.92 and
 #: 0.77-0.82, their JVPs and VJPs 0.87-0.95 (LayerNorm's float32 JVP and VJP 0.91-1.04). Rows of
-#: d = 768 float32 (3 KiB) lost, streamed, even in an output twice the last-level cache
+#: d = 768 float32 (3 KiB) lost, streamed, even in an output 1.5 times the last-level cache
 #: (``rms_norm`` (16384, 768) 3.1 -> 4.3 ms, (8192, 768) 1.45 -> 2.17 ms, whose 24 MiB the
 #: plain stores leave in the 32 MiB L3; scratch tests, medians of interleaved calls), and
 #: streaming stores alone filled rows of 3 and 4 KiB slower than plain ones (26-49 against

@@ -205,6 +205,17 @@ def test_stream_span_refuses_strided_or_mixed_arrays(span):
         span(np.zeros(40, np.float64), src, 0, 40)  # one dtype for both
 
 
+def _placed(n, d, dtype, shift):
+    """(raw, start, out): out, an (n, d) view of ``raw`` (filled with 7.0) that starts ``shift``
+    bytes past a 64-byte line, at raw[start]."""
+    item = np.dtype(dtype).itemsize
+    raw = np.full(n * d + 64, 7.0, dtype)
+    start = (-raw.ctypes.data % 64 + shift) // item
+    out = raw[start : start + n * d].reshape(n, d)
+    assert out.ctypes.data % 64 == shift
+    return raw, start, out
+
+
 def test_stream_rows_rule(nb):
     """Streamed: >= STREAM_MIN_BYTES in all, rows >= STREAM_ROW_MIN_BYTES, rows on 16-byte
     boundaries. Not: small outputs, short rows (d = 768), rows off 16-byte boundaries."""
@@ -213,19 +224,16 @@ def test_stream_rows_rule(nb):
     assert layernorm.STREAM_ROW_MIN_BYTES == 8 << 10 and layernorm.STREAM_MIN_BYTES == 16 << 20
 
     def aligned(n, d, dtype, shift=0):
-        item = np.dtype(dtype).itemsize
-        raw = np.empty(n * d + 64, dtype)
-        start = (-raw.ctypes.data % 64) // item + shift
-        return raw[start : start + n * d].reshape(n, d)
+        return _placed(n, d, dtype, shift)[2]
 
     assert rule(aligned(2048, 4096, np.float32))  # 32 MiB, 16 KiB rows
     assert rule(aligned(2048, 2048, np.float32))  # exactly 16 MiB, 8 KiB rows
     assert rule(aligned(2048, 1024, np.float64))
-    assert rule(aligned(2048, 2048, np.float32, shift=4))  # 16 bytes past a line
+    assert rule(aligned(2048, 2048, np.float32, shift=16))  # 16 bytes past a line
     assert not rule(aligned(2047, 2048, np.float32))  # just under 16 MiB
     assert not rule(aligned(8192, 768, np.float32))  # 24 MiB of 3 KiB rows
     assert not rule(aligned(4096, 2047, np.float32))  # 8188-byte rows
-    assert not rule(aligned(2048, 2048, np.float32, shift=1))  # rows 4 bytes past 16
+    assert not rule(aligned(2048, 2048, np.float32, shift=4))  # rows 4 bytes past 16
     assert not rule(aligned(2048, 2049, np.float32))  # rows that drift off 16 bytes
 
 
@@ -264,10 +272,7 @@ def test_streamed_norm_rows_equal_plain(nb, kernel, dtype, d, shift):
     g = rng.uniform(0.5, 1.5, d).astype(dtype)
     b = rng.standard_normal(d).astype(dtype)
     keep = [a.copy() for a in (x, t, g, b)]
-    raw = np.full(n * d + 64, 7.0, dtype)
-    start = (-raw.ctypes.data % 64 + shift) // item
-    out = raw[start : start + n * d].reshape(n, d)
-    assert out.ctypes.data % 64 == shift
+    raw, start, out = _placed(n, d, dtype, shift)
     assert bool(layernorm._stream_rows(out)) == (shift % 16 == 0)
     bad = fn(*_NORM_ARGS[kernel](x, t, g, b), out)
     assert bad == 1
@@ -284,13 +289,14 @@ def test_streamed_norm_rows_equal_plain(nb, kernel, dtype, d, shift):
         np.testing.assert_array_equal(a, k)
 
 
-_CORES = {  # a row core and its arguments before (out, acc, next rows..., buf)
-    "layer_norm": ("layernorm", "_layer_norm_row", lambda x, t, g: (x, g, g, 1e-5), 1),
-    "layer_norm_jvp": ("layernorm", "_layer_norm_jvp_row", lambda x, t, g: (x, t, g, 1e-5, False), 2),
-    "layer_norm_vjp": ("layernorm", "_layer_norm_vjp_row", lambda x, t, g: (x, t, g, 1e-5, False), 2),
-    "rms_norm": ("rmsnorm", "_rms_norm_row", lambda x, t, g: (x, g, 1e-5), 1),
-    "rms_norm_jvp": ("rmsnorm", "_rms_norm_jvp_row", lambda x, t, g: (x, t, g, 1e-5, False), 2),
-    "rms_norm_vjp": ("rmsnorm", "_rms_norm_vjp_row", lambda x, t, g: (x, t, g, 1e-5, False), 2),
+_CORES = {  # a kernel's row core, and how many next rows it takes (its arguments before
+    # out are the kernel's, _NORM_ARGS; then out, acc, the next rows, buf)
+    "layer_norm": ("layernorm", "_layer_norm_row", 1),
+    "layer_norm_jvp": ("layernorm", "_layer_norm_jvp_row", 2),
+    "layer_norm_vjp": ("layernorm", "_layer_norm_vjp_row", 2),
+    "rms_norm": ("rmsnorm", "_rms_norm_row", 1),
+    "rms_norm_jvp": ("rmsnorm", "_rms_norm_jvp_row", 2),
+    "rms_norm_vjp": ("rmsnorm", "_rms_norm_vjp_row", 2),
 }
 
 
@@ -303,7 +309,7 @@ def test_row_core_streams_through_its_scratch(kernel, dtype):
     require("numba")
     import importlib
 
-    module, name, args, nexts = _CORES[kernel]
+    module, name, nexts = _CORES[kernel]
     core = getattr(importlib.import_module(f"pyengine.kernels._numba.{module}"), name)
     d = 300
     rng = np.random.default_rng(5)
@@ -313,8 +319,9 @@ def test_row_core_streams_through_its_scratch(kernel, dtype):
     acc = np.empty((2, 64))
     streamed, plain = np.full(d, 7.0, dtype), np.full(d, 7.0, dtype)
     buf = np.full(d, -3.0, dtype)
-    assert not core(*args(x, t, g), streamed, acc, *([x] * nexts), buf)
+    args = _NORM_ARGS[kernel](x, t, g, g)
+    assert not core(*args, streamed, acc, *([x] * nexts), buf)
     np.testing.assert_array_equal(buf, streamed)
-    assert not core(*args(x, t, g), plain, acc, *([x] * nexts), None)
+    assert not core(*args, plain, acc, *([x] * nexts), None)
     np.testing.assert_array_equal(plain, streamed)
     assert not (plain == 7.0).any()

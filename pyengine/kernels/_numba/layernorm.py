@@ -50,10 +50,10 @@ The batch kernels share the rows out in ``_CHUNKS`` chunks of contiguous rows, s
 row a core prefetches is almost always its own thread's next one. Outputs are written with
 plain stores, except the dense Jacobians' (streamed, see :func:`_dense_jacobian`) and the
 long rows of large outputs (:data:`STREAM_ROW_MIN_BYTES`), which the norm kernels compute a
-block at a time into the thread's scratch row and stream out at once (:func:`_stream_block`). An earlier streamed
-variant sent each row out whole after its writing pass, for every large output: it was slower
-everywhere, 1.36-1.64x of C++ without it against 1.91-2.67x with it at (8192, 768) float32,
-and no better at (2048, 4096) or (8192, 4096).
+block at a time into the thread's scratch row and stream out at once (:func:`_stream_block`).
+An earlier streamed variant sent each row out whole after its writing pass, for every large
+output: it was slower everywhere, 1.36-1.64x of C++ without it against 1.91-2.67x with it at
+(8192, 768) float32, and no better at (2048, 4096) or (8192, 4096).
 """
 
 from __future__ import annotations
@@ -236,10 +236,11 @@ def _prefetch_out_head(out, buf):
 #: Rows of at least this many bytes, in outputs of at least :data:`STREAM_MIN_BYTES`, are
 #: written with non-temporal stores (:func:`_stream_rows`); shorter rows with plain stores and
 #: the write prefetch (:data:`_WRITE_AHEAD`). A plain store first reads its line, so a norm
-#: kernel writing to memory moves 3 bytes for every 2 it needs (4 for 3 with a tangent). Streamed, the writing pass
-#: computes each block of ``_BLOCK`` values into the thread's scratch row (in L1) and sends it
-#: out at once (:func:`._jit.stream_span`), so the stores stay spread over the pass as in the
-#: C++ kernels (rows sent out whole after their pass were slower than plain stores). On Zen 4,
+#: kernel writing to memory moves 3 bytes for every 2 it needs (4 for 3 with a tangent).
+#: Streamed, the writing pass computes each block of ``_BLOCK`` values into the thread's
+#: scratch row (in L1) and sends it out at once (:func:`._jit.stream_span`), so the stores
+#: stay spread over the pass as in the C++ kernels (rows sent out whole after their pass
+#: were slower than plain stores). On Zen 4,
 #: 2 threads, ``pyengine bench --compare-rev`` (interleaved, new / old time) at (2048, 4096):
 #: ``layer_norm`` 0.70-0.85 (float32) and 0.82-0.84 (float64), ``rms_norm`` 0.78-0.92 and
 #: 0.77-0.82, their JVPs and VJPs 0.87-0.95 (LayerNorm's float32 JVP and VJP 0.91-1.04). Rows of

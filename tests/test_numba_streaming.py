@@ -309,6 +309,8 @@ def test_row_core_streams_through_its_scratch(kernel, dtype):
     require("numba")
     import importlib
 
+    from pyengine.kernels._numba._reduce import LANES
+
     module, name, nexts = _CORES[kernel]
     core = getattr(importlib.import_module(f"pyengine.kernels._numba.{module}"), name)
     d = 300
@@ -316,7 +318,7 @@ def test_row_core_streams_through_its_scratch(kernel, dtype):
     x = (1.0 + rng.standard_normal(d)).astype(dtype)
     t = rng.standard_normal(d).astype(dtype)
     g = rng.uniform(0.5, 1.5, d).astype(dtype)
-    acc = np.empty((2, 64))
+    acc = np.empty((2, LANES))
     streamed, plain = np.full(d, 7.0, dtype), np.full(d, 7.0, dtype)
     buf = np.full(d, -3.0, dtype)
     args = _NORM_ARGS[kernel](x, t, g, g)

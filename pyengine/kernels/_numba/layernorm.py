@@ -252,12 +252,12 @@ def _prefetch_out_head(out, buf):
 #: three runs. Why short rows lose (twelfth session, ``rms_norm`` (8192, 768) float32, medians
 #: of interleaved calls): there the kernel is bound by its arithmetic, and streamed its time is
 #: the sum of the arithmetic and the streaming stores, not the larger of the two. Without any
-#: store to ``out`` it takes 1.15-1.17 ms, streaming stores alone fill the 24 MiB in
-#: 0.94-1.0 ms, streamed it takes 1.87-2.05 ms (plain 1.32-1.36, C++ 0.80-0.95, which
+#: store to ``out`` it takes 1.15-1.18 ms, streaming stores alone fill the 24 MiB in
+#: 0.94-1.01 ms, streamed it takes 1.85-2.16 ms (plain 1.27-1.37, C++ 0.80-0.95, which
 #: overlaps the two). Neither interleaving nor timing changed that: each block streamed one
-#: block late 1.82-1.83 ms, blocks of 16 or 32 values 3.36 / 2.04, no prefetch of the next
-#: row 1.70-2.03, the next row's sums computed inside this row's writing pass (the C++
-#: pipeline) 1.56-1.95 (plain 1.41-1.54).
+#: block late 1.82-1.83 ms, no prefetch of the next row 1.70-2.03, the next row's sums
+#: computed inside this row's writing pass (the C++ pipeline) 1.56-1.95 (plain 1.41-1.54),
+#: and in that variant blocks of 16 or 32 values streamed at a time 3.36 / 2.04.
 STREAM_ROW_MIN_BYTES = 8 << 10
 
 

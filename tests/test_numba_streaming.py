@@ -289,14 +289,15 @@ def test_streamed_norm_rows_equal_plain(nb, kernel, dtype, d, shift):
         np.testing.assert_array_equal(a, k)
 
 
-_CORES = {  # a kernel's row core, and how many next rows it takes (its arguments before
-    # out are the kernel's, _NORM_ARGS; then out, acc, the next rows, buf)
-    "layer_norm": ("layernorm", "_layer_norm_row", 1),
-    "layer_norm_jvp": ("layernorm", "_layer_norm_jvp_row", 2),
-    "layer_norm_vjp": ("layernorm", "_layer_norm_vjp_row", 2),
-    "rms_norm": ("rmsnorm", "_rms_norm_row", 1),
-    "rms_norm_jvp": ("rmsnorm", "_rms_norm_jvp_row", 2),
-    "rms_norm_vjp": ("rmsnorm", "_rms_norm_vjp_row", 2),
+_CORES = {  # a kernel's row core, how many next rows it takes, and whether it takes a scratch
+    # ``acc`` (its arguments before out are the kernel's, _NORM_ARGS; then out, [acc,] the
+    # next rows, buf)
+    "layer_norm": ("layernorm", "_layer_norm_row", 1, True),
+    "layer_norm_jvp": ("layernorm", "_layer_norm_jvp_row", 2, False),
+    "layer_norm_vjp": ("layernorm", "_layer_norm_vjp_row", 2, False),
+    "rms_norm": ("rmsnorm", "_rms_norm_row", 1, False),
+    "rms_norm_jvp": ("rmsnorm", "_rms_norm_jvp_row", 2, False),
+    "rms_norm_vjp": ("rmsnorm", "_rms_norm_vjp_row", 2, False),
 }
 
 
@@ -311,19 +312,19 @@ def test_row_core_streams_through_its_scratch(kernel, dtype):
 
     from pyengine.kernels._numba._reduce import LANES
 
-    module, name, nexts = _CORES[kernel]
+    module, name, nexts, takes_acc = _CORES[kernel]
     core = getattr(importlib.import_module(f"pyengine.kernels._numba.{module}"), name)
     d = 300
     rng = np.random.default_rng(5)
     x = (1.0 + rng.standard_normal(d)).astype(dtype)
     t = rng.standard_normal(d).astype(dtype)
     g = rng.uniform(0.5, 1.5, d).astype(dtype)
-    acc = np.empty((2, LANES))
+    acc = (np.empty((2, LANES)),) if takes_acc else ()
     streamed, plain = np.full(d, 7.0, dtype), np.full(d, 7.0, dtype)
     buf = np.full(d, -3.0, dtype)
     args = _NORM_ARGS[kernel](x, t, g, g)
-    assert not core(*args, streamed, acc, *([x] * nexts), buf)
+    assert not core(*args, streamed, *acc, *([x] * nexts), buf)
     np.testing.assert_array_equal(buf, streamed)
-    assert not core(*args, plain, acc, *([x] * nexts), None)
+    assert not core(*args, plain, *acc, *([x] * nexts), None)
     np.testing.assert_array_equal(plain, streamed)
     assert not (plain == 7.0).any()

@@ -67,7 +67,7 @@ import math
 import numpy as np
 
 from ._jit import jit
-from ._reduce import LANES, _f64, _fold, _zero
+from ._reduce import _f64, _row_sums
 
 __all__ = [
     "_LN1",
@@ -170,100 +170,48 @@ def _pole_data(gamma):
 # --------------------------------------------------------------------------- #
 
 
-@jit
-def _bulk_ln2(x, mu, e, off, acc):
-    """sum q, q t, q t^2, q^2, q^2 t, q^2 t^2 with t = x_i - mu. acc : (6, LANES)."""
-    d = x.size
-    _zero(acc, 6)
-    s0, s1, s2, s3, s4, s5 = acc[0], acc[1], acc[2], acc[3], acc[4], acc[5]
-    nb = d // LANES
-    for j in range(nb):
-        o = j * LANES
-        for k in range(LANES):
-            q = 1.0 / (e[o + k] + off)
-            t = _f64(x[o + k]) - mu
-            qt = q * t
-            q2 = q * q
-            q2t = q2 * t
-            s0[k] += q
-            s1[k] += qt
-            s2[k] += qt * t
-            s3[k] += q2
-            s4[k] += q2t
-            s5[k] += q2t * t
-    r0, r1, r2 = _fold(s0), _fold(s1), _fold(s2)
-    r3, r4, r5 = _fold(s3), _fold(s4), _fold(s5)
-    for i in range(nb * LANES, d):
-        q = 1.0 / (e[i] + off)
-        t = _f64(x[i]) - mu
-        qt = q * t
-        q2 = q * q
-        q2t = q2 * t
-        r0 += q
-        r1 += qt
-        r2 += qt * t
-        r3 += q2
-        r4 += q2t
-        r5 += q2t * t
-    return r0, r1, r2, r3, r4, r5
+def _ln2_terms(x, e, mu, off, one):
+    """The six terms of element i of a LayerNorm bulk pass (:func:`_bulk`): q = 1/(e_i + off),
+    t = x_i - mu; q, q t, q t^2, q^2, q^2 t, q^2 t^2."""
+    q = one / (e + off)
+    t = x - mu
+    qt = q * t
+    q2 = q * q
+    q2t = q2 * t
+    return q, qt, qt * t, q2, q2t, q2t * t
+
+
+def _sq_terms(x, e, off, one):
+    """q t^2 and q^2 t^2 with t = x_i (RMSNorm)."""
+    q = one / (e + off)
+    qt2 = (q * x) * x
+    return qt2, q * qt2
+
+
+def _one_terms(e, off, one):
+    """q and q^2 (a constant column)."""
+    q = one / (e + off)
+    return q, q * q
+
+
+# The bulk passes are bound by the divisions: one vector of partial sums per sum (as the
+# C++ kernel's bulk) does as well as four. A LayerNorm pass over d = 768 (float64, in L1)
+# took 482 ns with ``LANES`` partial sums in a scratch array, 265 ns so.
+_bulk_ln2 = _row_sums(_ln2_terms, 6, 1)
+_bulk_sq = _row_sums(_sq_terms, 2, 1)
+_bulk_one = _row_sums(_one_terms, 2, 1)
 
 
 @jit
-def _bulk_sq(x, e, off, acc):
-    """sum q t^2, q^2 t^2 with t = x_i (RMSNorm). acc : (6, LANES)."""
-    d = x.size
-    _zero(acc, 2)
-    s0, s1 = acc[0], acc[1]
-    nb = d // LANES
-    for j in range(nb):
-        o = j * LANES
-        for k in range(LANES):
-            q = 1.0 / (e[o + k] + off)
-            t = _f64(x[o + k])
-            qt2 = q * t * t
-            s0[k] += qt2
-            s1[k] += q * qt2
-    r0, r1 = _fold(s0), _fold(s1)
-    for i in range(nb * LANES, d):
-        q = 1.0 / (e[i] + off)
-        t = _f64(x[i])
-        qt2 = q * t * t
-        r0 += qt2
-        r1 += q * qt2
-    return r0, r1
-
-
-@jit
-def _bulk_one(e, off, acc):
-    """sum q, q^2 (a constant column). acc : (6, LANES)."""
-    d = e.size
-    _zero(acc, 2)
-    s0, s1 = acc[0], acc[1]
-    nb = d // LANES
-    for j in range(nb):
-        o = j * LANES
-        for k in range(LANES):
-            q = 1.0 / (e[o + k] + off)
-            s0[k] += q
-            s1[k] += q * q
-    r0, r1 = _fold(s0), _fold(s1)
-    for i in range(nb * LANES, d):
-        q = 1.0 / (e[i] + off)
-        r0 += q
-        r1 += q * q
-    return r0, r1
-
-
-@jit
-def _bulk(kind, x, mu, ca, cb, e, off, acc):
+def _bulk(kind, x, mu, ca, cb, e, off):
     """(Naa, Nab, Nbb, N'aa, N'ab, N'bb) over the bulk (entries outside g1, g2)."""
     if kind == _LN2:
-        r0, r1, r2, r3, r4, r5 = _bulk_ln2(x, mu, e, off, acc)
+        r0, r1, r2, r3, r4, r5 = _bulk_ln2((x, e), (mu, off, 1.0))
         return ca * ca * r0, ca * cb * r1, cb * cb * r2, ca * ca * r3, ca * cb * r4, cb * cb * r5
     if kind == _RMS1:
-        r0, r3 = _bulk_sq(x, e, off, acc)
+        r0, r3 = _bulk_sq((x, e), (off, 1.0))
         return ca * ca * r0, 0.0, 0.0, ca * ca * r3, 0.0, 0.0
-    r0, r3 = _bulk_one(e, off, acc)
+    r0, r3 = _bulk_one((e,), (off, 1.0))
     return ca * ca * r0, 0.0, 0.0, ca * ca * r3, 0.0, 0.0
 
 
@@ -567,7 +515,7 @@ def _model_root(iv, sg, m2, an, br0, br, y, tau):
 
 
 @jit
-def _lambda_max(kind, x, mu, ca, cb, ka, kb, delta, top, g1, g2, offs, order, acc, work):
+def _lambda_max(kind, x, mu, ca, cb, ka, kb, delta, top, g1, g2, offs, order, work):
     """lambda_max of D^1/2 (I - U U^T) D^1/2 for one token (see the module docstring).
 
     work: float64 scratch of 32 values."""
@@ -598,7 +546,7 @@ def _lambda_max(kind, x, mu, ca, cb, ka, kb, delta, top, g1, g2, offs, order, ac
     else:
         at, e_a, off_a = 2, offs[0], 0.5 * d1
     # (One call site per helper keeps Numba's compile time down: LLVM inlines each site.)
-    naa, nab, nbb, paa, pab, pbb = _bulk(kind, x, mu, ca, cb, e_a, off_a, acc)
+    naa, nab, nbb, paa, pab, pbb = _bulk(kind, x, mu, ca, cb, e_a, off_a)
     in_top = True
     if need_limit:
         # The eigenvalue of G that stays finite as lam -> D2+ (g2 removed, at lam = D2).
@@ -666,7 +614,7 @@ def _lambda_max(kind, x, mu, ca, cb, ka, kb, delta, top, g1, g2, offs, order, ac
             if _bracket_done(iv, br0):
                 return _lam_of(iv, y, tau)
         e, off = (e_hi, tau) if tau <= y else (e_lo, -y)
-        naa, nab, nbb, paa, pab, pbb = _bulk(kind, x, mu, ca, cb, e, off, acc)
+        naa, nab, nbb, paa, pab, pbb = _bulk(kind, x, mu, ca, cb, e, off)
         target, _, _, _ = _target(iv, sg, m2, y, tau, naa, nab, nbb, paa, pab, pbb)
         if target == 0.0:
             return _lam_of(iv, y, tau)

@@ -21,12 +21,14 @@ on the number of threads. Inside a row there are at most three passes over ``d``
    output in float32 (:func:`_layer_norm_write_f32`), and its pass 2 takes the squared
    deviations from float32(mu) in float32 (:func:`_ln_stats`).
 
-Every reduction accumulates in float64, also for float32 input, in ``LANES`` partial
-sums in an order fixed by the source (the forward's float32 pass 2 adds groups of four
-float32 squares into them): the helpers live in :mod:`._reduce`, which explains why they
-look the way they do.
+Every reduction accumulates in float64, also for float32 input, in an order fixed by the
+source: the row sums are LLVM vector code with 16 partial sums in registers
+(:func:`._reduce._row_sums`), and the forward's float32 pass 2 adds groups of four float32
+squares into ``LANES`` partial sums in a scratch ``acc`` (:func:`._reduce._sum_sq_f32`):
+:mod:`._reduce` explains why they look the way they do.
 
-``acc`` has shape ``(2, LANES)``. The batch kernels write ``acc = np.empty(...)`` at
+``acc`` (LayerNorm's forward and dense Jacobian only) has shape ``(2, LANES)``. The batch
+kernels write ``acc = np.empty(...)`` at
 the top of the ``prange`` body, and Numba's parfor pass hoists that allocation out
 of the loop: it runs once per thread (per scheduled chunk of rows), not per row,
 and each thread gets its own scratch (``kernel.parallel_diagnostics(level=4)``
@@ -128,7 +130,7 @@ def _ln_stats(x, eps, acc, f32_var):
     (2048, 768) float32 2 threads 0.665 -> 0.45-0.57 ms, (2048, 4096) 4.68 -> 4.04-4.08 ms
     (Zen 4, medians of interleaved calls)."""
     d = x.size
-    mu = _sum(x, acc) / d
+    mu = _sum(x) / d
     q = -1.0
     if f32_var and x.itemsize == 4:
         m = np.float32(mu)
@@ -137,7 +139,7 @@ def _ln_stats(x, eps, acc, f32_var):
         if var >= 2.0**-60 and var <= 2.0**100:
             q = var * d
     if q < 0.0:
-        q = _sum_sq(x, mu, acc)
+        q = _sum_sq(x, mu)
     if _constant(x, mu, q):
         mu, q = _f64(x[0]), 0.0
     if not _safe(q / d, eps, mu):  # a row of extreme magnitude: its statistics, rescaled
@@ -284,7 +286,7 @@ def _stream_block(out, buf, o, m):
 
 
 # --------------------------------------------------------------------------- #
-# Per-token cores. x, v, u, out : (d,); gamma, beta : (d,); acc : (2, LANES).
+# Per-token cores. x, v, u, out : (d,); gamma, beta : (d,); acc : (2, LANES) (forward only).
 # x_next (and v_next / u_next): the row(s) of the next token, prefetched while
 # this one is written; pass the row itself when there is none. buf: None (the row is
 # written to out, its lines prefetched for writing: _prefetch_out_head, _prefetch_out),
@@ -357,18 +359,18 @@ def _layer_norm_write_f32(x, gamma, beta, mu, inv, out, x_next, buf):
 
 
 @jit
-def _layer_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next, buf):
+def _layer_norm_jvp_row(x, v, gamma, eps, frozen, out, x_next, v_next, buf):
     """out = gamma/s * (v - mean v - xh mean(xh v)); frozen drops the xh term."""
     d = x.size
     _prefetch_out_head(out, buf)
-    sx, sv = _sum_pair(x, v, acc)
+    sx, sv = _sum_pair(x, v)
     mu = sx / d
     mv = sv / d
     if frozen:
-        q = _sum_sq(x, mu, acc)
+        q = _sum_sq(x, mu)
         dot = 0.0
     else:
-        q, dot = _sum_sq_dot(x, mu, v, acc)
+        q, dot = _sum_sq_dot(x, mu, v)
     if _constant(x, mu, q):
         mu, q, dot = _f64(x[0]), 0.0, 0.0
     if _safe(q / d, eps, mu):
@@ -398,18 +400,18 @@ def _layer_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next, buf)
 
 
 @jit
-def _layer_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next, buf):
+def _layer_norm_vjp_row(x, u, gamma, eps, frozen, out, x_next, u_next, buf):
     """out = (g - mean g - xh mean(xh g)) / s with g = gamma * u; frozen drops the xh term."""
     d = x.size
     _prefetch_out_head(out, buf)
-    sx, sg = _sum_pair_gu(x, gamma, u, acc)
+    sx, sg = _sum_pair_gu(x, gamma, u)
     mu = sx / d
     mg = sg / d
     if frozen:
-        q = _sum_sq(x, mu, acc)
+        q = _sum_sq(x, mu)
         dot = 0.0
     else:
-        q, dot = _sum_sq_dot_gu(x, mu, gamma, u, acc)
+        q, dot = _sum_sq_dot_gu(x, mu, gamma, u)
     if _constant(x, mu, q):
         mu, q, dot = _f64(x[0]), 0.0, 0.0
     if _safe(q / d, eps, mu):
@@ -528,19 +530,18 @@ def layer_norm_jvp(x, v, gamma, eps, frozen, out):
     nc = min(n, _CHUNKS)
     stream = _stream_rows(out)
     for c in prange(nc):
-        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
         rows = range(c * n // nc, (c + 1) * n // nc)
         if stream:
             buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
             for r in rows:
                 nx = min(r + 1, n - 1)
-                if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx], buf):
+                if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], x[nx], v[nx], buf):
                     nbad += 1
             store_fence()
         else:
             for r in rows:
                 nx = min(r + 1, n - 1)
-                if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx], None):
+                if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], x[nx], v[nx], None):
                     nbad += 1
     return nbad
 
@@ -554,19 +555,18 @@ def layer_norm_vjp(x, u, gamma, eps, frozen, out):
     nc = min(n, _CHUNKS)
     stream = _stream_rows(out)
     for c in prange(nc):
-        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
         rows = range(c * n // nc, (c + 1) * n // nc)
         if stream:
             buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
             for r in rows:
                 nx = min(r + 1, n - 1)
-                if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx], buf):
+                if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], x[nx], u[nx], buf):
                     nbad += 1
             store_fence()
         else:
             for r in rows:
                 nx = min(r + 1, n - 1)
-                if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx], None):
+                if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], x[nx], u[nx], None):
                     nbad += 1
     return nbad
 

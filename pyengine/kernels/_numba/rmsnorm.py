@@ -3,7 +3,7 @@
 Same kernel contract and parameter names as :mod:`pyengine.kernels._reference`, and
 the same layout as :mod:`.layernorm` (whose docstring explains it): a per-token core
 ``_<kernel id>_row``, run by the registered batch kernel under ``prange`` over chunks of
-rows only; reductions in float64 in ``LANES`` partial sums (:mod:`._reduce`), a single
+rows only; reductions in float64 in a fixed order (:mod:`._reduce`), a single
 pass over the row for the sums (RMSNorm has centre 0), and the writing pass
 prefetching the next row in blocks of ``layernorm._BLOCK`` (and streaming long rows of large
 outputs, ``layernorm.STREAM_ROW_MIN_BYTES``). The dense Jacobian shares
@@ -17,7 +17,7 @@ from numba import prange
 
 from ...backends import register
 from ._jit import inline, jit, pjit, store_fence
-from ._reduce import LANES, _f64, _rms_slow, _safe, _scale, _sum_sq, _sum_sq_dot, _sum_sq_dot_gu
+from ._reduce import _f64, _rms_slow, _safe, _scale, _sum_sq, _sum_sq_dot, _sum_sq_dot_gu
 from .layernorm import (
     _BLOCK,
     _CHUNKS,
@@ -38,9 +38,9 @@ __all__ = ["rms_norm", "rms_norm_jacobian", "rms_norm_jvp", "rms_norm_vjp"]
 
 
 @inline
-def _rms_scale(x, eps, acc):
+def _rms_scale(x, eps):
     """(r, bad) of one row; a row of extreme magnitude is rescaled (:func:`._reduce._rms_slow`)."""
-    ms = _sum_sq(x, 0.0, acc) / x.size
+    ms = _sum_sq(x, 0.0) / x.size
     if _safe(ms, eps, 0.0):
         return _scale(ms, eps)
     r, _, bad = _rms_slow(x, eps, x, x, False, False)
@@ -48,11 +48,11 @@ def _rms_scale(x, eps, acc):
 
 
 @jit
-def _rms_norm_row(x, gamma, eps, out, acc, x_next, buf):
+def _rms_norm_row(x, gamma, eps, out, x_next, buf):
     """out = gamma * x / r, r = sqrt(mean(x^2) + eps)."""
     d = x.size
     _prefetch_out_head(out, buf)
-    r, bad = _rms_scale(x, eps, acc)
+    r, bad = _rms_scale(x, eps)
     inv = 1.0 / r
     w = out if buf is None else buf
     nb = d // _BLOCK
@@ -71,12 +71,12 @@ def _rms_norm_row(x, gamma, eps, out, acc, x_next, buf):
 
 
 @jit
-def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next, buf):
+def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, x_next, v_next, buf):
     """out = gamma/r * (v - x mean(x v)/r^2); frozen: gamma * v / r."""
     d = x.size
     _prefetch_out_head(out, buf)
     # sum(x v) is needed for frozen=True too: it is non-finite iff v has NaN/Inf.
-    q, dot = _sum_sq_dot(x, 0.0, v, acc)
+    q, dot = _sum_sq_dot(x, 0.0, v)
     if _safe(q / d, eps, 0.0):
         r, bad = _scale(q / d, eps)
         c = 0.0 if frozen else (dot / d) / (r * r)  # mean(x w) / r^2
@@ -103,11 +103,11 @@ def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, acc, x_next, v_next, buf):
 
 
 @jit
-def _rms_norm_vjp_row(x, u, gamma, eps, frozen, out, acc, x_next, u_next, buf):
+def _rms_norm_vjp_row(x, u, gamma, eps, frozen, out, x_next, u_next, buf):
     """out = (g - x mean(x g)/r^2) / r with g = gamma * u; frozen: g / r."""
     d = x.size
     _prefetch_out_head(out, buf)
-    q, dot = _sum_sq_dot_gu(x, 0.0, gamma, u, acc)
+    q, dot = _sum_sq_dot_gu(x, 0.0, gamma, u)
     if _safe(q / d, eps, 0.0):
         r, bad = _scale(q / d, eps)
         c = 0.0 if frozen else (dot / d) / (r * r)  # mean(x w) / r^2
@@ -148,19 +148,18 @@ def rms_norm(x, gamma, eps, out):
     nc = min(n, _CHUNKS)
     stream = _stream_rows(out)
     for c in prange(nc):
-        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
         rows = range(c * n // nc, (c + 1) * n // nc)
         if stream:
             buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
             for r in rows:
                 nx = min(r + 1, n - 1)
-                if _rms_norm_row(x[r], gamma, eps, out[r], acc, x[nx], buf):
+                if _rms_norm_row(x[r], gamma, eps, out[r], x[nx], buf):
                     nbad += 1
             store_fence()
         else:
             for r in rows:
                 nx = min(r + 1, n - 1)
-                if _rms_norm_row(x[r], gamma, eps, out[r], acc, x[nx], None):
+                if _rms_norm_row(x[r], gamma, eps, out[r], x[nx], None):
                     nbad += 1
     return nbad
 
@@ -174,19 +173,18 @@ def rms_norm_jvp(x, v, gamma, eps, frozen, out):
     nc = min(n, _CHUNKS)
     stream = _stream_rows(out)
     for c in prange(nc):
-        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
         rows = range(c * n // nc, (c + 1) * n // nc)
         if stream:
             buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
             for r in rows:
                 nx = min(r + 1, n - 1)
-                if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx], buf):
+                if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], x[nx], v[nx], buf):
                     nbad += 1
             store_fence()
         else:
             for r in rows:
                 nx = min(r + 1, n - 1)
-                if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], acc, x[nx], v[nx], None):
+                if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], x[nx], v[nx], None):
                     nbad += 1
     return nbad
 
@@ -200,19 +198,18 @@ def rms_norm_vjp(x, u, gamma, eps, frozen, out):
     nc = min(n, _CHUNKS)
     stream = _stream_rows(out)
     for c in prange(nc):
-        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
         rows = range(c * n // nc, (c + 1) * n // nc)
         if stream:
             buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
             for r in rows:
                 nx = min(r + 1, n - 1)
-                if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx], buf):
+                if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], x[nx], u[nx], buf):
                     nbad += 1
             store_fence()
         else:
             for r in rows:
                 nx = min(r + 1, n - 1)
-                if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], acc, x[nx], u[nx], None):
+                if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], x[nx], u[nx], None):
                     nbad += 1
     return nbad
 
@@ -225,7 +222,6 @@ def rms_norm_jacobian(x, gamma, eps, frozen, out):
     r = np.empty(n, dtype=np.float64)
     bad = np.empty(n, dtype=np.bool_)
     for t in prange(n):
-        acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        r[t], bad[t] = _rms_scale(x[t], eps, acc)
+        r[t], bad[t] = _rms_scale(x[t], eps)
     _dense_jacobian(x, gamma, np.zeros(n), r, 0.0, frozen, out)
     return np.count_nonzero(bad)

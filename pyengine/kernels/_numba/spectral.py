@@ -62,7 +62,7 @@ __all__ = [
 
 @jit
 def _sigma_row(kind, row, eps, frozen, lam_frozen, mean_delta, delta, top, g1, g2, offs, order,
-               acc, work):
+               work):
     """(sigma_max, bad) of one token; row is its float64 copy. kind _LN1 instead returns
     (lambda_max of frozen LayerNorm, False): a function of gamma alone."""
     d = row.size
@@ -75,7 +75,7 @@ def _sigma_row(kind, row, eps, frozen, lam_frozen, mean_delta, delta, top, g1, g
         ca, cb, ka, kb = 1.0 / math.sqrt(d), 0.0, 0.0, 1.0
     else:
         centre = kind == _LN2
-        mu, ms = _mean_sq(row, centre, acc)
+        mu, ms = _mean_sq(row, centre)
         s, bad = _scale(ms, eps)
         if bad or not np.isfinite(mu):
             return np.nan, True
@@ -92,8 +92,7 @@ def _sigma_row(kind, row, eps, frozen, lam_frozen, mean_delta, delta, top, g1, g
             lam = top[0]  # frozen, or x = 0: J = diag(gamma)/r
             ca, cb, ka, kb = col, 0.0, omc * omc, 1.0
     if solve:  # the one call site of the solver (see _lambda_max on compile time)
-        lam = _lambda_max(kind, row, mu, ca, cb, ka, kb, delta, top, g1, g2, offs, order, acc,
-                          work)
+        lam = _lambda_max(kind, row, mu, ca, cb, ka, kb, delta, top, g1, g2, offs, order, work)
     if kind == _LN1:
         return lam, False
     return math.sqrt(lam) / s, False
@@ -109,14 +108,13 @@ def _sigma_max(kind, x, eps, frozen, lam_frozen, delta, top, g1, g2, offs, order
     mean_delta /= d
     nbad = 0
     for r in prange(n):
-        acc = np.empty((6, LANES), dtype=np.float64)  # hoisted: once per thread
-        work = np.empty(32, dtype=np.float64)
+        work = np.empty(32, dtype=np.float64)  # hoisted: once per thread
         row = np.empty(d, dtype=np.float64)
         xr = x[r]
         for i in range(d):  # float64 copy: the solver is compiled once, for float64
             row[i] = xr[i]
         sg, bad = _sigma_row(kind, row, eps, frozen, lam_frozen, mean_delta, delta, top, g1, g2,
-                             offs, order, acc, work)
+                             offs, order, work)
         out[r] = sg
         if bad:
             nbad += 1
@@ -241,7 +239,7 @@ def _power_row(centre, x, g, eps, frozen, v0, tol, max_iter, v, acc):
     along, and pass C also sums w and xh w, the first sums of the next product: two
     passes over d per product J^T J."""
     d = x.size
-    mu, ms = _mean_sq(x, centre, acc)
+    mu, ms = _mean_sq(x, centre)
     s, bad = _scale(ms, eps)
     if bad or not np.isfinite(mu):
         return True, np.nan, np.nan, 0

@@ -1,7 +1,7 @@
 """The Numba kernels' non-temporal stores (issue 18). The dense Jacobians: an output over
 ``layernorm.STREAM_MIN_BYTES`` is written by ``_jit.stream_affine``. The norm kernels: long rows
-of large outputs (``layernorm._stream_rows``) are sent out a block at a time by
-``_jit.stream_span``. Their values must be bit for bit those of the plain path, whatever the
+of large outputs (``layernorm._stream_rows``) are streamed out from the registers by
+``_jit.block_writer``. Their values must be bit for bit those of the plain path, whatever the
 output's alignment. Also the prefetch hints the norm kernels issue ahead of their rows
 (``_jit.prefetch``, ``_jit.prefetch_write``)."""
 
@@ -138,71 +138,59 @@ def test_streamed_jacobian_equals_plain(nb, kernel, dtype, frozen, offset):
 
 
 # --------------------------------------------------------------------------- #
-# The norm kernels' long rows: _jit.stream_span and layernorm._stream_rows.
+# The norm kernels' writing passes: _jit.block_writer, and layernorm._stream_rows.
 # --------------------------------------------------------------------------- #
 
 
 @pytest.fixture(scope="module")
-def span():
-    """A jitted caller of stream_span, with the fence."""
+def writer():
+    """A jitted caller of a block_writer (dst[o:o+m] = 2 * src - c), with the fence."""
     require("numba")
     import numba
 
     from pyengine.kernels._numba import _jit
 
+    write = _jit.block_writer(lambda a, two, c: two * a - c)
+
     @numba.njit
-    def streamed(dst, src, o, m):
-        _jit.stream_span(dst, src, o, m)
+    def run(dst, src, o, m, stream):
+        write(dst, o, m, stream, (src,), (2.0, 0.5))
         _jit.store_fence()
 
-    return streamed
+    return run
 
 
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("offset", [0, 1, 2, 3, 4, 5])
-@pytest.mark.parametrize("o, m", [(0, 0), (0, 1), (0, 7), (0, 64), (3, 61), (5, 200), (64, 64), (190, 50),
-                                  (-4, 10), (0, 10**6), (250, 10)])
-def test_stream_span_copies_exactly_the_span(span, dtype, offset, o, m):
-    """dst[o:o+m] = src[o:o+m] bit for bit (NaN, -0, subnormals, random bits), the span [o, o + m)
-    cut to the arrays, whatever dst's alignment; nothing else of dst, and nothing of src, changes."""
+@pytest.mark.parametrize("o, m", [(0, 0), (0, 1), (0, 7), (0, 64), (3, 61), (5, 195), (64, 64), (190, 10)])
+def test_block_writer_writes_exactly_the_span(writer, stream, dtype, offset, o, m):
+    """dst[o:o+m] = 2 src - 0.5 computed in float64 and cast once (NaN, -0, inf, subnormals
+    included), whatever dst's alignment, plain or streamed; nothing else of dst, and nothing of
+    src, changes."""
     n = 200
     rng = np.random.default_rng(offset * 1000 + m)
-    uint = np.uint64 if dtype == np.float64 else np.uint32
-    src = rng.integers(0, np.iinfo(uint).max, n, dtype=uint, endpoint=True).view(dtype)  # any bits, NaNs too
+    src = (rng.standard_normal(n) * 10.0 ** rng.integers(-30, 30, n)).astype(dtype)
     src[:4] = [np.nan, -0.0, np.finfo(dtype).smallest_subnormal, np.inf]
     keep = src.copy()
     store = np.full(n + offset + 3, 7.0, dtype)
     dst = store[offset : offset + n]
-    span(dst, src, o, m)
-    lo, hi = min(max(o, 0), n), min(max(o + m, 0), n)
+    writer(dst, src, o, m, stream)
     want = np.full(n, 7.0, dtype)
-    want[lo:hi] = src[lo:hi]
-    np.testing.assert_array_equal(dst.view(np.uint8), want.view(np.uint8))
+    want[o : o + m] = (2.0 * src[o : o + m].astype(np.float64) - 0.5).astype(dtype)
+    np.testing.assert_array_equal(dst, want)
     assert (store[:offset] == 7.0).all() and (store[offset + n :] == 7.0).all()
-    np.testing.assert_array_equal(src.view(np.uint8), keep.view(np.uint8))
+    np.testing.assert_array_equal(src, keep)
 
 
-def test_stream_span_misaligned_bytes(span):
-    """A float64 destination that is not 8-byte aligned (a byte view) is copied with plain stores."""
-    raw = np.zeros(8 * 200 + 3, np.uint8)
-    dst = raw[3 : 3 + 8 * 200].view(np.float64)
-    assert not dst.flags.aligned
-    src = np.arange(200, dtype=np.float64)
-    span(dst, src, 10, 150)
-    np.testing.assert_array_equal(dst[10:160], src[10:160])
-    assert (dst[:10] == 0).all() and (dst[160:] == 0).all()
-
-
-def test_stream_span_refuses_strided_or_mixed_arrays(span):
+def test_block_writer_refuses_strided_arrays(writer):
     import numba
 
     if numba.config.DISABLE_JIT:
         pytest.skip("typing is compiled-mode only")
     src = np.arange(40, dtype=np.float32)
     with pytest.raises(numba.core.errors.TypingError):
-        span(np.zeros(40, np.float32)[::2], src[::2], 0, 20)
-    with pytest.raises(numba.core.errors.TypingError):
-        span(np.zeros(40, np.float64), src, 0, 40)  # one dtype for both
+        writer(np.zeros(40, np.float32)[::2], src[::2], 0, 20, True)
 
 
 def _placed(n, d, dtype, shift):
@@ -259,7 +247,7 @@ def test_streamed_norm_rows_equal_plain(nb, kernel, dtype, d, shift):
     import numba
 
     if numba.config.DISABLE_JIT:
-        pytest.skip("16 MiB through Python; the stand-ins are checked by the stream_span tests")
+        pytest.skip("16 MiB through Python; the stand-ins are checked by the block_writer tests")
     layernorm = nb[0]
     fn = resolve(kernel, "numba")
     item = np.dtype(dtype).itemsize
@@ -291,7 +279,7 @@ def test_streamed_norm_rows_equal_plain(nb, kernel, dtype, d, shift):
 
 _CORES = {  # a kernel's row core, how many next rows it takes, and whether it takes a scratch
     # ``acc`` (its arguments before out are the kernel's, _NORM_ARGS; then out, [acc,] the
-    # next rows, buf)
+    # next rows, stream)
     "layer_norm": ("layernorm", "_layer_norm_row", 1, True),
     "layer_norm_jvp": ("layernorm", "_layer_norm_jvp_row", 2, False),
     "layer_norm_vjp": ("layernorm", "_layer_norm_vjp_row", 2, False),
@@ -303,10 +291,11 @@ _CORES = {  # a kernel's row core, how many next rows it takes, and whether it t
 
 @pytest.mark.parametrize("kernel", sorted(_CORES))
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
-def test_row_core_streams_through_its_scratch(kernel, dtype):
-    """Given a scratch row, a core computes the whole row into it and streams every value to
-    ``out`` (the scratch ends up equal to the output row); given None it writes ``out`` directly
-    and leaves a scratch alone. Both write the same values (d = 300: blocks and a tail)."""
+@pytest.mark.parametrize("shift", [0, 1, 4], ids=["aligned", "shift1", "shift4"])
+def test_row_core_streamed_and_plain_agree(kernel, dtype, shift):
+    """Streamed (streaming stores from the registers, on a 16-byte-aligned row; plain stores
+    where it is not) or not, a core writes the same values, bit for bit, and every value of its
+    row (d = 300: blocks, a partial block and a scalar tail), and nothing past it."""
     require("numba")
     import importlib
 
@@ -320,11 +309,11 @@ def test_row_core_streams_through_its_scratch(kernel, dtype):
     t = rng.standard_normal(d).astype(dtype)
     g = rng.uniform(0.5, 1.5, d).astype(dtype)
     acc = (np.empty((2, LANES)),) if takes_acc else ()
-    streamed, plain = np.full(d, 7.0, dtype), np.full(d, 7.0, dtype)
-    buf = np.full(d, -3.0, dtype)
+    space = np.full(d + 24, 7.0, dtype)
+    streamed, plain = space[shift : shift + d], np.full(d, 7.0, dtype)
     args = _NORM_ARGS[kernel](x, t, g, g)
-    assert not core(*args, streamed, *acc, *([x] * nexts), buf)
-    np.testing.assert_array_equal(buf, streamed)
-    assert not core(*args, plain, *acc, *([x] * nexts), None)
+    assert not core(*args, streamed, *acc, *([x] * nexts), True)
+    assert not core(*args, plain, *acc, *([x] * nexts), False)
     np.testing.assert_array_equal(plain, streamed)
     assert not (plain == 7.0).any()
+    assert (space[:shift] == 7.0).all() and (space[shift + d :] == 7.0).all()

@@ -8,7 +8,7 @@ the types it gets (float32 or float64 arrays, which the public layer guarantees)
 and then cached on disk (``cache=True``), so ``import pyengine`` never compiles.
 Also here: the low-level memory primitives the kernels share, :func:`prefetch` and
 :func:`prefetch_write` (hints the norm kernels issue ahead of their rows), and
-:func:`stream_affine` and :func:`stream_span` with :func:`store_fence` (non-temporal stores,
+:func:`stream_affine` and :func:`block_writer` with :func:`store_fence` (non-temporal stores,
 as the C++ kernels' ``_mm512_stream_ps`` and ``_mm_stream_ps``), used where an output is far
 larger than any cache: the dense Jacobians (:func:`.layernorm._dense_jacobian`) and the norm
 kernels' long rows (``layernorm.STREAM_ROW_MIN_BYTES``).
@@ -37,9 +37,13 @@ __all__ = [
     "pjit",
     "prefetch",
     "prefetch_write",
+    "Ir",
+    "WRITE_WIDTH",
+    "block_writer",
+    "load_as",
+    "splat",
     "store_fence",
     "stream_affine",
-    "stream_span",
 ]
 
 #: No fast-math, not even per flag (the one exception is :data:`CONTRACT`). Bad-row detection tests the row statistics
@@ -235,14 +239,8 @@ def stream_affine(typingctx, dst, src, a, b, c):
             with cgutils.for_range_slice(builder, lo, hi, k(1), intp) as (i, _):
                 builder.store(value(builder.load(builder.gep(sp, [i])), av, bv, cv), builder.gep(dp, [i]))
 
-        def splat(v):
-            vec = ir.Constant(ir.VectorType(dbl, width), ir.Undefined)
-            for j in range(width):
-                vec = builder.insert_element(vec, v, ir.Constant(ir.IntType(32), j))
-            return vec
-
         plain(k(0), head)
-        va, vb, vc = splat(av), splat(bv), splat(cv)
+        va, vb, vc = (splat(builder, v, width) for v in (av, bv, cv))
         with cgutils.for_range(builder, nvec, intp=intp) as loop:
             i = builder.add(head, builder.mul(loop.index, k(width)))
             x = builder.load(builder.bitcast(builder.gep(sp, [i]), ir.VectorType(dbl, width).as_pointer()), align=8)
@@ -255,70 +253,6 @@ def stream_affine(typingctx, dst, src, a, b, c):
     return types.none(dst, src, a, b, c), codegen
 
 
-@intrinsic
-def stream_span(typingctx, dst, src, o, m):
-    """``stream_span(dst, src, o, m)``: ``dst[o:o+m] = src[o:o+m]`` with non-temporal stores.
-
-    dst, src : 1-D contiguous arrays of one dtype (float32 or float64); o, m : integers; the
-    span [o, o + m) is cut to both arrays (nothing is written outside them). The span is written with
-    16-byte vector stores marked ``!nontemporal`` (``movntps`` / ``movntpd``, as the C++
-    kernels' ``_mm_stream_ps``) from its first 16-byte boundary on, plain stores before it and after
-    the last whole 16 bytes (all of a ``dst`` not aligned to its element size). The values
-    are copied bit for bit. A writing loop computes a block of its row into a scratch in L1
-    and streams it out right away (``layernorm._stream_block``): Numba emits no streaming
-    store from a loop. 16-byte stores, not 64-byte ones, so that a row that starts 16 bytes
-    past a cache line (as NumPy's large arrays do) streams its partial first and last lines
-    too: with plain stores there, the shared line cost a flush per row. The stores are
-    weakly ordered: the thread must call :func:`store_fence` before the kernel returns.
-    """
-    if not (isinstance(dst, types.Array) and isinstance(src, types.Array) and dst.ndim == 1 and src.ndim == 1
-            and dst.layout == "C" and src.layout == "C" and dst.dtype == src.dtype
-            and dst.dtype in (types.float32, types.float64)
-            and isinstance(o, types.Integer) and isinstance(m, types.Integer)):
-        return None
-
-    def codegen(context, builder, sig, args):
-        dty, sty = sig.args[:2]
-        da = context.make_array(dty)(context, builder, args[0])
-        sa = context.make_array(sty)(context, builder, args[1])
-        intp = context.get_value_type(types.intp)
-        k = functools.partial(ir.Constant, intp)
-
-        def clip(v, lo, hi):
-            v = builder.select(builder.icmp_signed("<", v, lo), lo, v)
-            return builder.select(builder.icmp_signed(">", v, hi), hi, v)
-
-        size_d = builder.extract_value(da.shape, 0)
-        size_s = builder.extract_value(sa.shape, 0)
-        limit = builder.select(builder.icmp_signed("<", size_d, size_s), size_d, size_s)
-        first = context.cast(builder, args[2], sig.args[2], types.intp)
-        start = clip(first, k(0), limit)  # [o, o + m) cut to [0, limit)
-        stop = clip(builder.add(first, context.cast(builder, args[3], sig.args[3], types.intp)), start, limit)
-        n = builder.sub(stop, start)
-        elt = context.get_data_type(dty.dtype)
-        size = context.get_abi_sizeof(elt)
-        width = 16 // size
-        vec = ir.VectorType(elt, width)
-        dp, sp = builder.gep(da.data, [start]), builder.gep(sa.data, [start])
-        head, nvec, vend = _vector_span(builder, intp, dp, n, size, 16)
-        nontemporal = builder.module.add_metadata([ir.Constant(ir.IntType(32), 1)])
-
-        def plain(lo, hi):
-            with cgutils.for_range_slice(builder, lo, hi, k(1), intp) as (i, _):
-                builder.store(builder.load(builder.gep(sp, [i])), builder.gep(dp, [i]))
-
-        plain(k(0), head)
-        with cgutils.for_range(builder, nvec, intp=intp) as loop:
-            i = builder.add(head, builder.mul(loop.index, k(width)))
-            v = builder.load(builder.bitcast(builder.gep(sp, [i]), vec.as_pointer()), align=size)
-            st = builder.store(v, builder.bitcast(builder.gep(dp, [i]), vec.as_pointer()), align=16)
-            st.set_metadata("nontemporal", nontemporal)
-        plain(vend, n)
-        return context.get_dummy_value()
-
-    return types.none(dst, src, o, m), codegen
-
-
 _X86 = platform.machine().lower() in ("x86_64", "amd64", "i386", "i686")
 
 
@@ -328,7 +262,7 @@ def store_fence(typingctx):
 
     ``sfence`` on x86 (an LLVM ``fence`` orders only ordinary stores there), a
     sequentially consistent fence elsewhere. Call it once per thread after its last
-    :func:`stream_affine` or :func:`stream_span`, not per row: it waits for the
+    :func:`stream_affine` or :func:`block_writer`, not per row: it waits for the
     write-combining buffers.
     """
 
@@ -349,11 +283,160 @@ if numba.config.DISABLE_JIT:  # pragma: no cover - intrinsics cannot run as Pyth
         """Plain-store stand-in for the ``stream_affine`` intrinsic under ``NUMBA_DISABLE_JIT``."""
         dst[:] = a * (b - c * src)
 
-    def stream_span(dst, src, o, m):  # noqa: F811
-        """Plain-copy stand-in for the ``stream_span`` intrinsic under ``NUMBA_DISABLE_JIT``."""
-        lo = min(max(o, 0), dst.size, src.size)
-        hi = min(max(o + m, lo), dst.size, src.size)
-        dst[lo:hi] = src[lo:hi]
-
     def store_fence():  # noqa: F811
         """No-op stand-in for the ``store_fence`` intrinsic under ``NUMBA_DISABLE_JIT``."""
+
+
+class Ir:
+    """An LLVM value with ``+``, ``-``, ``*`` and ``/`` (no fast-math flags: each operation
+    rounded once, as written): the arithmetic of the formulas that :func:`block_writer` and
+    ``_reduce._row_sums`` turn into vector code."""
+
+    __slots__ = ("b", "v")
+
+    def __init__(self, b, v):
+        self.b, self.v = b, v
+
+    def __add__(self, o):
+        return Ir(self.b, self.b.fadd(self.v, o.v))
+
+    def __sub__(self, o):
+        return Ir(self.b, self.b.fsub(self.v, o.v))
+
+    def __mul__(self, o):
+        return Ir(self.b, self.b.fmul(self.v, o.v))
+
+    def __truediv__(self, o):
+        return Ir(self.b, self.b.fdiv(self.v, o.v))
+
+
+#: Values per vector of :func:`block_writer`.
+WRITE_WIDTH = 4
+
+
+def splat(builder, c, width):
+    """The LLVM vector of ``width`` copies of the scalar ``c``."""
+    v = ir.Constant(ir.VectorType(c.type, width), ir.Undefined)
+    for j in range(width):
+        v = builder.insert_element(v, c, ir.IntType(32)(j))
+    return v
+
+
+def load_as(context, builder, ary, aty, i, width, ft):
+    """``ary[i]`` (``width`` None) or the vector ``ary[i : i + width]`` of the 1-D contiguous
+    array ``ary`` (Numba type ``aty``, float32 or float64; unaligned loads), converted to the
+    LLVM float type ``ft``."""
+    et = context.get_data_type(aty.dtype)
+    p = builder.gep(ary.data, [i])
+    if width:
+        p = builder.bitcast(p, ir.VectorType(et, width).as_pointer())
+    v = builder.load(p, align=context.get_abi_sizeof(et))
+    if et == ft:
+        return v
+    cast = builder.fpext if isinstance(ft, ir.DoubleType) else builder.fptrunc
+    return cast(v, ir.VectorType(ft, width) if width else ft)
+
+
+def block_writer(value, f32=False):
+    """The row writer ``write(out, o, m, stream, arrays, scalars)``:
+    ``out[o + j] = value(*(a[o + j] for a in arrays), *scalars)`` for j in [0, m).
+
+    out : 1-D C-contiguous float32 or float64; arrays : a tuple of such arrays (indexed like
+    ``out``, at least ``o + m`` long: not checked, the caller's row); scalars : a tuple of
+    numbers; o, m : integers; stream : bool. ``value`` combines its arguments with ``+``,
+    ``-``, ``*`` and ``/`` (:class:`Ir`), in float64 (elements converted, the result cast to
+    ``out``'s dtype on the store), or with ``f32`` in float32 (elements and scalars cast to
+    float32; LayerNorm's float32 forward pass, compiled but never called for float64 rows):
+    each operation rounded once as written, so a value is bit for bit that of the same
+    expression in a Numba loop, whatever the vector width.
+
+    Vectors of :data:`WRITE_WIDTH` values, a scalar loop for the last ``m % 4``. With
+    ``stream`` (and ``out[o]`` on a 16-byte boundary) the vectors are written with
+    non-temporal 16-byte stores (``movntps`` / ``movntpd``, as the C++ kernels'
+    ``_mm_stream_ps``), straight from the registers; the thread must call
+    :func:`store_fence` before its kernel returns. Why the norm kernels write their rows
+    with it: LLVM vectorizes a Numba loop that converts float32 to float64 8 or 16 values
+    wide, and on Zen 4 the 4-wide conversions (``vcvtps2pd ymm, m128``) are faster per
+    value; and Numba emits no streaming store from a loop, so a streamed row used to be
+    computed into a scratch row and copied out with an intrinsic of its own, two more passes
+    over the block (``layernorm.STREAM_ROW_MIN_BYTES`` has the measurements).
+    """
+    if numba.config.DISABLE_JIT:  # pragma: no cover - intrinsics cannot run as Python
+
+        def write(out, o, m, stream, arrays, scalars):
+            """The same values with NumPy (plain stores)."""
+            dt = np.float32 if f32 else np.float64
+            with np.errstate(all="ignore"):
+                y = value(*[np.asarray(a[o : o + m], dt) for a in arrays], *[dt(c) for c in scalars])
+            out[o : o + m] = y
+
+        return write
+
+    @intrinsic
+    def write(typingctx, out, o, m, stream, arrays, scalars):
+        fl = (types.float32, types.float64)
+        if not (isinstance(out, types.Array) and out.ndim == 1 and out.layout == "C" and out.dtype in fl
+                and isinstance(o, types.Integer) and isinstance(m, types.Integer)
+                and isinstance(stream, types.Boolean) and isinstance(arrays, types.BaseTuple)
+                and all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
+                        and a.dtype in fl for a in arrays)
+                and isinstance(scalars, types.BaseTuple)
+                and all(isinstance(c, (types.Float, types.Integer)) for c in scalars)):
+            return None
+
+        def codegen(context, builder, sig, args):
+            oty, _, _, _, aty, sty = sig.args
+            da = context.make_array(oty)(context, builder, args[0])
+            arrs = [context.make_array(t)(context, builder, builder.extract_value(args[4], j))
+                    for j, t in enumerate(aty)]
+            ct = types.float32 if f32 else types.float64
+            cs = [context.cast(builder, builder.extract_value(args[5], j), t, ct) for j, t in enumerate(sty)]
+            intp = context.get_value_type(types.intp)
+            i32 = ir.IntType(32)
+            k = functools.partial(ir.Constant, intp)
+            ft = ir.FloatType() if f32 else ir.DoubleType()
+            et = context.get_data_type(oty.dtype)
+            esize = context.get_abi_sizeof(et)
+            start = context.cast(builder, args[1], sig.args[1], types.intp)
+            n = context.cast(builder, args[2], sig.args[2], types.intp)
+            nontemporal = builder.module.add_metadata([i32(1)])
+
+            def compute(i, vector, consts):
+                w = WRITE_WIDTH if vector else None
+                y = value(*[Ir(builder, load_as(context, builder, a, t, i, w, ft)) for a, t in zip(arrs, aty)],
+                          *consts).v
+                if (oty.dtype == types.float32) != f32:
+                    cast = builder.fpext if f32 else builder.fptrunc
+                    y = cast(y, ir.VectorType(et, WRITE_WIDTH) if vector else et)
+                return y
+
+            vcs = [Ir(builder, splat(builder, c, WRITE_WIDTH)) for c in cs]
+            nvec = builder.udiv(n, k(WRITE_WIDTH))
+            addr = builder.ptrtoint(builder.gep(da.data, [start]), intp)
+            nt = builder.and_(args[3], builder.icmp_unsigned("==", builder.and_(addr, k(15)), k(0)))
+            piece = 16 // esize  # values per 16-byte streaming store
+            with builder.if_else(nt) as (streamed, plain):
+                for streaming in (True, False):
+                    with (streamed if streaming else plain):
+                        with cgutils.for_range(builder, nvec, intp=intp) as loop:
+                            i = builder.add(start, builder.mul(loop.index, k(WRITE_WIDTH)))
+                            y = compute(i, True, vcs)
+                            if streaming:  # 16 bytes a store
+                                for q in range(0, WRITE_WIDTH, piece):
+                                    part = y if piece == WRITE_WIDTH else builder.shuffle_vector(
+                                        y, y, ir.Constant(ir.VectorType(i32, piece), [q + t for t in range(piece)]))
+                                    p = builder.bitcast(builder.gep(da.data, [builder.add(i, k(q))]),
+                                                        ir.VectorType(et, piece).as_pointer())
+                                    builder.store(part, p, align=16).set_metadata("nontemporal", nontemporal)
+                            else:
+                                p = builder.bitcast(builder.gep(da.data, [i]), ir.VectorType(et, WRITE_WIDTH).as_pointer())
+                                builder.store(y, p, align=esize)
+            scs = [Ir(builder, c) for c in cs]
+            lo = builder.add(start, builder.mul(nvec, k(WRITE_WIDTH)))
+            with cgutils.for_range_slice(builder, lo, builder.add(start, n), k(1), intp) as (i, _):
+                builder.store(compute(i, False, scs), builder.gep(da.data, [i]))
+            return context.get_dummy_value()
+
+        return types.none(out, o, m, stream, arrays, scalars), codegen
+
+    return write

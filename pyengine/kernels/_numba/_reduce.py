@@ -53,7 +53,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._jit import inline, jit
+from ._jit import Ir, inline, jit, load_as, splat
 
 __all__ = [
     "LANES",
@@ -207,25 +207,13 @@ def _row_sums(terms, nsums, vectors=_SUM_VECTORS):
             i32 = ir.IntType(32)
             d = builder.extract_value(arrs[0].shape, 0)
 
-            def load(a, t, i, vector):
-                et = context.get_data_type(t.dtype)
-                p = builder.gep(a.data, [i])
-                if vector:
-                    p = builder.bitcast(p, ir.VectorType(et, _SUM_WIDTH).as_pointer())
-                v = builder.load(p, align=context.get_abi_sizeof(et))
-                return v if t.dtype == types.float64 else builder.fpext(v, vty if vector else dbl)
-
-            def splat(c):
-                v = ir.Constant(vty, ir.Undefined)
-                for j in range(_SUM_WIDTH):
-                    v = builder.insert_element(v, c, i32(j))
-                return v
-
             def element_terms(i, vector, consts):
-                ys = terms(*[_Ir(builder, load(a, t, i, vector)) for a, t in zip(arrs, aty)], *consts)
+                w = _SUM_WIDTH if vector else None
+                ys = terms(*[Ir(builder, load_as(context, builder, a, t, i, w, dbl)) for a, t in zip(arrs, aty)],
+                           *consts)
                 return [y.v for y in ys]
 
-            vcs = [_Ir(builder, splat(c)) for c in cs]
+            vcs = [Ir(builder, splat(builder, c, _SUM_WIDTH)) for c in cs]
             zero = ir.Constant(vty, [0.0] * _SUM_WIDTH)
             part = [[cgutils.alloca_once_value(builder, zero) for _ in range(vectors)] for _ in range(nsums)]
             nstep = builder.udiv(d, intp(step))
@@ -237,10 +225,10 @@ def _row_sums(terms, nsums, vectors=_SUM_VECTORS):
                         builder.store(builder.fadd(builder.load(part[s][q]), ys[s]), part[s][q])
             total = []
             for s in range(nsums):
-                q = _tree([_Ir(builder, builder.load(a)) for a in part[s]]).v
-                lanes = _tree([_Ir(builder, builder.extract_element(q, i32(j))) for j in range(_SUM_WIDTH)]).v
+                q = _tree([Ir(builder, builder.load(a)) for a in part[s]]).v
+                lanes = _tree([Ir(builder, builder.extract_element(q, i32(j))) for j in range(_SUM_WIDTH)]).v
                 total.append(cgutils.alloca_once_value(builder, lanes))
-            scs = [_Ir(builder, c) for c in cs]
+            scs = [Ir(builder, c) for c in cs]
             with cgutils.for_range_slice(builder, builder.mul(nstep, intp(step)), d, intp(1), intp) as (i, _):
                 ys = element_terms(i, False, scs)
                 for s in range(nsums):
@@ -273,27 +261,6 @@ def _ordered_sums(terms, nsums, vectors, arrays, scalars):
             s += y[i]
         out.append(float(s))
     return tuple(out)
-
-
-class _Ir:
-    """An LLVM value with the arithmetic of :func:`_row_sums`' terms (no fast-math flags)."""
-
-    __slots__ = ("b", "v")
-
-    def __init__(self, b, v):
-        self.b, self.v = b, v
-
-    def __add__(self, o):
-        return _Ir(self.b, self.b.fadd(self.v, o.v))
-
-    def __sub__(self, o):
-        return _Ir(self.b, self.b.fsub(self.v, o.v))
-
-    def __mul__(self, o):
-        return _Ir(self.b, self.b.fmul(self.v, o.v))
-
-    def __truediv__(self, o):
-        return _Ir(self.b, self.b.fdiv(self.v, o.v))
 
 
 _sums_x = _row_sums(lambda x: (x,), 1)

@@ -33,9 +33,7 @@ the top of the ``prange`` body, and Numba's parfor pass hoists that allocation o
 of the loop: it runs once per thread (per scheduled chunk of rows), not per row,
 and each thread gets its own scratch (``kernel.parallel_diagnostics(level=4)``
 reports it under "Allocation hoisting"). ``numba.get_num_threads()`` cannot be used
-to preallocate instead: it makes a function uncacheable. The scratch row of streamed
-rows (``buf``, one row of ``out``'s dtype) is allocated per chunk of rows, in the branch
-that streams.
+to preallocate instead: it makes a function uncacheable.
 
 The cores are plain ``jit`` functions; LLVM decides whether to inline them. Numba's
 ``inline="always"`` on all of them made compilation about 35 % slower and the kernels no
@@ -51,8 +49,10 @@ kernel gave nothing and stays a call.
 The batch kernels share the rows out in ``_CHUNKS`` chunks of contiguous rows, so the
 row a core prefetches is almost always its own thread's next one. Outputs are written with
 plain stores, except the dense Jacobians' (streamed, see :func:`_dense_jacobian`) and the
-long rows of large outputs (:data:`STREAM_ROW_MIN_BYTES`), which the norm kernels compute a
-block at a time into the thread's scratch row and stream out at once (:func:`_stream_block`).
+long rows of large outputs (:data:`STREAM_ROW_MIN_BYTES`), which the norm kernels stream
+out with non-temporal stores straight from the registers. Every writing pass is a
+:func:`._jit.block_writer` (the row's formula as 4-wide LLVM vector code, plain or streaming
+stores) called once per block of ``_BLOCK`` values, between the block's prefetches.
 An earlier streamed variant sent each row out whole after its writing pass, for every large
 output: it was slower everywhere, 1.36-1.64x of C++ without it against 1.91-2.67x with it at
 (8192, 768) float32, and no better at (2048, 4096) or (8192, 4096).
@@ -64,7 +64,7 @@ import numpy as np
 from numba import prange
 
 from ...backends import register
-from ._jit import inline, jit, pjit, prefetch, prefetch_write, store_fence, stream_affine, stream_span
+from ._jit import block_writer, inline, jit, pjit, prefetch, prefetch_write, store_fence, stream_affine
 from ._reduce import (
     LANES,
     _f64,
@@ -194,11 +194,11 @@ def _prefetch_block(a, o):
 
 
 @inline
-def _prefetch_out(out, o, buf):
+def _prefetch_out(out, o, stream):
     """Prefetch for writing the block of ``out`` :data:`_WRITE_AHEAD` bytes past ``out[o]``,
     if it lies inside the row (:func:`_prefetch_out_head` asks for a row's first bytes);
-    nothing when the row is streamed (``buf`` given, see :func:`_stream_block`)."""
-    if buf is None:
+    nothing when the row is streamed (:data:`STREAM_ROW_MIN_BYTES`)."""
+    if not stream:
         a = o + _WRITE_AHEAD // out.itemsize
         if a + _BLOCK <= out.size:
             for k in range(0, _BLOCK, _LINE // out.itemsize):
@@ -223,10 +223,10 @@ def _prefetch_row_ahead(outf, o, m):
 
 
 @inline
-def _prefetch_out_head(out, buf):
+def _prefetch_out_head(out, stream):
     """Prefetch for writing the first :data:`_WRITE_AHEAD` bytes of ``out``, before the row's
     statistics, so they arrive while the sums run; nothing when the row is streamed."""
-    if buf is None:
+    if not stream:
         for k in range(0, min(_WRITE_AHEAD // out.itemsize, out.size), _LINE // out.itemsize):
             prefetch_write(out, k)
 
@@ -239,10 +239,14 @@ def _prefetch_out_head(out, buf):
 #: written with non-temporal stores (:func:`_stream_rows`); shorter rows with plain stores and
 #: the write prefetch (:data:`_WRITE_AHEAD`). A plain store first reads its line, so a norm
 #: kernel writing to memory moves 3 bytes for every 2 it needs (4 for 3 with a tangent).
-#: Streamed, the writing pass computes each block of ``_BLOCK`` values into the thread's
-#: scratch row (in L1) and sends it out at once (:func:`._jit.stream_span`), so the stores
-#: stay spread over the pass as in the C++ kernels (rows sent out whole after their pass
-#: were slower than plain stores). On Zen 4,
+#: Streamed, the writing pass sends each vector out as it is computed
+#: (:func:`._jit.block_writer`), as the C++ kernels do. Until the fourteenth session it
+#: computed each block of ``_BLOCK`` values into the thread's scratch row (in L1) and copied
+#: it out with an intrinsic, ``_jit.stream_span`` (Numba emits no streaming store from a loop); from the
+#: registers, ``rms_norm`` float32 took 1.35 / 1.08 ms against 1.76 / 1.77 at (2048, 4096),
+#: 1.50 / 1.08 against 1.73 / 1.50 at (1024, 8192), 1.37 / 1.02 against 1.99 / 1.83 at
+#: (4096, 2048), C++ 1.33 / 1.06, 1.30 / 1.00, 1.32 / 1.04 (two runs, medians of interleaved
+#: calls). The figures below are of the scratch-row kernel. Against plain stores, on Zen 4,
 #: 2 threads, ``pyengine bench --compare-rev`` (interleaved, new / old time) at (2048, 4096):
 #: ``layer_norm`` 0.70-0.85 (float32) and 0.82-0.84 (float64), ``rms_norm`` 0.78-0.92 and
 #: 0.77-0.82, their JVPs and VJPs 0.87-0.95 (LayerNorm's float32 JVP and VJP 0.91-1.04). Rows of
@@ -267,57 +271,48 @@ STREAM_ROW_MIN_BYTES = 8 << 10
 def _stream_rows(out):
     """Whether a norm kernel streams the rows of ``out`` (n, d): at least
     :data:`STREAM_MIN_BYTES` in all, rows of at least :data:`STREAM_ROW_MIN_BYTES`, and every
-    row starting on a 16-byte boundary (:func:`._jit.stream_span` writes 16 bytes at a time;
+    row starting on a 16-byte boundary (:func:`._jit.block_writer` streams 16 bytes at a time;
     a row's partial first and last lines then come whole from two streamed rows)."""
     row = out.shape[1] * out.itemsize
     return (out.size * out.itemsize >= STREAM_MIN_BYTES and row >= STREAM_ROW_MIN_BYTES and row % 16 == 0
             and out.ctypes.data % 16 == 0)
 
 
-@inline
-def _stream_block(out, buf, o, m):
-    """Send out[o : o + m] from the scratch row ``buf`` with streaming stores; nothing when
-    ``buf`` is None (the row was written to ``out`` directly). The cores write into
-    ``w = out if buf is None else buf``; Numba compiles each core once for ``buf`` None and
-    once for an array, each with only its own branch (a runtime flag in the row loop made the
-    plain rows 5-10 % slower)."""
-    if buf is not None:
-        stream_span(out, buf, o, m)
-
-
 # --------------------------------------------------------------------------- #
 # Per-token cores. x, v, u, out : (d,); gamma, beta : (d,); acc : (2, LANES) (forward only).
 # x_next (and v_next / u_next): the row(s) of the next token, prefetched while
-# this one is written; pass the row itself when there is none. buf: None (the row is
-# written to out, its lines prefetched for writing: _prefetch_out_head, _prefetch_out),
-# or the thread's scratch row (d,) through which it is streamed (_stream_block).
+# this one is written; pass the row itself when there is none. stream: False (the row is
+# written with plain stores, its lines prefetched for writing: _prefetch_out_head,
+# _prefetch_out) or True (streaming stores, see STREAM_ROW_MIN_BYTES).
 # Each returns True for a bad row (its output is then unspecified).
 # --------------------------------------------------------------------------- #
 
+# The writing passes: out[o : o + m] = the row's formula, in float64 (converted on load, cast on
+# the store), each operation rounded once as written (see _jit.block_writer).
+_write_ln = block_writer(lambda g, x, b, mu, inv: g * ((x - mu) * inv) + b)
+_write_ln_jvp = block_writer(lambda g, v, x, mv, m2, mu, inv: g * (((v - mv) - ((x - mu) * inv) * m2) * inv))
+_write_ln_vjp = block_writer(lambda g, u, x, mg, m2, mu, inv: ((g * u - mg) - ((x - mu) * inv) * m2) * inv)
+#: LayerNorm's float32 forward pass, in float32 (:func:`_layer_norm_write_f32`).
+_write_ln_f32 = block_writer(lambda g, x, b, mh, ml, fi: g * (((x - mh) - ml) * fi) + b, f32=True)
+
 
 @jit
-def _layer_norm_row(x, gamma, beta, eps, out, acc, x_next, buf):
+def _layer_norm_row(x, gamma, beta, eps, out, acc, x_next, stream):
     """out = gamma * (x - mu) / s + beta."""
     d = x.size
-    _prefetch_out_head(out, buf)
+    _prefetch_out_head(out, stream)
     mu, s, bad = _ln_stats(x, eps, acc, True)
     inv = 1.0 / s
     if out.itemsize == 4 and _f32_pass_ok(mu, inv):
-        _layer_norm_write_f32(x, gamma, beta, mu, inv, out, x_next, buf)
+        _layer_norm_write_f32(x, gamma, beta, mu, inv, out, x_next, stream)
         return bad
-    w = out if buf is None else buf
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
-        _prefetch_out(out, o, buf)
-        for k in range(_BLOCK):
-            i = o + k
-            w[i] = _f64(gamma[i]) * ((_f64(x[i]) - mu) * inv) + _f64(beta[i])
-        _stream_block(out, buf, o, _BLOCK)
-    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
-        w[i] = _f64(gamma[i]) * ((_f64(x[i]) - mu) * inv) + _f64(beta[i])
-    _stream_block(out, buf, nb * _BLOCK, d - nb * _BLOCK)
+        _prefetch_out(out, o, stream)
+        _write_ln(out, o, _BLOCK, stream, (gamma, x, beta), (mu, inv))
+    _write_ln(out, nb * _BLOCK, d - nb * _BLOCK, stream, (gamma, x, beta), (mu, inv))
     return bad
 
 
@@ -329,7 +324,7 @@ def _f32_pass_ok(mu, inv):
 
 
 @inline
-def _layer_norm_write_f32(x, gamma, beta, mu, inv, out, x_next, buf):
+def _layer_norm_write_f32(x, gamma, beta, mu, inv, out, x_next, stream):
     """The writing pass of a float32 row in float32 (the C++ kernel's ``write_row_f32``).
 
     gamma * (((x - mu_hi) - mu_lo) * inv) + beta with mu = mu_hi + mu_lo to about 2^-48
@@ -343,26 +338,20 @@ def _layer_norm_write_f32(x, gamma, beta, mu, inv, out, x_next, buf):
     mh = np.float32(mu)
     ml = np.float32(mu - _f64(mh))
     fi = np.float32(inv)
-    w = out if buf is None else buf
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
-        _prefetch_out(out, o, buf)
-        for k in range(_BLOCK):
-            i = o + k
-            w[i] = gamma[i] * (((x[i] - mh) - ml) * fi) + beta[i]
-        _stream_block(out, buf, o, _BLOCK)
-    for i in range(nb * _BLOCK, d):
-        w[i] = gamma[i] * (((x[i] - mh) - ml) * fi) + beta[i]
-    _stream_block(out, buf, nb * _BLOCK, d - nb * _BLOCK)
+        _prefetch_out(out, o, stream)
+        _write_ln_f32(out, o, _BLOCK, stream, (gamma, x, beta), (mh, ml, fi))
+    _write_ln_f32(out, nb * _BLOCK, d - nb * _BLOCK, stream, (gamma, x, beta), (mh, ml, fi))
 
 
 @jit
-def _layer_norm_jvp_row(x, v, gamma, eps, frozen, out, x_next, v_next, buf):
+def _layer_norm_jvp_row(x, v, gamma, eps, frozen, out, x_next, v_next, stream):
     """out = gamma/s * (v - mean v - xh mean(xh v)); frozen drops the xh term."""
     d = x.size
-    _prefetch_out_head(out, buf)
+    _prefetch_out_head(out, stream)
     sx, sv = _sum_pair(x, v)
     mu = sx / d
     mv = sv / d
@@ -380,30 +369,22 @@ def _layer_norm_jvp_row(x, v, gamma, eps, frozen, out, x_next, v_next, buf):
     else:  # a row of extreme magnitude: its statistics, rescaled
         mu, s, m2, bad = _ln_slow(x, eps, v, gamma, False, not frozen)
         inv = 1.0 / s
-    w = out if buf is None else buf
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
         _prefetch_block(v_next, o)
-        _prefetch_out(out, o, buf)
-        for k in range(_BLOCK):
-            i = o + k
-            xh = (_f64(x[i]) - mu) * inv
-            w[i] = _f64(gamma[i]) * (((_f64(v[i]) - mv) - xh * m2) * inv)
-        _stream_block(out, buf, o, _BLOCK)
-    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
-        xh = (_f64(x[i]) - mu) * inv
-        w[i] = _f64(gamma[i]) * (((_f64(v[i]) - mv) - xh * m2) * inv)
-    _stream_block(out, buf, nb * _BLOCK, d - nb * _BLOCK)
+        _prefetch_out(out, o, stream)
+        _write_ln_jvp(out, o, _BLOCK, stream, (gamma, v, x), (mv, m2, mu, inv))
+    _write_ln_jvp(out, nb * _BLOCK, d - nb * _BLOCK, stream, (gamma, v, x), (mv, m2, mu, inv))
     return bad or not (np.isfinite(mu) and np.isfinite(mv) and np.isfinite(m2))
 
 
 @jit
-def _layer_norm_vjp_row(x, u, gamma, eps, frozen, out, x_next, u_next, buf):
+def _layer_norm_vjp_row(x, u, gamma, eps, frozen, out, x_next, u_next, stream):
     """out = (g - mean g - xh mean(xh g)) / s with g = gamma * u; frozen drops the xh term."""
     d = x.size
-    _prefetch_out_head(out, buf)
+    _prefetch_out_head(out, stream)
     sx, sg = _sum_pair_gu(x, gamma, u)
     mu = sx / d
     mg = sg / d
@@ -421,22 +402,14 @@ def _layer_norm_vjp_row(x, u, gamma, eps, frozen, out, x_next, u_next, buf):
     else:  # a row of extreme magnitude: its statistics, rescaled
         mu, s, m2, bad = _ln_slow(x, eps, u, gamma, True, not frozen)
         inv = 1.0 / s
-    w = out if buf is None else buf
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
         _prefetch_block(u_next, o)
-        _prefetch_out(out, o, buf)
-        for k in range(_BLOCK):
-            i = o + k
-            xh = (_f64(x[i]) - mu) * inv
-            w[i] = ((_f64(gamma[i]) * _f64(u[i]) - mg) - xh * m2) * inv
-        _stream_block(out, buf, o, _BLOCK)
-    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
-        xh = (_f64(x[i]) - mu) * inv
-        w[i] = ((_f64(gamma[i]) * _f64(u[i]) - mg) - xh * m2) * inv
-    _stream_block(out, buf, nb * _BLOCK, d - nb * _BLOCK)
+        _prefetch_out(out, o, stream)
+        _write_ln_vjp(out, o, _BLOCK, stream, (gamma, u, x), (mg, m2, mu, inv))
+    _write_ln_vjp(out, nb * _BLOCK, d - nb * _BLOCK, stream, (gamma, u, x), (mg, m2, mu, inv))
     return bad or not (np.isfinite(mu) and np.isfinite(mg) and np.isfinite(m2))
 
 
@@ -505,19 +478,12 @@ def layer_norm(x, gamma, beta, eps, out):
     stream = _stream_rows(out)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
-        rows = range(c * n // nc, (c + 1) * n // nc)
+        for r in range(c * n // nc, (c + 1) * n // nc):
+            nx = min(r + 1, n - 1)
+            if _layer_norm_row(x[r], gamma, beta, eps, out[r], acc, x[nx], stream):
+                nbad += 1
         if stream:
-            buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
-            for r in rows:
-                nx = min(r + 1, n - 1)
-                if _layer_norm_row(x[r], gamma, beta, eps, out[r], acc, x[nx], buf):
-                    nbad += 1
             store_fence()
-        else:
-            for r in rows:
-                nx = min(r + 1, n - 1)
-                if _layer_norm_row(x[r], gamma, beta, eps, out[r], acc, x[nx], None):
-                    nbad += 1
     return nbad
 
 
@@ -530,19 +496,12 @@ def layer_norm_jvp(x, v, gamma, eps, frozen, out):
     nc = min(n, _CHUNKS)
     stream = _stream_rows(out)
     for c in prange(nc):
-        rows = range(c * n // nc, (c + 1) * n // nc)
+        for r in range(c * n // nc, (c + 1) * n // nc):
+            nx = min(r + 1, n - 1)
+            if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], x[nx], v[nx], stream):
+                nbad += 1
         if stream:
-            buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
-            for r in rows:
-                nx = min(r + 1, n - 1)
-                if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], x[nx], v[nx], buf):
-                    nbad += 1
             store_fence()
-        else:
-            for r in rows:
-                nx = min(r + 1, n - 1)
-                if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], x[nx], v[nx], None):
-                    nbad += 1
     return nbad
 
 
@@ -555,19 +514,12 @@ def layer_norm_vjp(x, u, gamma, eps, frozen, out):
     nc = min(n, _CHUNKS)
     stream = _stream_rows(out)
     for c in prange(nc):
-        rows = range(c * n // nc, (c + 1) * n // nc)
+        for r in range(c * n // nc, (c + 1) * n // nc):
+            nx = min(r + 1, n - 1)
+            if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], x[nx], u[nx], stream):
+                nbad += 1
         if stream:
-            buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
-            for r in rows:
-                nx = min(r + 1, n - 1)
-                if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], x[nx], u[nx], buf):
-                    nbad += 1
             store_fence()
-        else:
-            for r in rows:
-                nx = min(r + 1, n - 1)
-                if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], x[nx], u[nx], None):
-                    nbad += 1
     return nbad
 
 

@@ -16,7 +16,7 @@ import numpy as np
 from numba import prange
 
 from ...backends import register
-from ._jit import inline, jit, pjit, store_fence
+from ._jit import block_writer, inline, jit, pjit, store_fence
 from ._reduce import _f64, _rms_slow, _safe, _scale, _sum_sq, _sum_sq_dot, _sum_sq_dot_gu
 from .layernorm import (
     _BLOCK,
@@ -25,7 +25,6 @@ from .layernorm import (
     _prefetch_block,
     _prefetch_out,
     _prefetch_out_head,
-    _stream_block,
     _stream_rows,
 )
 
@@ -35,6 +34,11 @@ __all__ = ["rms_norm", "rms_norm_jacobian", "rms_norm_jvp", "rms_norm_vjp"]
 # --------------------------------------------------------------------------- #
 # Per-token cores, as in layernorm.py. Each returns True for a bad row.
 # --------------------------------------------------------------------------- #
+
+# The writing passes (layernorm.py's, with centre 0).
+_write_rms = block_writer(lambda g, x, inv: g * (x * inv))
+_write_rms_jvp = block_writer(lambda g, v, x, c, inv: g * ((v - x * c) * inv))
+_write_rms_vjp = block_writer(lambda g, u, x, c, inv: (g * u - x * c) * inv)
 
 
 @inline
@@ -48,33 +52,27 @@ def _rms_scale(x, eps):
 
 
 @jit
-def _rms_norm_row(x, gamma, eps, out, x_next, buf):
+def _rms_norm_row(x, gamma, eps, out, x_next, stream):
     """out = gamma * x / r, r = sqrt(mean(x^2) + eps)."""
     d = x.size
-    _prefetch_out_head(out, buf)
+    _prefetch_out_head(out, stream)
     r, bad = _rms_scale(x, eps)
     inv = 1.0 / r
-    w = out if buf is None else buf
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
-        _prefetch_out(out, o, buf)
-        for k in range(_BLOCK):
-            i = o + k
-            w[i] = _f64(gamma[i]) * (_f64(x[i]) * inv)
-        _stream_block(out, buf, o, _BLOCK)
-    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
-        w[i] = _f64(gamma[i]) * (_f64(x[i]) * inv)
-    _stream_block(out, buf, nb * _BLOCK, d - nb * _BLOCK)
+        _prefetch_out(out, o, stream)
+        _write_rms(out, o, _BLOCK, stream, (gamma, x), (inv,))
+    _write_rms(out, nb * _BLOCK, d - nb * _BLOCK, stream, (gamma, x), (inv,))
     return bad
 
 
 @jit
-def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, x_next, v_next, buf):
+def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, x_next, v_next, stream):
     """out = gamma/r * (v - x mean(x v)/r^2); frozen: gamma * v / r."""
     d = x.size
-    _prefetch_out_head(out, buf)
+    _prefetch_out_head(out, stream)
     # sum(x v) is needed for frozen=True too: it is non-finite iff v has NaN/Inf.
     q, dot = _sum_sq_dot(x, 0.0, v)
     if _safe(q / d, eps, 0.0):
@@ -85,28 +83,22 @@ def _rms_norm_jvp_row(x, v, gamma, eps, frozen, out, x_next, v_next, buf):
         r, c, bad = _rms_slow(x, eps, v, gamma, False, True)
         c = 0.0 if frozen else c
     inv = 1.0 / r
-    w = out if buf is None else buf
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
         _prefetch_block(v_next, o)
-        _prefetch_out(out, o, buf)
-        for k in range(_BLOCK):
-            i = o + k
-            w[i] = _f64(gamma[i]) * ((_f64(v[i]) - _f64(x[i]) * c) * inv)
-        _stream_block(out, buf, o, _BLOCK)
-    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
-        w[i] = _f64(gamma[i]) * ((_f64(v[i]) - _f64(x[i]) * c) * inv)
-    _stream_block(out, buf, nb * _BLOCK, d - nb * _BLOCK)
+        _prefetch_out(out, o, stream)
+        _write_rms_jvp(out, o, _BLOCK, stream, (gamma, v, x), (c, inv))
+    _write_rms_jvp(out, nb * _BLOCK, d - nb * _BLOCK, stream, (gamma, v, x), (c, inv))
     return bad
 
 
 @jit
-def _rms_norm_vjp_row(x, u, gamma, eps, frozen, out, x_next, u_next, buf):
+def _rms_norm_vjp_row(x, u, gamma, eps, frozen, out, x_next, u_next, stream):
     """out = (g - x mean(x g)/r^2) / r with g = gamma * u; frozen: g / r."""
     d = x.size
-    _prefetch_out_head(out, buf)
+    _prefetch_out_head(out, stream)
     q, dot = _sum_sq_dot_gu(x, 0.0, gamma, u)
     if _safe(q / d, eps, 0.0):
         r, bad = _scale(q / d, eps)
@@ -116,20 +108,14 @@ def _rms_norm_vjp_row(x, u, gamma, eps, frozen, out, x_next, u_next, buf):
         r, c, bad = _rms_slow(x, eps, u, gamma, True, True)
         c = 0.0 if frozen else c
     inv = 1.0 / r
-    w = out if buf is None else buf
     nb = d // _BLOCK
     for j in range(nb):
         o = j * _BLOCK
         _prefetch_block(x_next, o)
         _prefetch_block(u_next, o)
-        _prefetch_out(out, o, buf)
-        for k in range(_BLOCK):
-            i = o + k
-            w[i] = (_f64(gamma[i]) * _f64(u[i]) - _f64(x[i]) * c) * inv
-        _stream_block(out, buf, o, _BLOCK)
-    for i in range(nb * _BLOCK, d):  # the d % _BLOCK leftover values
-        w[i] = (_f64(gamma[i]) * _f64(u[i]) - _f64(x[i]) * c) * inv
-    _stream_block(out, buf, nb * _BLOCK, d - nb * _BLOCK)
+        _prefetch_out(out, o, stream)
+        _write_rms_vjp(out, o, _BLOCK, stream, (gamma, u, x), (c, inv))
+    _write_rms_vjp(out, nb * _BLOCK, d - nb * _BLOCK, stream, (gamma, u, x), (c, inv))
     return bad
 
 
@@ -148,19 +134,12 @@ def rms_norm(x, gamma, eps, out):
     nc = min(n, _CHUNKS)
     stream = _stream_rows(out)
     for c in prange(nc):
-        rows = range(c * n // nc, (c + 1) * n // nc)
+        for r in range(c * n // nc, (c + 1) * n // nc):
+            nx = min(r + 1, n - 1)
+            if _rms_norm_row(x[r], gamma, eps, out[r], x[nx], stream):
+                nbad += 1
         if stream:
-            buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
-            for r in rows:
-                nx = min(r + 1, n - 1)
-                if _rms_norm_row(x[r], gamma, eps, out[r], x[nx], buf):
-                    nbad += 1
             store_fence()
-        else:
-            for r in rows:
-                nx = min(r + 1, n - 1)
-                if _rms_norm_row(x[r], gamma, eps, out[r], x[nx], None):
-                    nbad += 1
     return nbad
 
 
@@ -173,19 +152,12 @@ def rms_norm_jvp(x, v, gamma, eps, frozen, out):
     nc = min(n, _CHUNKS)
     stream = _stream_rows(out)
     for c in prange(nc):
-        rows = range(c * n // nc, (c + 1) * n // nc)
+        for r in range(c * n // nc, (c + 1) * n // nc):
+            nx = min(r + 1, n - 1)
+            if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], x[nx], v[nx], stream):
+                nbad += 1
         if stream:
-            buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
-            for r in rows:
-                nx = min(r + 1, n - 1)
-                if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], x[nx], v[nx], buf):
-                    nbad += 1
             store_fence()
-        else:
-            for r in rows:
-                nx = min(r + 1, n - 1)
-                if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], x[nx], v[nx], None):
-                    nbad += 1
     return nbad
 
 
@@ -198,19 +170,12 @@ def rms_norm_vjp(x, u, gamma, eps, frozen, out):
     nc = min(n, _CHUNKS)
     stream = _stream_rows(out)
     for c in prange(nc):
-        rows = range(c * n // nc, (c + 1) * n // nc)
+        for r in range(c * n // nc, (c + 1) * n // nc):
+            nx = min(r + 1, n - 1)
+            if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], x[nx], u[nx], stream):
+                nbad += 1
         if stream:
-            buf = np.empty(out.shape[1], dtype=out.dtype)  # the row being streamed
-            for r in rows:
-                nx = min(r + 1, n - 1)
-                if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], x[nx], u[nx], buf):
-                    nbad += 1
             store_fence()
-        else:
-            for r in rows:
-                nx = min(r + 1, n - 1)
-                if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], x[nx], u[nx], None):
-                    nbad += 1
     return nbad
 
 

@@ -205,11 +205,14 @@ def _placed(n, d, dtype, shift):
 
 
 def test_stream_rows_rule(nb):
-    """Streamed: >= STREAM_MIN_BYTES in all, rows >= STREAM_ROW_MIN_BYTES, rows on 16-byte
-    boundaries. Not: small outputs, short rows (d = 768), rows off 16-byte boundaries."""
+    """Streamed: >= STREAM_MIN_BYTES in all, rows >= the kernel's minimum, rows on 16-byte
+    boundaries. Not: small outputs, short rows, rows off 16-byte boundaries."""
     layernorm = nb[0]
-    rule = layernorm._stream_rows
     assert layernorm.STREAM_ROW_MIN_BYTES == 8 << 10 and layernorm.STREAM_MIN_BYTES == 16 << 20
+    assert layernorm.STREAM_SHORT_ROW_MIN_BYTES == 2 << 10
+
+    def rule(out, min_row=layernorm.STREAM_ROW_MIN_BYTES):
+        return layernorm._stream_rows(out, min_row)
 
     def aligned(n, d, dtype, shift=0):
         return _placed(n, d, dtype, shift)[2]
@@ -223,6 +226,12 @@ def test_stream_rows_rule(nb):
     assert not rule(aligned(4096, 2047, np.float32))  # 8188-byte rows
     assert not rule(aligned(2048, 2048, np.float32, shift=4))  # rows 4 bytes past 16
     assert not rule(aligned(2048, 2049, np.float32))  # rows that drift off 16 bytes
+    short = layernorm.STREAM_SHORT_ROW_MIN_BYTES
+    assert rule(aligned(8192, 768, np.float32), short)  # 3 KiB rows stream from 2 KiB
+    assert rule(aligned(8192, 512, np.float32), short)  # exactly 16 MiB, 2 KiB rows
+    assert not rule(aligned(16384, 508, np.float32), short)  # 2032-byte rows
+    assert not rule(aligned(8191, 512, np.float32), short)  # just under 16 MiB
+    assert not rule(aligned(8192, 768, np.float32, shift=8), short)
 
 
 _NORM_ARGS = {
@@ -236,14 +245,16 @@ _NORM_ARGS = {
 
 
 @pytest.mark.parametrize("kernel", sorted(_NORM_ARGS))
-@pytest.mark.parametrize("dtype, d", [(np.float32, 2052), (np.float64, 1024)], ids=["float32", "float64"])
+@pytest.mark.parametrize("dtype, d", [(np.float32, 2052), (np.float64, 1024), (np.float32, 772)],
+                         ids=["float32", "float64", "float32-short"])
 @pytest.mark.parametrize("shift", [0, 16, 8], ids=["line", "16B", "8B"])
 def test_streamed_norm_rows_equal_plain(nb, kernel, dtype, d, shift):
     """A norm kernel's output streamed (16 MiB or more, long rows) equals, bit for bit, what the
     same kernel writes with plain stores on slices of a few rows (its rows are independent);
     an output whose rows are off 16-byte boundaries (``shift`` 8 bytes past a line) takes the
     plain path and agrees too. The float32 rows include the d % 64 tail (d = 2052), a row whose mean takes
-    LayerNorm's float64 writing pass, and a bad row, counted on both paths."""
+    LayerNorm's float64 writing pass, and a bad row, counted on both paths. Rows of 3 KiB
+    (d = 772) stream in every kernel but LayerNorm's forward pass."""
     import numba
 
     if numba.config.DISABLE_JIT:
@@ -261,7 +272,11 @@ def test_streamed_norm_rows_equal_plain(nb, kernel, dtype, d, shift):
     b = rng.standard_normal(d).astype(dtype)
     keep = [a.copy() for a in (x, t, g, b)]
     raw, start, out = _placed(n, d, dtype, shift)
-    assert bool(layernorm._stream_rows(out)) == (shift % 16 == 0)
+    long_only = kernel == "layer_norm"
+    min_row = layernorm.STREAM_ROW_MIN_BYTES if long_only else layernorm.STREAM_SHORT_ROW_MIN_BYTES
+    streams = shift % 16 == 0 and d * item >= min_row
+    assert bool(layernorm._stream_rows(out, min_row)) == streams
+    assert streams or shift % 16 or (long_only and d == 772)
     bad = fn(*_NORM_ARGS[kernel](x, t, g, b), out)
     assert bad == 1
     assert (raw[:start] == 7.0).all() and (raw[start + n * d :] == 7.0).all()

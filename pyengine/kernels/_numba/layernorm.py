@@ -264,17 +264,34 @@ def _prefetch_out_head(out, stream):
 #: block late 1.82-1.83 ms, no prefetch of the next row 1.70-2.03, the next row's sums
 #: computed inside this row's writing pass (the C++ pipeline) 1.56-1.95 (plain 1.41-1.54),
 #: and in that variant blocks of 16 or 32 values streamed at a time 3.36 / 2.04.
+#: LayerNorm's forward pass keeps that threshold. The other norm kernels stream from 2 KiB
+#: (:data:`STREAM_SHORT_ROW_MIN_BYTES`).
 STREAM_ROW_MIN_BYTES = 8 << 10
+
+#: Rows of at least this many bytes, in outputs of at least :data:`STREAM_MIN_BYTES`, are
+#: streamed by all norm kernels but LayerNorm's forward pass (:data:`STREAM_ROW_MIN_BYTES`).
+#: Streamed from the registers (fourteenth session), rows of d = 768 float32 (3 KiB) came out
+#: faster in a large output where they had lost through a scratch row: ``pyengine bench
+#: --compare-rev`` (new / old time, 2 KiB against 8 KiB, (8192, 768) float32, 24 MiB; two runs)
+#: ``rms_norm`` 0.83 / 0.93, its JVP 0.92 / 0.92, its VJP 1.02 / 0.94, LayerNorm's JVP 0.97 /
+#: 0.97 and VJP 0.96 / 0.99, but ``layer_norm`` 1.20-1.26 slower (its float32 pass computes in
+#: float32, too little arithmetic to hide the streaming stores behind). Small gains, within
+#: this host's swings for some rows (the unchanged (2048, 4096) rows read 0.98-1.13 in the same
+#: runs); it also makes the kernels stream where the C++ kernels do (every output of 16 MiB or
+#: more), at the cost of leaving a 24 MiB output out of the 32 MiB L3 for the caller.
+STREAM_SHORT_ROW_MIN_BYTES = 2 << 10
 
 
 @jit
-def _stream_rows(out):
+def _stream_rows(out, min_row):
     """Whether a norm kernel streams the rows of ``out`` (n, d): at least
-    :data:`STREAM_MIN_BYTES` in all, rows of at least :data:`STREAM_ROW_MIN_BYTES`, and every
-    row starting on a 16-byte boundary (:func:`._jit.block_writer` streams 16 bytes at a time;
-    a row's partial first and last lines then come whole from two streamed rows)."""
+    :data:`STREAM_MIN_BYTES` in all, rows of at least ``min_row`` bytes
+    (:data:`STREAM_SHORT_ROW_MIN_BYTES`, or :data:`STREAM_ROW_MIN_BYTES` for LayerNorm's forward
+    pass), and every row starting on a 16-byte boundary (:func:`._jit.block_writer` streams 16
+    bytes at a time; a row's partial first and last lines then come whole from two streamed
+    rows)."""
     row = out.shape[1] * out.itemsize
-    return (out.size * out.itemsize >= STREAM_MIN_BYTES and row >= STREAM_ROW_MIN_BYTES and row % 16 == 0
+    return (out.size * out.itemsize >= STREAM_MIN_BYTES and row >= min_row and row % 16 == 0
             and out.ctypes.data % 16 == 0)
 
 
@@ -475,7 +492,7 @@ def layer_norm(x, gamma, beta, eps, out):
     n = x.shape[0]
     nbad = 0
     nc = min(n, _CHUNKS)
-    stream = _stream_rows(out)
+    stream = _stream_rows(out, STREAM_ROW_MIN_BYTES)
     for c in prange(nc):
         acc = np.empty((2, LANES), dtype=np.float64)  # hoisted: once per thread
         for r in range(c * n // nc, (c + 1) * n // nc):
@@ -494,7 +511,7 @@ def layer_norm_jvp(x, v, gamma, eps, frozen, out):
     n = x.shape[0]
     nbad = 0
     nc = min(n, _CHUNKS)
-    stream = _stream_rows(out)
+    stream = _stream_rows(out, STREAM_SHORT_ROW_MIN_BYTES)
     for c in prange(nc):
         for r in range(c * n // nc, (c + 1) * n // nc):
             nx = min(r + 1, n - 1)
@@ -512,7 +529,7 @@ def layer_norm_vjp(x, u, gamma, eps, frozen, out):
     n = x.shape[0]
     nbad = 0
     nc = min(n, _CHUNKS)
-    stream = _stream_rows(out)
+    stream = _stream_rows(out, STREAM_SHORT_ROW_MIN_BYTES)
     for c in prange(nc):
         for r in range(c * n // nc, (c + 1) * n // nc):
             nx = min(r + 1, n - 1)

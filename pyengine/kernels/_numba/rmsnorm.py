@@ -6,7 +6,7 @@ the same layout as :mod:`.layernorm` (whose docstring explains it): a per-token 
 rows only; reductions in float64 in a fixed order (:mod:`._reduce`), a single
 pass over the row for the sums (RMSNorm has centre 0), and the writing pass
 prefetching the next row in blocks of ``layernorm._BLOCK`` (and streaming long rows of large
-outputs, ``layernorm.STREAM_ROW_MIN_BYTES``). The dense Jacobian shares
+outputs, ``layernorm.STREAM_SHORT_ROW_MIN_BYTES``). The dense Jacobian shares
 LayerNorm's writer (:func:`.layernorm._dense_jacobian`, centre 0).
 """
 
@@ -19,6 +19,7 @@ from ...backends import register
 from ._jit import block_writer, inline, jit, pjit, store_fence
 from ._reduce import _f64, _rms_slow, _safe, _scale, _sum_sq, _sum_sq_dot, _sum_sq_dot_gu
 from .layernorm import (
+    STREAM_SHORT_ROW_MIN_BYTES,
     _BLOCK,
     _CHUNKS,
     _dense_jacobian,
@@ -132,7 +133,7 @@ def rms_norm(x, gamma, eps, out):
     n = x.shape[0]
     nbad = 0
     nc = min(n, _CHUNKS)
-    stream = _stream_rows(out)
+    stream = _stream_rows(out, STREAM_SHORT_ROW_MIN_BYTES)
     for c in prange(nc):
         for r in range(c * n // nc, (c + 1) * n // nc):
             nx = min(r + 1, n - 1)
@@ -150,7 +151,7 @@ def rms_norm_jvp(x, v, gamma, eps, frozen, out):
     n = x.shape[0]
     nbad = 0
     nc = min(n, _CHUNKS)
-    stream = _stream_rows(out)
+    stream = _stream_rows(out, STREAM_SHORT_ROW_MIN_BYTES)
     for c in prange(nc):
         for r in range(c * n // nc, (c + 1) * n // nc):
             nx = min(r + 1, n - 1)
@@ -168,7 +169,7 @@ def rms_norm_vjp(x, u, gamma, eps, frozen, out):
     n = x.shape[0]
     nbad = 0
     nc = min(n, _CHUNKS)
-    stream = _stream_rows(out)
+    stream = _stream_rows(out, STREAM_SHORT_ROW_MIN_BYTES)
     for c in prange(nc):
         for r in range(c * n // nc, (c + 1) * n // nc):
             nx = min(r + 1, n - 1)

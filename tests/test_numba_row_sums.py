@@ -71,6 +71,38 @@ def test_row_sums_follow_their_documented_order(vectors, dtype):
                 assert abs(s - math.fsum(y)) <= 1e-14 * math.fsum(np.abs(y)), (name, d)
 
 
+@pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
+def test_norm_row_sums_are_the_documented_sums(dtype):
+    """The norm kernels' helpers (``_reduce._sum`` .. ``_sum_sq_dot_gu``) are these sums in
+    this order: the module's own intrinsics, through the helpers the kernels call."""
+    require("numba")
+    from numba import njit
+
+    from pyengine.kernels._numba import _reduce as R
+
+    @njit
+    def helpers(x, w, g, c):
+        return (R._sum(x), R._sum_pair(x, w), R._sum_pair_gu(x, g, w), R._sum_sq(x, c),
+                R._sum_sq_dot(x, c, w), R._sum_sq_dot_gu(x, c, g, w))
+
+    rng = np.random.default_rng(7)
+    for d in (2, 19, 768, 771):
+        x, w, g = (rng.standard_normal(d).astype(dtype) + 0.5 for _ in range(3))
+        c = 0.375
+        got = helpers(x, w, g, c)
+        spec = [
+            R._ordered_sums(lambda x: (x,), 1, 4, (x,), ()),
+            R._ordered_sums(lambda x, w: (x, w), 2, 4, (x, w), ()),
+            R._ordered_sums(lambda x, g, u: (x, g * u), 2, 4, (x, g, w), ()),
+            R._ordered_sums(lambda x, c: ((x - c) * (x - c),), 1, 4, (x,), (c,)),
+            R._ordered_sums(lambda x, w, c: ((x - c) * (x - c), (x - c) * w), 2, 4, (x, w), (c,)),
+            R._ordered_sums(lambda x, g, u, c: ((x - c) * (x - c), (x - c) * (g * u)), 2, 4, (x, g, w), (c,)),
+        ]
+        assert got[0] == spec[0][0] and got[3] == spec[3][0], d
+        for k in (1, 2, 4, 5):
+            assert got[k] == spec[k], (k, d)
+
+
 def test_row_sums_do_not_depend_on_alignment():
     """Rows at every offset from a 64-byte boundary give the same sums (unaligned loads, no
     alignment-dependent head)."""

@@ -179,8 +179,72 @@ def test_block_writer_writes_exactly_the_span(writer, stream, dtype, offset, o, 
     want = np.full(n, 7.0, dtype)
     want[o : o + m] = (2.0 * src[o : o + m].astype(np.float64) - 0.5).astype(dtype)
     np.testing.assert_array_equal(dst, want)
+    np.testing.assert_array_equal(np.signbit(dst), np.signbit(want))  # -0.0 stays -0.0
     assert (store[:offset] == 7.0).all() and (store[offset + n :] == 7.0).all()
     np.testing.assert_array_equal(src, keep)
+
+
+def test_block_writer_emits_streaming_stores(writer):
+    """The streamed branch really is non-temporal (``!nontemporal`` stores in the IR), and a
+    negative count writes nothing."""
+    import numba
+
+    if numba.config.DISABLE_JIT:
+        pytest.skip("compiled-mode only")
+    for dtype in (np.float32, np.float64):
+        dst, src = np.zeros(16, dtype), np.ones(16, dtype)
+        writer(dst, src, 3, -2, True)
+        assert not dst.any()
+        llvm = "".join(writer.inspect_llvm().values())
+        assert "!nontemporal" in llvm
+
+
+def _writer_cases():
+    """(module, writer, arrays, scalars, the formula in NumPy, f32): every norm kernel's writer."""
+    f = np.float32
+    return [
+        ("layernorm", "_write_ln", 3, (0.25, 1.5), lambda g, x, b, mu, inv: g * ((x - mu) * inv) + b, False),
+        ("layernorm", "_write_ln_jvp", 3, (0.1, -0.3, 0.25, 1.5),
+         lambda g, v, x, mv, m2, mu, inv: g * (((v - mv) - ((x - mu) * inv) * m2) * inv), False),
+        ("layernorm", "_write_ln_vjp", 3, (0.1, -0.3, 0.25, 1.5),
+         lambda g, u, x, mg, m2, mu, inv: ((g * u - mg) - ((x - mu) * inv) * m2) * inv, False),
+        ("layernorm", "_write_ln_f32", 3, (f(0.25), f(1e-9), f(1.5)),
+         lambda g, x, b, mh, ml, fi: g * (((x - mh) - ml) * fi) + b, True),
+        ("rmsnorm", "_write_rms", 2, (1.5,), lambda g, x, inv: g * (x * inv), False),
+        ("rmsnorm", "_write_rms_jvp", 3, (0.3, 1.5), lambda g, v, x, c, inv: g * ((v - x * c) * inv), False),
+        ("rmsnorm", "_write_rms_vjp", 3, (0.3, 1.5), lambda g, u, x, c, inv: (g * u - x * c) * inv, False),
+    ]
+
+
+@pytest.mark.parametrize("case, dtype", [(c, t) for c in range(7) for t in (np.float32, np.float64)
+                                         if not (c == 3 and t == np.float64)])  # 3: float32 rows only
+@pytest.mark.parametrize("stream", [False, True], ids=["plain", "streamed"])
+def test_norm_writers_compute_their_formulas(case, dtype, stream):
+    """Each norm kernel's writer computes its row formula bit for bit as NumPy does, operation
+    by operation (in float64, cast once; LayerNorm's float32 pass in float32)."""
+    require("numba")
+    import importlib
+
+    import numba
+
+    module, name, narrays, scalars, formula, f32 = _writer_cases()[case]
+    from pyengine.kernels._numba._jit import store_fence
+
+    write = getattr(importlib.import_module(f"pyengine.kernels._numba.{module}"), name)
+
+    @numba.njit
+    def run(out, stream, arrays, scalars):
+        write(out, 0, out.size, stream, arrays, scalars)
+        store_fence()
+
+    rng = np.random.default_rng(case)
+    d = 302
+    arrays = tuple((rng.standard_normal(d) * 3).astype(dtype) for _ in range(narrays))
+    out = np.empty(d, dtype)
+    run(out, stream, arrays, scalars)
+    ct = np.float32 if f32 else np.float64
+    want = formula(*[a.astype(ct) for a in arrays], *[ct(c) for c in scalars]).astype(dtype)
+    np.testing.assert_array_equal(out, want)
 
 
 def test_block_writer_refuses_strided_arrays(writer):
@@ -307,10 +371,12 @@ _CORES = {  # a kernel's row core, how many next rows it takes, and whether it t
 @pytest.mark.parametrize("kernel", sorted(_CORES))
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
 @pytest.mark.parametrize("shift", [0, 1, 4], ids=["aligned", "shift1", "shift4"])
-def test_row_core_streamed_and_plain_agree(kernel, dtype, shift):
+@pytest.mark.parametrize("d", [300, 302])
+def test_row_core_streamed_and_plain_agree(kernel, dtype, shift, d):
     """Streamed (streaming stores from the registers, on a 16-byte-aligned row; plain stores
     where it is not) or not, a core writes the same values, bit for bit, and every value of its
-    row (d = 300: blocks, a partial block and a scalar tail), and nothing past it."""
+    row (d = 300, 302: blocks, a partial block, for float64 302 a streamed 16-byte piece, and a
+    scalar tail), and nothing past it."""
     require("numba")
     import importlib
 
@@ -318,7 +384,6 @@ def test_row_core_streamed_and_plain_agree(kernel, dtype, shift):
 
     module, name, nexts, takes_acc = _CORES[kernel]
     core = getattr(importlib.import_module(f"pyengine.kernels._numba.{module}"), name)
-    d = 300
     rng = np.random.default_rng(5)
     x = (1.0 + rng.standard_normal(d)).astype(dtype)
     t = rng.standard_normal(d).astype(dtype)

@@ -11,7 +11,9 @@ Also here: the low-level memory primitives the kernels share, :func:`prefetch` a
 :func:`stream_affine` and :func:`block_writer` with :func:`store_fence` (non-temporal stores,
 as the C++ kernels' ``_mm512_stream_ps`` and ``_mm_stream_ps``), used where an output is far
 larger than any cache: the dense Jacobians (:func:`.layernorm._dense_jacobian`) and the norm
-kernels' long rows (``layernorm.STREAM_ROW_MIN_BYTES``).
+kernels' rows (:func:`block_writer`, ``layernorm._stream_rows``). Also the shared pieces of
+the intrinsics that emit vector code from a formula (:class:`Ir`, :func:`splat`,
+:func:`load_as`: :func:`block_writer` and ``_reduce._row_sums``).
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ __all__ = [
 #: Inf never occur and fold those tests to ``True``. ``reassoc`` would let the
 #: compiler reorder the float64 sums, so results would depend on the vector width
 #: of the machine; instead the reductions are vectorized by hand (see
-#: ``layernorm.LANES``) in an order fixed by the source.
+#: ``_reduce.LANES`` and ``_reduce._row_sums``) in an order fixed by the source.
 FASTMATH = False
 
 #: Serial kernels and helpers. ``error_model="numpy"``: a division by zero gives
@@ -350,21 +352,26 @@ def block_writer(value, f32=False):
     each operation rounded once as written, so a value is bit for bit that of the same
     expression in a Numba loop, whatever the vector width.
 
-    Vectors of :data:`WRITE_WIDTH` values, a scalar loop for the last ``m % 4``. With
-    ``stream`` (and ``out[o]`` on a 16-byte boundary) the vectors are written with
-    non-temporal 16-byte stores (``movntps`` / ``movntpd``, as the C++ kernels'
+    Nothing is written for ``m <= 0``. Vectors of :data:`WRITE_WIDTH` values, a scalar loop
+    for the last ``m % 4``. With ``stream`` (and ``out[o]`` on a 16-byte boundary) the vectors,
+    and for float64 the 16 bytes left after them, are written with non-temporal 16-byte
+    stores (``movntps`` / ``movntpd``, as the C++ kernels'
     ``_mm_stream_ps``), straight from the registers; the thread must call
     :func:`store_fence` before its kernel returns. Why the norm kernels write their rows
     with it: LLVM vectorizes a Numba loop that converts float32 to float64 8 or 16 values
     wide, and on Zen 4 the 4-wide conversions (``vcvtps2pd ymm, m128``) are faster per
     value; and Numba emits no streaming store from a loop, so a streamed row used to be
     computed into a scratch row and copied out with an intrinsic of its own, two more passes
-    over the block (``layernorm.STREAM_ROW_MIN_BYTES`` has the measurements).
+    over the block (``layernorm.STREAM_ROW_MIN_BYTES`` has the measurements). Call it from
+    :data:`jit` / :data:`pjit` code only: a caller compiled with :data:`CONTRACT` may have its
+    multiplies and adds fused.
     """
     if numba.config.DISABLE_JIT:  # pragma: no cover - intrinsics cannot run as Python
 
         def write(out, o, m, stream, arrays, scalars):
             """The same values with NumPy (plain stores)."""
+            if m <= 0:
+                return
             dt = np.float32 if f32 else np.float64
             with np.errstate(all="ignore"):
                 y = value(*[np.asarray(a[o : o + m], dt) for a in arrays], *[dt(c) for c in scalars])
@@ -401,40 +408,54 @@ def block_writer(value, f32=False):
             n = context.cast(builder, args[2], sig.args[2], types.intp)
             nontemporal = builder.module.add_metadata([i32(1)])
 
-            def compute(i, vector, consts):
-                w = WRITE_WIDTH if vector else None
-                y = value(*[Ir(builder, load_as(context, builder, a, t, i, w, ft)) for a, t in zip(arrs, aty)],
+            def compute(i, width, consts):  # width None: the scalar out[i]
+                y = value(*[Ir(builder, load_as(context, builder, a, t, i, width, ft)) for a, t in zip(arrs, aty)],
                           *consts).v
                 if (oty.dtype == types.float32) != f32:
                     cast = builder.fpext if f32 else builder.fptrunc
-                    y = cast(y, ir.VectorType(et, WRITE_WIDTH) if vector else et)
+                    y = cast(y, ir.VectorType(et, width) if width else et)
                 return y
 
-            vcs = [Ir(builder, splat(builder, c, WRITE_WIDTH)) for c in cs]
+            def store(y, i, width, streaming):
+                p = builder.bitcast(builder.gep(da.data, [i]), ir.VectorType(et, width).as_pointer())
+                if streaming:
+                    builder.store(y, p, align=16).set_metadata("nontemporal", nontemporal)
+                else:
+                    builder.store(y, p, align=esize)
+
+            n = builder.select(builder.icmp_signed("<", n, k(0)), k(0), n)  # m < 0: nothing
             nvec = builder.udiv(n, k(WRITE_WIDTH))
+            lo = builder.add(start, builder.mul(nvec, k(WRITE_WIDTH)))
+            piece = 16 // esize  # values per 16-byte streaming store
+            # float64: the whole 16 bytes left after the vectors are streamed too, so that a row's
+            # partial last line comes whole from two streamed rows
+            npiece = builder.udiv(builder.sub(n, builder.mul(nvec, k(WRITE_WIDTH))), k(piece))
             addr = builder.ptrtoint(builder.gep(da.data, [start]), intp)
             nt = builder.and_(args[3], builder.icmp_unsigned("==", builder.and_(addr, k(15)), k(0)))
-            piece = 16 // esize  # values per 16-byte streaming store
+            vcs = [Ir(builder, splat(builder, c, WRITE_WIDTH)) for c in cs]
             with builder.if_else(nt) as (streamed, plain):
-                for streaming in (True, False):
-                    with (streamed if streaming else plain):
-                        with cgutils.for_range(builder, nvec, intp=intp) as loop:
-                            i = builder.add(start, builder.mul(loop.index, k(WRITE_WIDTH)))
-                            y = compute(i, True, vcs)
-                            if streaming:  # 16 bytes a store
-                                for q in range(0, WRITE_WIDTH, piece):
-                                    part = y if piece == WRITE_WIDTH else builder.shuffle_vector(
-                                        y, y, ir.Constant(ir.VectorType(i32, piece), [q + t for t in range(piece)]))
-                                    p = builder.bitcast(builder.gep(da.data, [builder.add(i, k(q))]),
-                                                        ir.VectorType(et, piece).as_pointer())
-                                    builder.store(part, p, align=16).set_metadata("nontemporal", nontemporal)
-                            else:
-                                p = builder.bitcast(builder.gep(da.data, [i]), ir.VectorType(et, WRITE_WIDTH).as_pointer())
-                                builder.store(y, p, align=esize)
+                with streamed:
+                    with cgutils.for_range(builder, nvec, intp=intp) as loop:
+                        i = builder.add(start, builder.mul(loop.index, k(WRITE_WIDTH)))
+                        y = compute(i, WRITE_WIDTH, vcs)
+                        for q in range(0, WRITE_WIDTH, piece):  # 16 bytes a store
+                            part = y if piece == WRITE_WIDTH else builder.shuffle_vector(
+                                y, y, ir.Constant(ir.VectorType(i32, piece), [q + t for t in range(piece)]))
+                            store(part, builder.add(i, k(q)), piece, True)
+                    if piece < WRITE_WIDTH:
+                        pcs = [Ir(builder, splat(builder, c, piece)) for c in cs]
+                        with cgutils.for_range(builder, npiece, intp=intp) as loop:
+                            i = builder.add(lo, builder.mul(loop.index, k(piece)))
+                            store(compute(i, piece, pcs), i, piece, True)
+                with plain:
+                    with cgutils.for_range(builder, nvec, intp=intp) as loop:
+                        i = builder.add(start, builder.mul(loop.index, k(WRITE_WIDTH)))
+                        store(compute(i, WRITE_WIDTH, vcs), i, WRITE_WIDTH, False)
+            if piece < WRITE_WIDTH:
+                lo = builder.select(nt, builder.add(lo, builder.mul(npiece, k(piece))), lo)
             scs = [Ir(builder, c) for c in cs]
-            lo = builder.add(start, builder.mul(nvec, k(WRITE_WIDTH)))
             with cgutils.for_range_slice(builder, lo, builder.add(start, n), k(1), intp) as (i, _):
-                builder.store(compute(i, False, scs), builder.gep(da.data, [i]))
+                builder.store(compute(i, None, scs), builder.gep(da.data, [i]))
             return context.get_dummy_value()
 
         return types.none(out, o, m, stream, arrays, scalars), codegen

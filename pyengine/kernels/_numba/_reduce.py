@@ -9,7 +9,7 @@ statistics, the solver's bulk passes through :func:`_row_sums`, and ``LANES``,
 accumulates in float64, also for float32 input (:func:`_sum_sq_f32` adds float32 groups of
 four squares); ``x``, ``w``, ``g``, ``u`` are rows ``(d,)``, ``c`` a float64 centre (the
 mean, or 0 for RMSNorm), ``acc`` a float64 scratch of shape ``(2, LANES)`` (or more rows)
-owned by the calling thread.
+owned by the calling thread (for the helpers that keep their partial sums in one).
 
 Why the reductions look the way they do: without fast-math (see ``_jit.FASTMATH``)
 LLVM may not reorder a float sum, so ``s += x[i]`` stays scalar, and Numba leaves
@@ -31,7 +31,8 @@ machine, whatever its vector width:
 Helpers are passed no function arguments (a dispatcher argument makes the caller
 uncacheable), hence one small reduction helper per combination of sums. The row sums of
 the norm kernels (:func:`_sum` .. :func:`_sum_sq_dot_gu`) are ``inline="always"``: LLVM left
-them as calls with exploded array arguments, a few tens of ns a row (with LayerNorm's
+them as calls with exploded array arguments, a few tens of ns a row (measured with the loops
+over ``LANES`` that :func:`_row_sums` replaced; with LayerNorm's
 statistics inlined too: a forward row of d = 768 in L1 390 -> 304 ns; the JVP/VJP kernels
 at (2048, 768) float32 2-6 % faster; compiling the six norm kernels for both dtypes 25.5
 -> 26.2 s).
@@ -152,14 +153,16 @@ def _row_sums(terms, nsums, vectors=_SUM_VECTORS):
     (converted to float64) and the float64 scalars with ``+``, ``-``, ``*`` and ``/`` only,
     each rounded once as written (no fused multiply-add, no reordering). arrays : a tuple
     of 1-D C-contiguous float32 or float64 arrays of the length of the first; scalars : a
-    tuple of numbers, possibly empty. Returns a tuple of ``nsums`` float64.
+    tuple of numbers, possibly empty. Returns a tuple of ``nsums`` float64. ``vectors``: 1, 2
+    or 4 (a power of two). Call it from ``jit`` / ``pjit`` code only: a caller compiled with
+    ``_jit.CONTRACT`` may have its multiplies and adds fused.
 
     The order, with m = 4 * ``vectors`` partial sums per sum (16 by default): element
-    i < m * (d // m) is added into partial sum i % m, in order of i; the partial sums
-    are folded in vectors of 4 (lanes j, j + 4, ...), pairwise, ((v0 + v1) + (v2 + v3)),
-    and the four lanes of the result as ((l0 + l1) + (l2 + l3)); the d % m leftover terms
-    are added last, in order. The same on every machine and at every alignment
-    (unaligned loads).
+    i < m * (d // m) is added into partial sum i % m, in order of i; the vectors of 4
+    partial sums (partial sums 4k .. 4k + 3 in vector k) are added pairwise, ((v0 + v1) +
+    (v2 + v3)) for four, (v0 + v1) for two, and the four lanes of the result as
+    ((l0 + l1) + (l2 + l3)); the d % m leftover terms are added last, in order. The same on
+    every machine and at every alignment (unaligned loads).
 
     Why an intrinsic: the norm kernels' row sums are bound by the float32 -> float64
     conversions, and on Zen 4 a conversion of 4 floats into one 256-bit register

@@ -166,7 +166,7 @@ def _pole_data(gamma):
 
 
 # --------------------------------------------------------------------------- #
-# Bulk sums: one pass over d, q_i = 1/(e_i + off), in lanes (see _reduce.py)
+# Bulk sums: one pass over d, q_i = 1/(e_i + off), by _reduce._row_sums
 # --------------------------------------------------------------------------- #
 
 

@@ -14,9 +14,9 @@ on the number of threads. Inside a row there are at most three passes over ``d``
    never E[x^2] - E[x]^2; RMSNorm needs only this pass, with centre 0;
 3. the output, written once, cast to the dtype of ``out`` only on the store; in
    the same loop the next row is prefetched (see ``_BLOCK``) and the output lines
-   ahead are asked for with write intent (see ``_WRITE_AHEAD``), or, for the long rows of
-   a large output, each block is streamed out from the thread's scratch row (see
-   ``STREAM_ROW_MIN_BYTES``). Two exceptions, as in
+   ahead are asked for with write intent (see ``_WRITE_AHEAD``), or, for the rows of a
+   large output, each block is streamed out from the registers (see
+   ``STREAM_SHORT_ROW_MIN_BYTES`` and ``STREAM_ROW_MIN_BYTES``). Two exceptions, as in
    the C++ kernels, both in LayerNorm's forward pass on float32 rows: it computes its
    output in float32 (:func:`_layer_norm_write_f32`), and its pass 2 takes the squared
    deviations from float32(mu) in float32 (:func:`_ln_stats`).
@@ -49,7 +49,7 @@ kernel gave nothing and stays a call.
 The batch kernels share the rows out in ``_CHUNKS`` chunks of contiguous rows, so the
 row a core prefetches is almost always its own thread's next one. Outputs are written with
 plain stores, except the dense Jacobians' (streamed, see :func:`_dense_jacobian`) and the
-long rows of large outputs (:data:`STREAM_ROW_MIN_BYTES`), which the norm kernels stream
+rows of large outputs (:data:`STREAM_SHORT_ROW_MIN_BYTES`, :data:`STREAM_ROW_MIN_BYTES`), which the norm kernels stream
 out with non-temporal stores straight from the registers. Every writing pass is a
 :func:`._jit.block_writer` (the row's formula as 4-wide LLVM vector code, plain or streaming
 stores) called once per block of ``_BLOCK`` values, between the block's prefetches.
@@ -181,7 +181,8 @@ _WRITE_AHEAD = 2048
 #: kernels' ``kStreamMinBytes``, ``csrc/rows.hpp``): a (n, d, d) output cannot stay in any
 #: cache, and a plain store first reads its line (read-for-ownership), as much memory
 #: traffic again as the write. Smaller outputs stay in cache for the caller. The norm
-#: kernels' rows also need :data:`STREAM_ROW_MIN_BYTES`.
+#: kernels' rows also need :data:`STREAM_SHORT_ROW_MIN_BYTES` (:data:`STREAM_ROW_MIN_BYTES` for
+#: LayerNorm's forward pass).
 STREAM_MIN_BYTES = 16 << 20
 
 
@@ -197,7 +198,7 @@ def _prefetch_block(a, o):
 def _prefetch_out(out, o, stream):
     """Prefetch for writing the block of ``out`` :data:`_WRITE_AHEAD` bytes past ``out[o]``,
     if it lies inside the row (:func:`_prefetch_out_head` asks for a row's first bytes);
-    nothing when the row is streamed (:data:`STREAM_ROW_MIN_BYTES`)."""
+    nothing when the row is streamed (:func:`_stream_rows`)."""
     if not stream:
         a = o + _WRITE_AHEAD // out.itemsize
         if a + _BLOCK <= out.size:
@@ -300,7 +301,7 @@ def _stream_rows(out, min_row):
 # x_next (and v_next / u_next): the row(s) of the next token, prefetched while
 # this one is written; pass the row itself when there is none. stream: False (the row is
 # written with plain stores, its lines prefetched for writing: _prefetch_out_head,
-# _prefetch_out) or True (streaming stores, see STREAM_ROW_MIN_BYTES).
+# _prefetch_out) or True (streaming stores, see _stream_rows).
 # Each returns True for a bad row (its output is then unspecified).
 # --------------------------------------------------------------------------- #
 

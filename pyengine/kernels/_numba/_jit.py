@@ -13,7 +13,8 @@ as the C++ kernels' ``_mm512_stream_ps`` and ``_mm_stream_ps``), used where an o
 larger than any cache: the dense Jacobians (:func:`.layernorm._dense_jacobian`) and the norm
 kernels' rows (:func:`block_writer`, ``layernorm._stream_rows``). Also the shared pieces of
 the intrinsics that emit vector code from a formula (:class:`Ir`, :func:`splat`,
-:func:`load_as`: :func:`block_writer` and ``_reduce._row_sums``).
+:func:`operands_ok`, :func:`operands`, :func:`load_row_elements`: :func:`block_writer` and
+``_reduce._row_sums``).
 """
 
 from __future__ import annotations
@@ -42,7 +43,10 @@ __all__ = [
     "Ir",
     "WRITE_WIDTH",
     "block_writer",
-    "load_as",
+    "is_row",
+    "load_row_elements",
+    "operands",
+    "operands_ok",
     "splat",
     "store_fence",
     "stream_affine",
@@ -324,7 +328,34 @@ def splat(builder, c, width):
     return v
 
 
-def load_as(context, builder, ary, aty, i, width, ft):
+def is_row(a):
+    """Whether the Numba type ``a`` is a 1-D C-contiguous float32 or float64 array."""
+    return isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C" and a.dtype in (types.float32, types.float64)
+
+
+def operands_ok(arrays, scalars):
+    """Whether the Numba types ``arrays`` and ``scalars`` are a formula's operands: a tuple of
+    rows (:func:`is_row`) and a tuple of numbers (either possibly empty)."""
+    return (isinstance(arrays, types.BaseTuple) and all(is_row(a) for a in arrays)
+            and isinstance(scalars, types.BaseTuple)
+            and all(isinstance(c, (types.Float, types.Integer)) for c in scalars))
+
+
+def operands(context, builder, aty, sty, arrays, scalars, ct):
+    """The operands of a formula in codegen: the array structs of the tuple ``arrays`` (Numba
+    types ``aty``), and the tuple ``scalars`` (types ``sty``) cast to the Numba float type ``ct``."""
+    arrs = [context.make_array(t)(context, builder, builder.extract_value(arrays, j)) for j, t in enumerate(aty)]
+    cs = [context.cast(builder, builder.extract_value(scalars, j), t, ct) for j, t in enumerate(sty)]
+    return arrs, cs
+
+
+def load_row_elements(context, builder, arrs, aty, i, width, ft):
+    """Element ``i`` (or the vectors of ``width`` from ``i``) of each array, converted to the
+    LLVM float type ``ft``, as :class:`Ir` values (:func:`_load_as`)."""
+    return [Ir(builder, _load_as(context, builder, a, t, i, width, ft)) for a, t in zip(arrs, aty)]
+
+
+def _load_as(context, builder, ary, aty, i, width, ft):
     """``ary[i]`` (``width`` None) or the vector ``ary[i : i + width]`` of the 1-D contiguous
     array ``ary`` (Numba type ``aty``, float32 or float64; unaligned loads), converted to the
     LLVM float type ``ft``."""
@@ -381,23 +412,14 @@ def block_writer(value, f32=False):
 
     @intrinsic
     def write(typingctx, out, o, m, stream, arrays, scalars):
-        fl = (types.float32, types.float64)
-        if not (isinstance(out, types.Array) and out.ndim == 1 and out.layout == "C" and out.dtype in fl
-                and isinstance(o, types.Integer) and isinstance(m, types.Integer)
-                and isinstance(stream, types.Boolean) and isinstance(arrays, types.BaseTuple)
-                and all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
-                        and a.dtype in fl for a in arrays)
-                and isinstance(scalars, types.BaseTuple)
-                and all(isinstance(c, (types.Float, types.Integer)) for c in scalars)):
+        if not (is_row(out) and isinstance(o, types.Integer) and isinstance(m, types.Integer)
+                and isinstance(stream, types.Boolean) and operands_ok(arrays, scalars)):
             return None
 
         def codegen(context, builder, sig, args):
             oty, _, _, _, aty, sty = sig.args
             da = context.make_array(oty)(context, builder, args[0])
-            arrs = [context.make_array(t)(context, builder, builder.extract_value(args[4], j))
-                    for j, t in enumerate(aty)]
-            ct = types.float32 if f32 else types.float64
-            cs = [context.cast(builder, builder.extract_value(args[5], j), t, ct) for j, t in enumerate(sty)]
+            arrs, cs = operands(context, builder, aty, sty, args[4], args[5], types.float32 if f32 else types.float64)
             intp = context.get_value_type(types.intp)
             i32 = ir.IntType(32)
             k = functools.partial(ir.Constant, intp)
@@ -409,8 +431,7 @@ def block_writer(value, f32=False):
             nontemporal = builder.module.add_metadata([i32(1)])
 
             def compute(i, width, consts):  # width None: the scalar out[i]
-                y = value(*[Ir(builder, load_as(context, builder, a, t, i, width, ft)) for a, t in zip(arrs, aty)],
-                          *consts).v
+                y = value(*load_row_elements(context, builder, arrs, aty, i, width, ft), *consts).v
                 if (oty.dtype == types.float32) != f32:
                     cast = builder.fpext if f32 else builder.fptrunc
                     y = cast(y, ir.VectorType(et, width) if width else et)

@@ -54,7 +54,7 @@ from numba import types
 from numba.core import cgutils
 from numba.extending import intrinsic
 
-from ._jit import Ir, inline, jit, load_as, splat
+from ._jit import Ir, inline, jit, load_row_elements, operands, operands_ok, splat
 
 __all__ = [
     "LANES",
@@ -190,20 +190,13 @@ def _row_sums(terms, nsums, vectors=_SUM_VECTORS):
 
     @intrinsic
     def sums(typingctx, arrays, scalars):
-        if not (isinstance(arrays, types.BaseTuple) and len(arrays) > 0
-                and all(isinstance(a, types.Array) and a.ndim == 1 and a.layout == "C"
-                        and a.dtype in (types.float32, types.float64) for a in arrays)
-                and isinstance(scalars, types.BaseTuple)
-                and all(isinstance(c, (types.Float, types.Integer)) for c in scalars)):
+        if not (operands_ok(arrays, scalars) and len(arrays) > 0):  # the first array gives d
             return None
         rty = types.UniTuple(types.float64, nsums)
 
         def codegen(context, builder, sig, args):
             aty, sty = sig.args
-            arrs = [context.make_array(t)(context, builder, builder.extract_value(args[0], j))
-                    for j, t in enumerate(aty)]
-            cs = [context.cast(builder, builder.extract_value(args[1], j), t, types.float64)
-                  for j, t in enumerate(sty)]
+            arrs, cs = operands(context, builder, aty, sty, args[0], args[1], types.float64)
             intp = context.get_value_type(types.intp)
             dbl = ir.DoubleType()
             vty = ir.VectorType(dbl, _SUM_WIDTH)
@@ -212,8 +205,7 @@ def _row_sums(terms, nsums, vectors=_SUM_VECTORS):
 
             def element_terms(i, vector, consts):
                 w = _SUM_WIDTH if vector else None
-                ys = terms(*[Ir(builder, load_as(context, builder, a, t, i, w, dbl)) for a, t in zip(arrs, aty)],
-                           *consts)
+                ys = terms(*load_row_elements(context, builder, arrs, aty, i, w, dbl), *consts)
                 return [y.v for y in ys]
 
             vcs = [Ir(builder, splat(builder, c, _SUM_WIDTH)) for c in cs]

@@ -1,7 +1,7 @@
-"""The Numba row-sum intrinsic (``_reduce._row_sums``): its documented order, bit for bit.
+"""The Numba row-sum intrinsic (``_formula.row_sums``): its documented order, bit for bit.
 
 The norm kernels' row sums and the secular solver's bulk passes are LLVM vector code built by
-``_row_sums``; ``_reduce._ordered_sums`` computes the same sums in NumPy in the documented
+``row_sums``; ``_formula.ordered_sums`` computes the same sums in NumPy in the documented
 order. Compiled sums must equal it exactly (any other order of the float64 additions differs
 in the last bits on random data), not depend on the alignment of the rows, and stay close
 to the exactly rounded sum.
@@ -34,9 +34,9 @@ def _terms():
 def _compiled(terms, nsums, vectors):
     from numba import njit
 
-    from pyengine.kernels._numba._reduce import _row_sums
+    from pyengine.kernels._numba._formula import row_sums
 
-    sums = _row_sums(terms, nsums, vectors)
+    sums = row_sums(terms, nsums, vectors)
 
     @njit
     def run(arrays, scalars):
@@ -49,7 +49,7 @@ def _compiled(terms, nsums, vectors):
 @pytest.mark.parametrize("dtype", [np.float32, np.float64], ids=["float32", "float64"])
 def test_row_sums_follow_their_documented_order(vectors, dtype):
     require("numba")
-    from pyengine.kernels._numba._reduce import _ordered_sums
+    from pyengine.kernels._numba._formula import ordered_sums
 
     rng = np.random.default_rng(11)
     for name, terms, nsums, narrays, scalars in _terms():
@@ -61,7 +61,7 @@ def test_row_sums_follow_their_documented_order(vectors, dtype):
                 arrays = (arrays[0], np.abs(arrays[1]) + 0.5)
             keep = [a.copy() for a in arrays]
             got = run(arrays, scalars)
-            want = _ordered_sums(terms, nsums, vectors, arrays, scalars)
+            want = ordered_sums(terms, nsums, vectors, arrays, scalars)
             assert got == want, (name, d)
             for a, k in zip(arrays, keep):
                 np.testing.assert_array_equal(a, k)
@@ -78,6 +78,7 @@ def test_norm_row_sums_are_the_documented_sums(dtype):
     require("numba")
     from numba import njit
 
+    from pyengine.kernels._numba import _formula as F
     from pyengine.kernels._numba import _reduce as R
 
     @njit
@@ -91,12 +92,12 @@ def test_norm_row_sums_are_the_documented_sums(dtype):
         c = 0.375
         got = helpers(x, w, g, c)
         spec = [
-            R._ordered_sums(lambda x: (x,), 1, 4, (x,), ()),
-            R._ordered_sums(lambda x, w: (x, w), 2, 4, (x, w), ()),
-            R._ordered_sums(lambda x, g, u: (x, g * u), 2, 4, (x, g, w), ()),
-            R._ordered_sums(lambda x, c: ((x - c) * (x - c),), 1, 4, (x,), (c,)),
-            R._ordered_sums(lambda x, w, c: ((x - c) * (x - c), (x - c) * w), 2, 4, (x, w), (c,)),
-            R._ordered_sums(lambda x, g, u, c: ((x - c) * (x - c), (x - c) * (g * u)), 2, 4, (x, g, w), (c,)),
+            F.ordered_sums(lambda x: (x,), 1, 4, (x,), ()),
+            F.ordered_sums(lambda x, w: (x, w), 2, 4, (x, w), ()),
+            F.ordered_sums(lambda x, g, u: (x, g * u), 2, 4, (x, g, w), ()),
+            F.ordered_sums(lambda x, c: ((x - c) * (x - c),), 1, 4, (x,), (c,)),
+            F.ordered_sums(lambda x, w, c: ((x - c) * (x - c), (x - c) * w), 2, 4, (x, w), (c,)),
+            F.ordered_sums(lambda x, g, u, c: ((x - c) * (x - c), (x - c) * (g * u)), 2, 4, (x, g, w), (c,)),
         ]
         assert got[0] == spec[0][0] and got[3] == spec[3][0], d
         for k in (1, 2, 4, 5):

@@ -1,9 +1,9 @@
 """The Numba kernels' non-temporal stores (issue 18). The dense Jacobians: an output over
-``layernorm.STREAM_MIN_BYTES`` is written by ``_jit.stream_affine``. The norm kernels: long rows
+``layernorm.STREAM_MIN_BYTES`` is written by ``_intrinsics.stream_affine``. The norm kernels: long rows
 of large outputs (``layernorm._stream_rows``) are streamed out from the registers by
-``_jit.block_writer``. Their values must be bit for bit those of the plain path, whatever the
+``_formula.block_writer``. Their values must be bit for bit those of the plain path, whatever the
 output's alignment. Also the prefetch hints the norm kernels issue ahead of their rows
-(``_jit.prefetch``, ``_jit.prefetch_write``)."""
+(``_intrinsics.prefetch``, ``_intrinsics.prefetch_write``)."""
 
 from __future__ import annotations
 
@@ -16,16 +16,16 @@ from pyengine.backends import resolve
 
 @pytest.fixture(scope="module")
 def nb():
-    """(_jit, layernorm) of the Numba backend, and a jitted caller of stream_affine."""
+    """(layernorm of the Numba backend, a jitted caller of stream_affine, the same expression as a loop)."""
     require("numba")
     import numba
 
-    from pyengine.kernels._numba import _jit, layernorm
+    from pyengine.kernels._numba import _intrinsics, layernorm
 
     @numba.njit
     def affine(dst, src, a, b, c):
-        _jit.stream_affine(dst, src, a, b, c)
-        _jit.store_fence()
+        _intrinsics.stream_affine(dst, src, a, b, c)
+        _intrinsics.store_fence()
 
     @numba.njit
     def loop(dst, src, a, b, c):  # the same expression as a plain Numba loop
@@ -87,13 +87,13 @@ def test_prefetch_hints_never_fault_nor_write():
     require("numba")
     import numba
 
-    from pyengine.kernels._numba import _jit
+    from pyengine.kernels._numba import _intrinsics
 
     @numba.njit
     def touch(a, lo, hi, step):
         for i in range(lo, hi, step):
-            _jit.prefetch(a, i)
-            _jit.prefetch_write(a, i)
+            _intrinsics.prefetch(a, i)
+            _intrinsics.prefetch_write(a, i)
         return a.sum()
 
     for dtype in (np.float32, np.float64):
@@ -138,7 +138,7 @@ def test_streamed_jacobian_equals_plain(nb, kernel, dtype, frozen, offset):
 
 
 # --------------------------------------------------------------------------- #
-# The norm kernels' writing passes: _jit.block_writer, and layernorm._stream_rows.
+# The norm kernels' writing passes: _formula.block_writer, and layernorm._stream_rows.
 # --------------------------------------------------------------------------- #
 
 
@@ -148,14 +148,14 @@ def writer():
     require("numba")
     import numba
 
-    from pyengine.kernels._numba import _jit
+    from pyengine.kernels._numba import _formula, _intrinsics
 
-    write = _jit.block_writer(lambda a, two, c: two * a - c)
+    write = _formula.block_writer(lambda a, two, c: two * a - c)
 
     @numba.njit
     def run(dst, src, o, m, stream):
         write(dst, o, m, stream, (src,), (2.0, 0.5))
-        _jit.store_fence()
+        _intrinsics.store_fence()
 
     return run
 
@@ -228,7 +228,7 @@ def test_norm_writers_compute_their_formulas(case, dtype, stream):
     import numba
 
     module, name, narrays, scalars, formula, f32 = _writer_cases()[case]
-    from pyengine.kernels._numba._jit import store_fence
+    from pyengine.kernels._numba._intrinsics import store_fence
 
     write = getattr(importlib.import_module(f"pyengine.kernels._numba.{module}"), name)
 

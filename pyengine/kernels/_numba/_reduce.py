@@ -4,7 +4,7 @@ Used by :mod:`pyengine.kernels._numba.layernorm` and :mod:`.rmsnorm` (row statis
 the JVP/VJP sums: :func:`_sum` .. :func:`_sum_sq_dot_gu`, :func:`_sum_sq_f32`), the
 attention kernels (:func:`_dot_lanes`, :func:`_sum_lanes` over padded rows) and
 :mod:`pyengine.kernels._numba.spectral` and :mod:`pyengine.kernels._numba._secular` (row
-statistics, the solver's bulk passes through :func:`_row_sums`, and ``LANES``,
+statistics, the solver's bulk passes through :func:`._formula.row_sums`, and ``LANES``,
 :func:`_zero` and :func:`_fold` for the power iteration's fused passes). Every reduction
 accumulates in float64, also for float32 input (:func:`_sum_sq_f32` adds float32 groups of
 four squares); ``x``, ``w``, ``g``, ``u`` are rows ``(d,)``, ``c`` a float64 centre (the
@@ -18,7 +18,7 @@ around that, each in an order fixed by the source, so results are the same on ev
 machine, whatever its vector width:
 
 - The norm kernels' row sums and the secular solver's bulk passes are emitted as LLVM
-  vector code by :func:`_row_sums`: 4 doubles a vector, the partial sums in registers
+  vector code by :func:`._formula.row_sums`: 4 doubles a vector, the partial sums in registers
   (its docstring gives the order, and the measurements that made it replace the loops
   below for these sums).
 - The other helpers keep ``LANES`` partial sums in a small scratch array ``acc``: the
@@ -32,14 +32,14 @@ Helpers are passed no function arguments (a dispatcher argument makes the caller
 uncacheable), hence one small reduction helper per combination of sums. The row sums of
 the norm kernels (:func:`_sum` .. :func:`_sum_sq_dot_gu`) are ``inline="always"``: LLVM left
 them as calls with exploded array arguments, a few tens of ns a row (measured with the loops
-over ``LANES`` that :func:`_row_sums` replaced; with LayerNorm's
+over ``LANES`` that :func:`._formula.row_sums` replaced; with LayerNorm's
 statistics inlined too: a forward row of d = 768 in L1 390 -> 304 ns; the JVP/VJP kernels
 at (2048, 768) float32 2-6 % faster; compiling the six norm kernels for both dtypes 25.5
 -> 26.2 s).
 
 Caching: the kernels that call these helpers live in other modules, and Numba's
 on-disk cache (``cache=True``) checks only the source file of the function it
-caches. After an edit to *this* file, delete ``pyengine/_numba/__pycache__`` (or
+caches. After an edit to *this* file, delete ``pyengine/kernels/_numba/__pycache__`` (or
 touch the calling modules) so the callers are recompiled.
 """
 
@@ -47,14 +47,10 @@ from __future__ import annotations
 
 import math
 
-import numba
 import numpy as np
-from llvmlite import ir
-from numba import types
-from numba.core import cgutils
-from numba.extending import intrinsic
 
-from ._jit import Ir, inline, jit, load_row_elements, operands, operands_ok, splat
+from ._formula import row_sums
+from ._jit import inline, jit
 
 __all__ = [
     "LANES",
@@ -132,138 +128,12 @@ def _fold2(a, b):
     return a[0], b[0]
 
 
-#: Doubles per vector of the row sums of :func:`_row_sums`, and vectors (partial sums in
-#: registers) per sum by default.
-_SUM_WIDTH = 4
-_SUM_VECTORS = 4
-
-
-def _tree(v):
-    """Pairwise sum of the list ``v`` (length a power of two): ((v0 + v1) + (v2 + v3)) ..."""
-    while len(v) > 1:
-        v = [v[k] + v[k + 1] for k in range(0, len(v), 2)]
-    return v[0]
-
-
-def _row_sums(terms, nsums, vectors=_SUM_VECTORS):
-    """The reduction ``sums(arrays, scalars)``: the ``nsums`` float64 sums over i of
-    ``terms(*(a[i] for a in arrays), *scalars)``, in the order fixed below.
-
-    ``terms`` builds the ``nsums`` terms of one element from the elements of the arrays
-    (converted to float64) and the float64 scalars with ``+``, ``-``, ``*`` and ``/`` only,
-    each rounded once as written (no fused multiply-add, no reordering). arrays : a tuple
-    of 1-D C-contiguous float32 or float64 arrays of the length of the first; scalars : a
-    tuple of numbers, possibly empty. Returns a tuple of ``nsums`` float64. ``vectors``: 1, 2
-    or 4 (a power of two). Call it from ``jit`` / ``pjit`` code only: a caller compiled with
-    ``_jit.CONTRACT`` may have its multiplies and adds fused.
-
-    The order, with m = 4 * ``vectors`` partial sums per sum (16 by default): element
-    i < m * (d // m) is added into partial sum i % m, in order of i; the vectors of 4
-    partial sums (partial sums 4k .. 4k + 3 in vector k) are added pairwise, ((v0 + v1) +
-    (v2 + v3)) for four, (v0 + v1) for two, and the four lanes of the result as
-    ((l0 + l1) + (l2 + l3)); the d % m leftover terms are added last, in order. The same on
-    every machine and at every alignment (unaligned loads).
-
-    Why an intrinsic: the norm kernels' row sums are bound by the float32 -> float64
-    conversions, and on Zen 4 a conversion of 4 floats into one 256-bit register
-    (``vcvtps2pd ymm, m128``) goes about 1.3-1.5x faster per value than of 8 into a
-    512-bit one, which is what LLVM's loop vectorizer picks for a Numba loop (the
-    ``prefer-vector-width`` function attribute gives 8 floats at 256 bits, or 2 doubles
-    at 128: neither). This code emits the 4-wide vectors itself and keeps the partial
-    sums in registers, where the loops over ``LANES`` partial sums in a scratch array that
-    it replaces (``acc[k] += ...``, four blocks of ``LANES`` per update) load and store
-    them. One thread, a row of d = 768 in L1 (a jitted loop over the same row, Zen 4):
-    sum(x) and sum(g * u) of float32 rows 208 -> 136 ns, sum((x - c)^2) and
-    sum((x - c) g u) 257 -> 164 ns; float64 rows 199 -> 103 and 197 -> 111 ns; at
-    d = 4096 (out of L1) 889 -> 714 and 1160 -> 848 ns. ``layer_norm_vjp`` at (1024, 768)
-    float32, 2 threads: 797 -> 627 ns a row (C++ 453).
-    """
-    step = _SUM_WIDTH * vectors
-
-    if numba.config.DISABLE_JIT:  # pragma: no cover - intrinsics cannot run as Python
-
-        def sums(arrays, scalars):
-            """The same sums, in the same order, in NumPy."""
-            return _ordered_sums(terms, nsums, vectors, arrays, scalars)
-
-        return sums
-
-    @intrinsic
-    def sums(typingctx, arrays, scalars):
-        if not (operands_ok(arrays, scalars) and len(arrays) > 0):  # the first array gives d
-            return None
-        rty = types.UniTuple(types.float64, nsums)
-
-        def codegen(context, builder, sig, args):
-            aty, sty = sig.args
-            arrs, cs = operands(context, builder, aty, sty, args[0], args[1], types.float64)
-            intp = context.get_value_type(types.intp)
-            dbl = ir.DoubleType()
-            vty = ir.VectorType(dbl, _SUM_WIDTH)
-            i32 = ir.IntType(32)
-            d = builder.extract_value(arrs[0].shape, 0)
-
-            def element_terms(i, vector, consts):
-                w = _SUM_WIDTH if vector else None
-                ys = terms(*load_row_elements(context, builder, arrs, aty, i, w, dbl), *consts)
-                return [y.v for y in ys]
-
-            vcs = [Ir(builder, splat(builder, c, _SUM_WIDTH)) for c in cs]
-            zero = ir.Constant(vty, [0.0] * _SUM_WIDTH)
-            part = [[cgutils.alloca_once_value(builder, zero) for _ in range(vectors)] for _ in range(nsums)]
-            nstep = builder.udiv(d, intp(step))
-            with cgutils.for_range(builder, nstep, intp=intp) as loop:
-                base = builder.mul(loop.index, intp(step))
-                for q in range(vectors):
-                    ys = element_terms(builder.add(base, intp(q * _SUM_WIDTH)), True, vcs)
-                    for s in range(nsums):
-                        builder.store(builder.fadd(builder.load(part[s][q]), ys[s]), part[s][q])
-            total = []
-            for s in range(nsums):
-                q = _tree([Ir(builder, builder.load(a)) for a in part[s]]).v
-                lanes = _tree([Ir(builder, builder.extract_element(q, i32(j))) for j in range(_SUM_WIDTH)]).v
-                total.append(cgutils.alloca_once_value(builder, lanes))
-            scs = [Ir(builder, c) for c in cs]
-            with cgutils.for_range_slice(builder, builder.mul(nstep, intp(step)), d, intp(1), intp) as (i, _):
-                ys = element_terms(i, False, scs)
-                for s in range(nsums):
-                    builder.store(builder.fadd(builder.load(total[s]), ys[s]), total[s])
-            return context.make_tuple(builder, rty, [builder.load(t) for t in total])
-
-        return rty(arrays, scalars), codegen
-
-    return sums
-
-
-def _ordered_sums(terms, nsums, vectors, arrays, scalars):
-    """The sums of :func:`_row_sums` ``(terms, nsums, vectors)`` over ``arrays`` and
-    ``scalars``, computed in NumPy in the same order, bit for bit: its stand-in under
-    ``NUMBA_DISABLE_JIT``, and its specification in the tests."""
-    step = _SUM_WIDTH * vectors
-    cols = [np.asarray(a, dtype=np.float64) for a in arrays]
-    with np.errstate(all="ignore"):  # as compiled code: 1/0 = inf, no warning
-        ys = terms(*cols, *[np.float64(c) for c in scalars])
-    d = cols[0].size
-    body = d - d % step
-    out = []
-    for y in ys[:nsums]:
-        p = np.zeros(step)
-        for o in range(0, body, step):
-            p += y[o : o + step]
-        q = _tree([p[k : k + _SUM_WIDTH] for k in range(0, step, _SUM_WIDTH)])
-        s = _tree([q[j] for j in range(_SUM_WIDTH)])
-        for i in range(body, d):
-            s += y[i]
-        out.append(float(s))
-    return tuple(out)
-
-
-_sums_x = _row_sums(lambda x: (x,), 1)
-_sums_pair = _row_sums(lambda x, w: (x, w), 2)
-_sums_pair_gu = _row_sums(lambda x, g, u: (x, g * u), 2)
-_sums_sq = _row_sums(lambda x, c: ((x - c) * (x - c),), 1)
-_sums_sq_dot = _row_sums(lambda x, w, c: ((x - c) * (x - c), (x - c) * w), 2)
-_sums_sq_dot_gu = _row_sums(lambda x, g, u, c: ((x - c) * (x - c), (x - c) * (g * u)), 2)
+_sums_x = row_sums(lambda x: (x,), 1)
+_sums_pair = row_sums(lambda x, w: (x, w), 2)
+_sums_pair_gu = row_sums(lambda x, g, u: (x, g * u), 2)
+_sums_sq = row_sums(lambda x, c: ((x - c) * (x - c),), 1)
+_sums_sq_dot = row_sums(lambda x, w, c: ((x - c) * (x - c), (x - c) * w), 2)
+_sums_sq_dot_gu = row_sums(lambda x, g, u, c: ((x - c) * (x - c), (x - c) * (g * u)), 2)
 
 
 @inline

@@ -66,8 +66,9 @@ import math
 
 import numpy as np
 
+from ._formula import row_sums
 from ._jit import jit
-from ._reduce import _f64, _row_sums
+from ._reduce import _f64
 
 __all__ = [
     "_LN1",
@@ -166,7 +167,7 @@ def _pole_data(gamma):
 
 
 # --------------------------------------------------------------------------- #
-# Bulk sums: one pass over d, q_i = 1/(e_i + off), by _reduce._row_sums
+# Bulk sums: one pass over d, q_i = 1/(e_i + off), by _formula.row_sums
 # --------------------------------------------------------------------------- #
 
 
@@ -197,9 +198,9 @@ def _one_terms(e, off, one):
 # The bulk passes are bound by the divisions: one vector of partial sums per sum (as the
 # C++ kernel's bulk) does as well as four. A LayerNorm pass over d = 768 (float64, in L1)
 # took 482 ns with ``LANES`` partial sums in a scratch array, 265 ns so.
-_bulk_ln2 = _row_sums(_ln2_terms, 6, 1)
-_bulk_sq = _row_sums(_sq_terms, 2, 1)
-_bulk_one = _row_sums(_one_terms, 2, 1)
+_bulk_ln2 = row_sums(_ln2_terms, 6, 1)
+_bulk_sq = row_sums(_sq_terms, 2, 1)
+_bulk_one = row_sums(_one_terms, 2, 1)
 
 
 @jit

@@ -23,7 +23,7 @@ on the number of threads. Inside a row there are at most three passes over ``d``
 
 Every reduction accumulates in float64, also for float32 input, in an order fixed by the
 source: the row sums are LLVM vector code with 16 partial sums in registers
-(:func:`._reduce._row_sums`), and the forward's float32 pass 2 adds groups of four float32
+(:func:`._formula.row_sums`), and the forward's float32 pass 2 adds groups of four float32
 squares into ``LANES`` partial sums in a scratch ``acc`` (:func:`._reduce._sum_sq_f32`):
 :mod:`._reduce` explains why they look the way they do.
 
@@ -51,7 +51,7 @@ row a core prefetches is almost always its own thread's next one. Outputs are wr
 plain stores, except the dense Jacobians' (streamed, see :func:`_dense_jacobian`) and the
 rows of large outputs (:data:`STREAM_SHORT_ROW_MIN_BYTES`, :data:`STREAM_ROW_MIN_BYTES`), which the norm kernels stream
 out with non-temporal stores straight from the registers. Every writing pass is a
-:func:`._jit.block_writer` (the row's formula as 4-wide LLVM vector code, plain or streaming
+:func:`._formula.block_writer` (the row's formula as 4-wide LLVM vector code, plain or streaming
 stores) called once per block of ``_BLOCK`` values, between the block's prefetches.
 An earlier streamed variant sent each row out whole after its writing pass, for every large
 output: it was slower everywhere, 1.36-1.64x of C++ without it against 1.91-2.67x with it at
@@ -64,7 +64,9 @@ import numpy as np
 from numba import prange
 
 from ...backends import register
-from ._jit import block_writer, inline, jit, pjit, prefetch, prefetch_write, store_fence, stream_affine
+from ._formula import block_writer
+from ._intrinsics import prefetch, prefetch_write, store_fence, stream_affine
+from ._jit import inline, jit, pjit
 from ._reduce import (
     LANES,
     _f64,
@@ -166,7 +168,7 @@ _CHUNKS = 256
 
 
 #: Bytes ahead of the element being written at which the writing pass asks for its output
-#: lines (:func:`._jit.prefetch_write`). A plain store to a line that is not in cache first
+#: lines (:func:`._intrinsics.prefetch_write`). A plain store to a line that is not in cache first
 #: reads it (read-for-ownership), and without the hint those reads start one line at a
 #: time as the stores reach them, so memory waits: RMSNorm's JVP at (2048, 4096) float32
 #: ran 2.9 ms with its output rows in cache and 4.2-4.5 ms writing to memory (C++, which
@@ -208,7 +210,7 @@ def _prefetch_out(out, o, stream):
 
 @inline
 def _prefetch_row_ahead(outf, o, m):
-    """Ask for writing (:func:`._jit.prefetch_write`) the m output values that start
+    """Ask for writing (:func:`._intrinsics.prefetch_write`) the m output values that start
     ``_WRITE_AHEAD`` bytes past outf[o] (a later row), if they lie inside ``outf``: for the
     short rows of the softmax kernels and the attention score gradient (Tk = 128: 512
     bytes), so the hint runs per row, some rows ahead, where :func:`_prefetch_out` runs per
@@ -241,7 +243,7 @@ def _prefetch_out_head(out, stream):
 #: the write prefetch (:data:`_WRITE_AHEAD`). A plain store first reads its line, so a norm
 #: kernel writing to memory moves 3 bytes for every 2 it needs (4 for 3 with a tangent).
 #: Streamed, the writing pass sends each vector out as it is computed
-#: (:func:`._jit.block_writer`), as the C++ kernels do. Until the fourteenth session it
+#: (:func:`._formula.block_writer`), as the C++ kernels do. Until the fourteenth session it
 #: computed each block of ``_BLOCK`` values into the thread's scratch row (in L1) and copied
 #: it out with an intrinsic, ``_jit.stream_span`` (Numba emits no streaming store from a loop); from the
 #: registers, ``rms_norm`` float32 took 1.35 / 1.08 ms against 1.76 / 1.77 at (2048, 4096),
@@ -288,7 +290,7 @@ def _stream_rows(out, min_row):
     """Whether a norm kernel streams the rows of ``out`` (n, d): at least
     :data:`STREAM_MIN_BYTES` in all, rows of at least ``min_row`` bytes
     (:data:`STREAM_SHORT_ROW_MIN_BYTES`, or :data:`STREAM_ROW_MIN_BYTES` for LayerNorm's forward
-    pass), and every row starting on a 16-byte boundary (:func:`._jit.block_writer` streams 16
+    pass), and every row starting on a 16-byte boundary (:func:`._formula.block_writer` streams 16
     bytes at a time; a row's partial first and last lines then come whole from two streamed
     rows)."""
     row = out.shape[1] * out.itemsize
@@ -306,7 +308,7 @@ def _stream_rows(out, min_row):
 # --------------------------------------------------------------------------- #
 
 # The writing passes: out[o : o + m] = the row's formula, in float64 (converted on load, cast on
-# the store), each operation rounded once as written (see _jit.block_writer).
+# the store), each operation rounded once as written (see _formula.block_writer).
 _write_ln = block_writer(lambda g, x, b, mu, inv: g * ((x - mu) * inv) + b)
 _write_ln_jvp = block_writer(lambda g, v, x, mv, m2, mu, inv: g * (((v - mv) - ((x - mu) * inv) * m2) * inv))
 _write_ln_vjp = block_writer(lambda g, u, x, mg, m2, mu, inv: ((g * u - mg) - ((x - mu) * inv) * m2) * inv)
@@ -433,7 +435,7 @@ def _layer_norm_vjp_row(x, u, gamma, eps, frozen, out, x_next, u_next, stream):
 
 @jit
 def _affine(dst, src, a, b, c):
-    """dst[j] = a * (b - c * src[j]): the plain-store twin of :func:`._jit.stream_affine`."""
+    """dst[j] = a * (b - c * src[j]): the plain-store twin of :func:`._intrinsics.stream_affine`."""
     for j in range(src.size):
         dst[j] = a * (b - c * src[j])
 
@@ -450,7 +452,7 @@ def _dense_jacobian(x, gamma, centre, scale, c0, frozen, out):
     ``dense_jacobian`` in ``csrc/layernorm.hpp``. Each output row is written by one
     thread, the same values whatever the thread count. A large output
     (:data:`STREAM_MIN_BYTES`) is written with non-temporal stores
-    (:func:`._jit.stream_affine`, the same expression; one :func:`._jit.store_fence`
+    (:func:`._intrinsics.stream_affine`, the same expression; one :func:`._intrinsics.store_fence`
     per chunk): the same values, bit for bit.
     """
     n, d = x.shape

@@ -16,7 +16,9 @@ import numpy as np
 from numba import prange
 
 from ...backends import register
-from ._jit import block_writer, inline, jit, pjit, store_fence
+from ._formula import block_writer
+from ._intrinsics import store_fence
+from ._jit import inline, jit, pjit
 from ._reduce import _f64, _rms_slow, _safe, _scale, _sum_sq, _sum_sq_dot, _sum_sq_dot_gu
 from .layernorm import (
     STREAM_SHORT_ROW_MIN_BYTES,

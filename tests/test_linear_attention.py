@@ -1,7 +1,8 @@
 """The compiled attention-JVP head products ``linear_attention_jvp`` (issue 18) and their use.
 
 The kernel against the formula in float64 NumPy (float32 and float64, grouped-query heads,
-odd sizes, a causal span from ``start``, more tangents than one task's chunk), bad
+odd sizes, a causal span from ``start``, more tangents than one task's chunk, row blocks of
+more than 16 query rows over the keys they see), bad
 input naming the argument, -1 on the forced numpy.matmul fallback, and the block JVP
 through it against the block JVP through the numpy products (learned and rotary
 positions, whole sequences and spans), float64 unchanged bit for bit.
@@ -63,12 +64,20 @@ def _reference(dqkv, q, k, v, p, start, scale):
 
 
 @pytest.mark.parametrize("dims", [(1, 1, 0, 1, 1, 1), (3, 5, 0, 2, 3, 8), (5, 7, 4, 1, 2, 5), (70, 9, 3, 2, 1, 4),
-                                  (2, 130, 0, 1, 2, 16)],
+                                  (2, 130, 0, 1, 2, 16), (4, 40, 7, 2, 2, 8), (3, 17, 2, 1, 1, 4)],
                          ids=lambda d: "K%d-tq%d-s%d-Hkv%d-g%d-dh%d" % d)
-def test_linear_attention_jvp_matches_the_formula(dtype, dims):
+@pytest.mark.parametrize("mask", ["causal", "none", "zeros"])
+def test_linear_attention_jvp_matches_the_formula(dtype, dims, mask):
+    """Row blocks (tq > 16) multiply only the keys with P != 0 in some row of the block: causal
+    probabilities, probabilities without a zero, and zeros where a key is visible (underflow)."""
     core = _core()
     K, tq, start, Hkv, g, dh = dims
     dqkv, q, k, v, p = _case(K, tq, start, Hkv, g, dh, dtype)
+    if mask == "none":
+        p = _softmax_rows(np.einsum("jgtd,jsd->jgts", q, k), start + tq).astype(dtype)
+    elif mask == "zeros":
+        p[..., : min(3, tq), 0] = 0  # the first key of the first rows: visible, with P = 0
+        p[..., 16:32, :] = 0  # a whole row block without a visible key (tq > 32): its tangent is 0
     before = [a.copy() for a in (dqkv, q, k, v, p)]
     out = np.full((K, tq, Hkv * g, dh), np.nan, dtype)
     scale = 1.0 / np.sqrt(dh)
@@ -82,12 +91,14 @@ def test_linear_attention_jvp_matches_the_formula(dtype, dims):
         np.testing.assert_array_equal(a, b)
 
 
-def test_linear_attention_jvp_counts_bad_rows():
+@pytest.mark.parametrize("tq", [4, 40])
+def test_linear_attention_jvp_counts_bad_rows(tq):
     core = _core()
-    dqkv, q, k, v, p = _case(3, 4, 0, 1, 2, 8, np.float32)
+    dqkv, q, k, v, p = _case(3, tq, 0, 1, 2, 8, np.float32)
     dqkv[1, 2, 0, 3] = np.nan  # query head 0 of tangent 1, row 2: one bad row
-    out = np.empty((3, 4, 2, 8), np.float32)
+    out = np.empty((3, tq, 2, 8), np.float32)
     assert core.linear_attention_jvp(dqkv, q, k, v, p, 0, 1.0, out) == 1
+    assert np.isnan(out[1, 2, 0]).all() and np.isfinite(np.delete(out[1, :, 0], 2, axis=0)).all()
 
 
 def test_linear_attention_jvp_bad_input_names_the_argument():
@@ -138,12 +149,13 @@ def test_attention_jvp_kernel_follows_the_default_backend():
 
 @pytest.mark.parametrize("positions", ["learned", "rotary"])
 @pytest.mark.parametrize("start", [0, 5])
-def test_block_jvp_through_the_kernel_matches_the_numpy_products(positions, start, monkeypatch):
+@pytest.mark.parametrize("T", [12, 40])
+def test_block_jvp_through_the_kernel_matches_the_numpy_products(positions, start, T, monkeypatch):
     _core()
     import pyengine as pe
     from pyengine.models import _fast
 
-    T, K = 12, 3
+    K = 3
     cfg = pe.StackConfig(d_model=32, n_heads=4, n_kv_heads=2 if positions == "rotary" else 4, d_mlp=64, n_layers=2,
                          vocab_size=50, activation="gelu_tanh", positions=positions, max_seq_len=T)
     rng = np.random.default_rng(1)
@@ -194,7 +206,7 @@ def _forward_reference(qkv, kp, vp, H, offset, scale):
 
 
 @pytest.mark.parametrize("dims", [(1, 1, 0, 1, 1, 1), (3, 5, 0, 2, 3, 8), (5, 7, 4, 1, 2, 5), (2, 9, 3, 2, 1, 4),
-                                  (2, 130, 0, 1, 2, 16)],
+                                  (2, 130, 0, 1, 2, 16), (2, 40, 6, 2, 2, 8), (3, 17, 0, 1, 1, 4)],
                          ids=lambda d: "B%d-tq%d-s%d-Hkv%d-g%d-dh%d" % d)
 @pytest.mark.parametrize("causal", [True, False])
 def test_linear_attention_forward_matches_the_formula(dtype, dims, causal):
@@ -248,14 +260,27 @@ def test_linear_attention_forward_bad_rows_and_input():
     assert L.attention_forward_kernel() is core.linear_attention_forward
 
 
+@pytest.mark.parametrize("offset", [0, 39], ids=["causal", "all-keys"])
+def test_linear_attention_forward_row_blocks_count_bad_rows(offset):
+    """40 query rows (row blocks of 16): an Inf query makes its own row bad and NaN, no other."""
+    core = _core()
+    qkv = np.random.default_rng(4).standard_normal((2, 40, 4, 8)).astype(np.float32)  # H = 2, Hkv = 1
+    kp = vp = np.zeros((1, 0, 8), np.float32)
+    qkv[1, 20, 0, 0] = np.inf  # query head 0 of sequence 1, row 20 (the second block)
+    out = np.empty((2, 40, 2, 8), np.float32)
+    assert core.linear_attention_forward(qkv, kp, vp, 2, offset, 1.0, out) == 1
+    assert np.isnan(out[1, 20, 0]).all()
+    assert np.isfinite(np.delete(out[1, :, 0], 20, axis=0)).all() and np.isfinite(out[0]).all()
+
+
 @pytest.mark.parametrize("causal", [True, False])
-def test_forward_through_the_kernel_matches_the_streaming_head(causal, monkeypatch):
+@pytest.mark.parametrize("T", [12, 40])
+def test_forward_through_the_kernel_matches_the_streaming_head(causal, T, monkeypatch):
     """Stack forwards (whole, with a past span, with a cache) against the attention_forward path."""
     _core()
     import pyengine as pe
     from pyengine.models import _fast
 
-    T = 12
     cfg = pe.StackConfig(d_model=32, n_heads=4, n_kv_heads=2, d_mlp=64, n_layers=2, vocab_size=50,
                          activation="gelu_tanh", positions="learned", max_seq_len=T, causal=causal)
     stack = pe.init_weights(cfg, "gpt2", seed=0, dtype=np.float32, bias_std=0.02)

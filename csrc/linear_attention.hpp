@@ -19,7 +19,7 @@
 //
 // Row blocks (tq > kRowBlock, issue 18, fifteenth session): the products then run per tangent
 // and block of kRowBlock query rows, over the first kv keys only, kv = 1 + the last key with
-// P != 0 in some row of the block (visible_keys: for causal rows, start + the block's end).
+// P != 0 in some row of the block (keys_with_weight: for causal rows, start + the block's end).
 // The keys after kv have P = 0 in every row of the block, so they add exact zeros to dP V
 // and P dV, and to the row sums of the softmax JVP: for finite inputs the result is the
 // formula above. The key operands are transposed once (K_j^T per call, dK_r^T per tangent
@@ -89,7 +89,7 @@ inline constexpr index_t kRowBlock = 16;
 // is not exactly 0 (NaN counts as not 0): the keys the block's rows can see. Columns after
 // it have P = 0 in every row, so they add exact zeros to the JVP and can be skipped.
 template <class T>
-index_t visible_keys(const T* p, index_t tk, index_t t0, index_t t1) {
+index_t keys_with_weight(const T* p, index_t tk, index_t t0, index_t t1) {
     index_t kv = 0;
     for (index_t t = t0; t < t1; ++t) {
         const T* pr = p + t * tk;
@@ -98,6 +98,15 @@ index_t visible_keys(const T* p, index_t tk, index_t t0, index_t t1) {
         kv = std::max(kv, c);
     }
     return kv;
+}
+
+// dst (dh, n; row stride ldd) = the transpose of the n rows (dh values each, row stride lds)
+// at src: the key operands of the blocked paths, so that their products are plain gemms.
+template <class T>
+void transpose_rows(const T* src, index_t lds, index_t n, index_t dh, T* dst, index_t ldd) {
+    for (index_t c = 0; c < n; ++c) {
+        for (index_t e = 0; e < dh; ++e) dst[e * ldd + c] = src[c * lds + e];
+    }
 }
 
 // One row of the softmax JVP in place: sr[c] = p[c] (sr[c] - sum_c p[c] sr[c]) over the first
@@ -134,13 +143,11 @@ std::int64_t linear_attention_jvp(const LinearBlas& bl, const T* dqkv, const T* 
     std::vector<index_t> vis(static_cast<std::size_t>(H * nblk));
     std::vector<T> kt(static_cast<std::size_t>(blocked ? Hkv * dh * tk : 0));
     for (index_t h = 0; h < H && blocked; ++h) {
-        for (index_t b = 0; b < nblk; ++b) vis[h * nblk + b] = visible_keys(p + h * tq * tk, tk, b * RB,
-                                                                            std::min(tq, (b + 1) * RB));
+        for (index_t b = 0; b < nblk; ++b) vis[h * nblk + b] = keys_with_weight(p + h * tq * tk, tk, b * RB,
+                                                                                std::min(tq, (b + 1) * RB));
     }
     for (index_t j = 0; j < Hkv && blocked; ++j) {
-        for (index_t c = 0; c < tk; ++c) {
-            for (index_t e = 0; e < dh; ++e) kt[(j * dh + e) * tk + c] = k[(j * tk + c) * dh + e];
-        }
+        transpose_rows(k + j * tk * dh, dh, tk, dh, kt.data() + j * dh * tk, tk);
     }
     return blas_region(bl, threads, [&]() -> std::int64_t {
         std::int64_t nbad = 0;
@@ -161,9 +168,7 @@ std::int64_t linear_attention_jvp(const LinearBlas& bl, const T* dqkv, const T* 
                 const T* ktj = kt.data() + j * dh * tk;
                 for (index_t r = r0; r < r1; ++r) {
                     const T* dr = dqkv + r * tq * W;
-                    for (index_t c = 0; c < kn_all; ++c) {
-                        for (index_t e = 0; e < dh; ++e) dkt[e * tq + c] = dr[c * W + (H + j) * dh + e];
-                    }
+                    transpose_rows(dr + (H + j) * dh, W, kn_all, dh, dkt.data(), tq);  // n <= 0: none
                     for (index_t b = 0; b < nblk; ++b) {
                         const index_t t0 = b * RB, nb = std::min(RB, tq - t0), kv = vh[b];
                         const index_t kn = std::min(kv - start, tq);  // of them new keys (moved by the tangent)
@@ -240,9 +245,7 @@ std::int64_t linear_attention_forward(const LinearBlas& bl, const T* qkv, const 
     const bool blocked = tq > RB && offset + RB < tk;
     std::vector<T> kpt(static_cast<std::size_t>(blocked ? Hkv * dh * s : 0));  // (Hkv, dh, s)
     for (index_t jj = 0; jj < Hkv && blocked; ++jj) {
-        for (index_t c = 0; c < s; ++c) {
-            for (index_t e = 0; e < dh; ++e) kpt[(jj * dh + e) * s + c] = kp[(jj * s + c) * dh + e];
-        }
+        transpose_rows(kp + jj * s * dh, dh, s, dh, kpt.data() + jj * dh * s, s);
     }
     return blas_region(bl, threads, [&]() -> std::int64_t {
         std::int64_t nbad = 0;
@@ -255,11 +258,8 @@ std::int64_t linear_attention_forward(const LinearBlas& bl, const T* qkv, const 
             const index_t b = task / H, h = task % H, j = h / g;
             const T* qb = qkv + b * tq * W;
             if (blocked) {
-                const index_t nk = std::min(tq, offset + tq - s);  // new keys any row sees
-                const T* kn = qb + (H + j) * dh;
-                for (index_t c = 0; c < nk; ++c) {
-                    for (index_t e = 0; e < dh; ++e) knt[e * tq + c] = kn[c * W + e];
-                }
+                const index_t nk = std::min(tq, offset + tq - s);  // new keys any row sees (n <= 0: none)
+                transpose_rows(qb + (H + j) * dh, W, nk, dh, knt.data(), tq);
                 for (index_t t0 = 0; t0 < tq; t0 += RB) {
                     const index_t nb = std::min(RB, tq - t0), kv = std::min(tk, std::max<index_t>(0, offset + t0 + nb));
                     const index_t kpast = std::min(s, kv), knew = kv - kpast;
@@ -274,7 +274,7 @@ std::int64_t linear_attention_forward(const LinearBlas& bl, const T* qkv, const 
                         const index_t n = std::min(kv, std::max<index_t>(0, offset + t + 1));
                         nbad += activations_detail::softmax_row<T>(row, n, kv, terms.data(), row);
                     }
-                    if (kpast > 0) {  // kv >= 1: offset >= 0
+                    if (kpast > 0) {
                         gemm_ab<T>(bl, false, nb, dh, kpast, T(1), sc, tk, vp + j * s * dh, dh, T(0), ob, H * dh);
                     }
                     if (knew > 0) {

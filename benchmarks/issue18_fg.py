@@ -5,8 +5,9 @@
 
 Prints: per-call time of each public kernel on one d=768 float32 token (min of 7 means
 of 2000 calls); pe.layer_norm vs torch F.layer_norm at (2048, 768) float32, both
-allocating (median of 300 interleaved calls; then with one thread each); the Numba/C++ ratio of the norm kernels
-at (8192, 4096) float32 with out= (median of 10); Lanczos ms/token over 256 tokens at
+allocating (median of 300 interleaved calls; then with one thread each); the Numba/C++ ratio of every row of
+the asv suite ``bench_small_calls.NumbaVsCpp`` (the norm kernels at (8192, d), their sigma_max at (256, d),
+d = 768 and 4096, the attention softmax and its JVP; float32, out=, median of 10); Lanczos ms/token over 256 tokens at
 d = 768 for the fused kernels (cpp, numba; median of 3) and the generic solver (numpy, once).
 """
 
@@ -71,8 +72,13 @@ def main() -> None:
               f"(minima: {mn['F.layer_norm'] / mn['pe.layer_norm']:.2f})")
     n = b.NumbaVsCpp()
     for k in b.NumbaVsCpp.params[0]:
-        n.setup(k)
-        print(f"(8192, 4096) f32 out= {k:16s} numba/cpp = {n.track_ratio(k):.2f}")
+        for d in b.NumbaVsCpp.params[1]:
+            try:
+                n.setup(k, d)
+            except NotImplementedError:  # the asv suite's skip: a kernel without this d
+                continue
+            shape = "(768, 128, 128)" if k.startswith("softmax") else f"({256 if 'sigma' in k else 8192}, {d})"
+            print(f"{shape:16s} f32 out= {k:22s} numba/cpp = {n.track_ratio(k, d):.2f}")
     if "--no-lanczos" in sys.argv:  # the norm-kernel figures only (the numpy solver takes minutes)
         return
     rng = np.random.default_rng(0)

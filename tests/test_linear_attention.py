@@ -206,7 +206,8 @@ def _forward_reference(qkv, kp, vp, H, offset, scale):
 
 
 @pytest.mark.parametrize("dims", [(1, 1, 0, 1, 1, 1), (3, 5, 0, 2, 3, 8), (5, 7, 4, 1, 2, 5), (2, 9, 3, 2, 1, 4),
-                                  (2, 130, 0, 1, 2, 16), (2, 40, 6, 2, 2, 8), (3, 17, 0, 1, 1, 4)],
+                                  (2, 130, 0, 1, 2, 16), (2, 40, 6, 2, 2, 8), (3, 17, 0, 1, 1, 4),
+                                  (2, 33, 11, 1, 2, 8)],
                          ids=lambda d: "B%d-tq%d-s%d-Hkv%d-g%d-dh%d" % d)
 @pytest.mark.parametrize("causal", [True, False])
 def test_linear_attention_forward_matches_the_formula(dtype, dims, causal):

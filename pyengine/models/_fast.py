@@ -6,8 +6,8 @@ run at a fraction of GEMM speed on GPT-2-small shapes (780 products of 128 x 64 
 array written and read three times). The fused kernel ``attention_forward`` of
 :mod:`pyengine.kernels.attention` streams each query row over its visible keys instead
 and never stores the scores: on (65 x 128, 768) float32 it takes about a quarter of the
-time of the three passes it replaces (benchmarks/torch_compare.py, README "Propagation
-speed (issue 18)").
+time of the three passes it replaces (benchmarks/torch_compare.py, benchmarks/PERFORMANCE.md
+"Propagation speed (issue 18)").
 
 Used for float32 only: float64 keeps the batched products, bit for bit as before. The
 float32 fused head accumulates its sums in float64, so its outputs are at least as

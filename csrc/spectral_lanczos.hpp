@@ -1,7 +1,8 @@
 // Fused per-token Lanczos for sigma_max of the LayerNorm / RMSNorm Jacobians (issue #18).
 //
-// The contract and the mathematics are those of pyengine/kernels/_numba/spectral_lanczos.py
-// (its docstring explains every step; the two are kept line for line alike):
+// A single algorithm, longer than ~400 lines by exception. The contract and the mathematics are
+// those of pyengine/kernels/_numba/spectral_lanczos.py (its docstring, the specification,
+// explains every step; the two are kept line for line alike):
 //   x: (n, d) C-contiguous T; gamma: (d,) T; v0: (n, d) double (the generic solver's
 //   start vectors); sigma, residual: (n,) double; iterations: (n,) int64. A bad row
 //   (non-finite statistics, NaN/Inf in v0, zero scale) gets NaN outputs (0 iterations) and

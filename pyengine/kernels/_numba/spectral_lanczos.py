@@ -1,5 +1,7 @@
 """Numba fused per-token Lanczos for sigma_max of the LayerNorm / RMSNorm Jacobians.
 
+A single algorithm, longer than ~400 lines by exception: this docstring is its specification.
+
 Same kernel contract and parameter names as :mod:`pyengine.kernels._reference.spectral_lanczos`
 (``x`` (n, d) float32/float64, ``gamma`` (d,) of its dtype, ``v0`` (n, d) float64 start
 vectors, float64 ``sigma`` / ``residual`` and int64 ``iterations`` outputs, the bad-row

@@ -10,7 +10,11 @@ Prints, each a median of repeated runs:
 3. spectral_radius of I + W J_LN at d = 768 (random W: the complex-pair case), seconds per
    operator for 1 and 4 operators, with the dense LAPACK path and with ARPACK (the path
    before, forced by setting the dense range empty);
-4. method="lanczos" on LayerNorm Jacobians, 256 tokens, d = 768: ms per token.
+4. method="lanczos" on LayerNorm Jacobians, 256 tokens, d = 768: ms per token;
+5. the Arnoldi path of spectral_radius (forced) asked for 1 eigenvalue (ncv 20, as before
+   2026-12-05) and for ARNOLDI_WANTED (ncv ARNOLDI_NCV) on 40 random I + W J_LN at d = 768:
+   how often it misses the radius numpy.linalg.eigvals gives, products and seconds
+   (``python benchmarks/issue18_fg2.py arnoldi`` runs this part alone; pass a width to change d).
 """
 
 from __future__ import annotations
@@ -106,8 +110,44 @@ def lanczos() -> None:
     print(f"lanczos LN Jacobian d=768, 256 tokens: {t / 256 * 1e3:.2f} ms/token")
 
 
+def arnoldi(d: int = 768, seeds: int = 20) -> None:
+    from pyengine.linalg import _solvers
+
+    settings = ((1, 20), (_solvers.ARNOLDI_WANTED, _solvers.ARNOLDI_NCV))
+    stats = {s: ([], [], []) for s in settings}  # misses, products, seconds
+    old = _dense_radius.DENSE_RADIUS_MAX, _solvers.ARNOLDI_WANTED, _solvers.ARNOLDI_NCV
+    _dense_radius.DENSE_RADIUS_MAX = 0
+    try:
+        for seed in range(seeds):
+            for scale in (1.0, 3.0):
+                rng = np.random.default_rng(100 + seed)
+                x, g = rng.standard_normal((1, d)), rng.uniform(0.5, 1.5, d)
+                W = scale * rng.standard_normal((d, d)) / np.sqrt(d)
+                op = pe.Identity(d) + pe.DenseOperator(W) @ pe.LayerNormJacobian(x, g)
+                exact = np.abs(np.linalg.eigvals(np.eye(d) + W @ pe.layer_norm_jacobian(x, g)[0])).max()
+                for s in settings:
+                    _solvers.ARNOLDI_WANTED, _solvers.ARNOLDI_NCV = s
+                    t = time.perf_counter()
+                    r = pe.spectral_radius(op, tol=1e-8)
+                    stats[s][2].append(time.perf_counter() - t)
+                    stats[s][0].append(abs(r.rho[0] - exact) > 1e-9 * exact)
+                    stats[s][1].append(int(r.iterations[0]))
+    finally:
+        _dense_radius.DENSE_RADIUS_MAX, _solvers.ARNOLDI_WANTED, _solvers.ARNOLDI_NCV = old
+    for (k, ncv), (miss, prods, secs) in stats.items():
+        print(f"spectral_radius by Arnoldi, d={d}, k={k:2d} ncv={ncv}: missed the radius on {sum(miss)} of "
+              f"{len(miss)} operators; products median {statistics.median(prods):.0f} (max {max(prods)}), "
+              f"seconds median {statistics.median(secs):.3f} (max {max(secs):.3f})")
+
+
 if __name__ == "__main__":
-    activations()
-    numba_vs_cpp()
-    radius()
-    lanczos()
+    import sys
+
+    if sys.argv[1:2] == ["arnoldi"]:
+        arnoldi(*(int(a) for a in sys.argv[2:3]))
+    else:
+        activations()
+        numba_vs_cpp()
+        radius()
+        lanczos()
+        arnoldi()

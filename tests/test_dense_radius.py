@@ -10,11 +10,11 @@ import pyengine as pe
 from pyengine.linalg import _dense_radius as dr
 
 
-def block(d, batch, seed=0):
+def block(d, batch, seed=0, scale=1.0):
     rng = np.random.default_rng(seed)
     x = rng.standard_normal((batch, d))
     g = rng.uniform(0.5, 1.5, d)
-    W = rng.standard_normal((d, d)) / np.sqrt(d)
+    W = scale * rng.standard_normal((d, d)) / np.sqrt(d)
     op = pe.Identity(d) + pe.DenseOperator(W) @ pe.LayerNormJacobian(x, g)
     dense = np.eye(d)[None] + W[None] @ pe.layer_norm_jacobian(x, g)
     return op, dense
@@ -54,6 +54,24 @@ def test_random_pre_ln_block_at_d768_is_exact():
     assert set(res.method.tolist()) <= {"power", "dense"}
     np.testing.assert_allclose(res.rho, exact, rtol=1e-10)
     assert (res.rho >= 1.0 - 1e-12).all()  # DESIGN: rho(A_L) >= 1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("seed", "scale"), [(0, 1.0), (3, 3.0)])
+def test_rim_cases_where_one_wanted_eigenvalue_stopped_short(seed, scale, monkeypatch):
+    """Two operators I + W J_LN at d = 768 on which ARPACK asked for one eigenvalue (k=1, the
+    Arnoldi path before 2026-12-05) returned another eigenvalue of the rim with a passing
+    residual: 2.0125 for 2.0174 and 4.1129 for 4.1554. The dense path (n in its range) and
+    the Arnoldi path (n outside it, forced here) must both give the true radius."""
+    op, dense = block(768, 1, seed=seed, scale=scale)
+    exact = np.abs(np.linalg.eigvals(dense[0])).max()
+    res = pe.spectral_radius(op, tol=1e-8)
+    assert res.method[0] == "dense" and res.all_converged
+    np.testing.assert_allclose(res.rho[0], exact, rtol=1e-10)
+    monkeypatch.setattr(dr, "DENSE_RADIUS_MAX", 0)
+    arn = pe.spectral_radius(op, tol=1e-8)
+    assert arn.method[0] == "arnoldi" and arn.all_converged
+    np.testing.assert_allclose(arn.rho[0], exact, rtol=1e-9)
 
 
 def test_dense_eigpair_is_an_eigenpair():

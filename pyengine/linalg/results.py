@@ -141,7 +141,8 @@ class SpectralRadiusResult:
     converged : bool
         ``residual <= tol``.
     method : str
-        "power", "arnoldi" (scipy.sparse.linalg.eigs) or "dense" (n < 3), per operator.
+        "power", "arnoldi" (scipy.sparse.linalg.eigs) or "dense" (LAPACK on the formed
+        matrix: n < 3 or 128 <= n <= 2048), per operator; see :func:`spectral_radius`.
     upper : float64
         Guaranteed bound rho <= ||A|| <= upper (``inf`` if none).
     tol : float

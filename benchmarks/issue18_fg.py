@@ -7,7 +7,8 @@ Prints: per-call time of each public kernel on one d=768 float32 token (min of 7
 of 2000 calls); pe.layer_norm vs torch F.layer_norm at (2048, 768) float32, both
 allocating (median of 300 interleaved calls; then with one thread each); the Numba/C++ ratio of every row of
 the asv suite ``bench_small_calls.NumbaVsCpp`` (the norm kernels at (8192, d), their sigma_max at (256, d),
-d = 768 and 4096, the attention softmax and its JVP; float32, out=, median of 10); Lanczos ms/token over 256 tokens at
+d = 768 and 4096, the attention softmax and its JVP; float32, out=, medians of 30 alternated calls; printed
+before the torch rows, measured first); Lanczos ms/token over 256 tokens at
 d = 768 for the fused kernels (cpp, numba; median of 3) and the generic solver (numpy, once).
 """
 
@@ -31,6 +32,18 @@ def main() -> None:
     for k in b.SmallCall.params[0]:
         s.setup(k)
         print(f"one token d=768 {k:16s} {s.track_us_per_call(k):6.2f} us/call")
+    # The Numba/C++ rows before torch is imported: after the torch section the first of them,
+    # (8192, 768) layer_norm, read 1.41-1.94 in some runs, against 1.07-1.25 in a process
+    # of its own; 1.18-1.36 in four runs after this reordering (2026-12-05).
+    n = b.NumbaVsCpp()
+    for k in b.NumbaVsCpp.params[0]:
+        for d in b.NumbaVsCpp.params[1]:
+            try:
+                n.setup(k, d)
+            except NotImplementedError:  # the asv suite's skip: a kernel without this d
+                continue
+            shape = "(768, 128, 128)" if k.startswith("softmax") else f"({256 if 'sigma' in k else 8192}, {d})"
+            print(f"{shape:16s} f32 out= {k:22s} numba/cpp = {n.track_ratio(k, d):.2f}")
     try:
         import torch
         import torch.nn.functional as F
@@ -70,15 +83,6 @@ def main() -> None:
         print(f"(2048, 768) f32, 1 thread each: pe {med['pe.layer_norm'] * 1e3:.3f} ms, torch "
               f"{med['F.layer_norm'] * 1e3:.3f} ms, torch/pe = {med['F.layer_norm'] / med['pe.layer_norm']:.2f} "
               f"(minima: {mn['F.layer_norm'] / mn['pe.layer_norm']:.2f})")
-    n = b.NumbaVsCpp()
-    for k in b.NumbaVsCpp.params[0]:
-        for d in b.NumbaVsCpp.params[1]:
-            try:
-                n.setup(k, d)
-            except NotImplementedError:  # the asv suite's skip: a kernel without this d
-                continue
-            shape = "(768, 128, 128)" if k.startswith("softmax") else f"({256 if 'sigma' in k else 8192}, {d})"
-            print(f"{shape:16s} f32 out= {k:22s} numba/cpp = {n.track_ratio(k, d):.2f}")
     if "--no-lanczos" in sys.argv:  # the norm-kernel figures only (the numpy solver takes minutes)
         return
     rng = np.random.default_rng(0)

@@ -4,7 +4,8 @@
 ``backend="auto"``, allocating its result), microseconds per call; the target is <= 8.
 ``LayerNormVsTorch.track_speedup``: torch's ``F.layer_norm`` time over ``pe.layer_norm``'s
 at (2048, 768) float32, both allocating; the target is >= 1. ``NumbaVsCpp.track_ratio``:
-the Numba backend's time over the C++ one with ``out=``; the target is <= 1.5.
+the Numba backend's time over the C++ one with ``out=``; the target is <= 1.5. Both ratios
+alternate the two calls (``common.interleaved_ratio``).
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import numpy as np
 import pyengine as pe
 from pyengine import backends
 
-from .common import fastest_per_call, median_time, require_backend
+from .common import fastest_per_call, interleaved_ratio, require_backend
 
 D = 768
 
@@ -75,7 +76,7 @@ class LayerNormVsTorch:
         self.theirs = lambda: F.layer_norm(tx, (D,), tg, tb)
 
     def track_speedup(self):
-        return median_time(self.theirs, 30) / median_time(self.ours, 30)
+        return interleaved_ratio(self.theirs, self.ours, 30)
 
     track_speedup.unit = "torch time / pyengine time"
 
@@ -124,6 +125,6 @@ class NumbaVsCpp:
             call()  # compilation and first touch are not timed
 
     def track_ratio(self, kernel, d):
-        return median_time(self.calls["numba"], 10) / median_time(self.calls["cpp"], 10)
+        return interleaved_ratio(self.calls["numba"], self.calls["cpp"], 30)
 
     track_ratio.unit = "numba time / cpp time"

@@ -1,5 +1,6 @@
-"""spectral_radius's dense path (linalg/_dense_radius.py): operators of moderate size that
-power iteration cannot settle are formed and solved by LAPACK, exactly."""
+"""spectral_radius's fall-backs: the dense path (linalg/_dense_radius.py), where operators of
+moderate size that power iteration cannot settle are formed and solved by LAPACK, exactly;
+and the Arnoldi path outside that range, whose converged answers must be the radius."""
 
 from __future__ import annotations
 
@@ -72,6 +73,24 @@ def test_rim_cases_where_one_wanted_eigenvalue_stopped_short(seed, scale, monkey
     arn = pe.spectral_radius(op, tol=1e-8)
     assert arn.method[0] == "arnoldi" and arn.all_converged
     np.testing.assert_allclose(arn.rho[0], exact, rtol=1e-9)
+
+
+def test_arnoldi_cut_short_is_not_converged():
+    """max_iter = 3 stops ARPACK before all ARNOLDI_WANTED eigenvalues converge. The largest of
+    those it has can be a smaller one with a passing residual (n = 127, seed 6: 1.0217 for
+    1.0276): such a result must say converged=False, and a converged one must be the radius."""
+    seen_cut = False
+    for seed in (6, 10, 17, 18):
+        A = np.random.default_rng(seed).standard_normal((127, 127)) / np.sqrt(127)
+        res = pe.spectral_radius(A, tol=1e-8, max_iter=3)
+        assert res.method[0] == "arnoldi"
+        exact = np.abs(np.linalg.eigvals(A)).max()
+        if res.converged[0]:
+            np.testing.assert_allclose(res.rho[0], exact, rtol=1e-7)
+        else:
+            seen_cut = True
+            assert res.rho[0] <= exact * (1 + 1e-12)
+    assert seen_cut
 
 
 def test_dense_eigpair_is_an_eigenpair():

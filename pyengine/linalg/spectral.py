@@ -375,7 +375,8 @@ def spectral_radius(
       space of 40 vectors; the largest of them is returned. Asked for one only, ARPACK
       settled on a smaller eigenvalue of the rim for 4 of 40 random I + W J_LN at
       n = 768 (many eigenvalues close to the dominant one in modulus); asked for 10, for
-      none, at 0.04-0.1 s an operator. It is still a Krylov method: ``converged``
+      none, at 0.04-0.1 s an operator. A run that stops (``max_iter`` restarts) before
+      all ten converge says ``converged=False``. It is still a Krylov method: ``converged``
       certifies the eigenpair's residual, not that no larger eigenvalue exists.
 
     Parameters

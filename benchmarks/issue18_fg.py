@@ -22,6 +22,7 @@ from pathlib import Path
 import numpy as np
 
 import pyengine as pe
+from pyengine.bench import time_alternated
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from benchmarks import bench_small_calls as b  # noqa: E402
@@ -57,12 +58,7 @@ def main() -> None:
         tx, tg, tb = (torch.from_numpy(a) for a in (x, g, bb))
         calls = {"pe.layer_norm": lambda: pe.layer_norm(x, g, bb),
                  "F.layer_norm": lambda: F.layer_norm(tx, (768,), tg, tb)}
-        ts = {k: [] for k in calls}
-        for _ in range(300):
-            for k, f in calls.items():
-                t = time.perf_counter()
-                f()
-                ts[k].append(time.perf_counter() - t)
+        ts = time_alternated(calls, 300)
         med = {k: statistics.median(v) for k, v in ts.items()}
         print(f"(2048, 768) f32 pe {med['pe.layer_norm'] * 1e3:.3f} ms, torch "
               f"{med['F.layer_norm'] * 1e3:.3f} ms, torch/pe = {med['F.layer_norm'] / med['pe.layer_norm']:.2f}")
@@ -70,13 +66,8 @@ def main() -> None:
         # and minima of 300 interleaved calls.
         nt = torch.get_num_threads()
         torch.set_num_threads(1)
-        ts = {k: [] for k in calls}
         with pe.num_threads(1):
-            for _ in range(300):
-                for k, f in calls.items():
-                    t = time.perf_counter()
-                    f()
-                    ts[k].append(time.perf_counter() - t)
+            ts = time_alternated(calls, 300)
         torch.set_num_threads(nt)
         med = {k: statistics.median(v) for k, v in ts.items()}
         mn = {k: min(v) for k, v in ts.items()}

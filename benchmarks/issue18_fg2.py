@@ -25,6 +25,7 @@ import time
 import numpy as np
 
 import pyengine as pe
+from pyengine.bench import time_alternated
 from pyengine.kernels import activations as pa
 from pyengine.linalg import _dense_radius
 
@@ -68,26 +69,24 @@ def numba_vs_cpp() -> None:
     for k in ("layer_norm", "layer_norm_jvp", "layer_norm_vjp"):
         args = (x, v, g) if k != "layer_norm" else (x, g, np.zeros(4096, np.float32))
         fn = getattr(pe, k)
-        ts = {"numba": [], "cpp": []}
-        for be in ts:
-            fn(*args, backend=be, out=out)
-        for _ in range(10):  # interleaved
-            for be in ts:
-                t = time.perf_counter()
-                fn(*args, backend=be, out=out)
-                ts[be].append(time.perf_counter() - t)
+        ts = time_alternated({be: (lambda be=be: fn(*args, backend=be, out=out)) for be in ("numba", "cpp")}, 10)
         m = {be: statistics.median(t) for be, t in ts.items()}
         print(f"(8192, 4096) f32 out= {k:15s} numba {m['numba'] * 1e3:6.1f} ms, cpp {m['cpp'] * 1e3:6.1f} ms, "
               f"numba/cpp = {m['numba'] / m['cpp']:.2f}")
 
 
-def radius() -> None:
-    d = 768
-    rng = np.random.default_rng(0)
-    x = rng.standard_normal((4, d))
-    g = rng.uniform(0.5, 1.5, d)
-    W = rng.standard_normal((d, d)) / np.sqrt(d)
+def ln_block(seed: int, d: int, batch: int, scale: float = 1.0):
+    """I + W J_LN at ``batch`` random tokens, W random with entries of scale / sqrt(d): the operator
+    and its dense matrices (batch, d, d) as a function (formed only where a reference is needed)."""
+    rng = np.random.default_rng(seed)
+    x, g = rng.standard_normal((batch, d)), rng.uniform(0.5, 1.5, d)
+    W = scale * rng.standard_normal((d, d)) / np.sqrt(d)
     op = pe.Identity(d) + pe.DenseOperator(W) @ pe.LayerNormJacobian(x, g)
+    return op, lambda: np.eye(d)[None] + W[None] @ pe.layer_norm_jacobian(x, g)
+
+
+def radius() -> None:
+    op, _ = ln_block(0, 768, 4)
     for label, hi in (("dense LAPACK", _dense_radius.DENSE_RADIUS_MAX), ("ARPACK", 0)):
         old = _dense_radius.DENSE_RADIUS_MAX
         _dense_radius.DENSE_RADIUS_MAX = hi
@@ -120,11 +119,8 @@ def arnoldi(d: int = 768, seeds: int = 20) -> None:
     try:
         for seed in range(seeds):
             for scale in (1.0, 3.0):
-                rng = np.random.default_rng(100 + seed)
-                x, g = rng.standard_normal((1, d)), rng.uniform(0.5, 1.5, d)
-                W = scale * rng.standard_normal((d, d)) / np.sqrt(d)
-                op = pe.Identity(d) + pe.DenseOperator(W) @ pe.LayerNormJacobian(x, g)
-                exact = np.abs(np.linalg.eigvals(np.eye(d) + W @ pe.layer_norm_jacobian(x, g)[0])).max()
+                op, dense = ln_block(100 + seed, d, 1, scale)
+                exact = np.abs(np.linalg.eigvals(dense()[0])).max()
                 for s in settings:
                     _solvers.ARNOLDI_WANTED, _solvers.ARNOLDI_NCV = s
                     t = time.perf_counter()

@@ -31,13 +31,13 @@ from . import _validate as _v
 from ._bench import ab as _ab
 from ._bench import runner as _runner
 from ._bench.cases import _CASES, ARGUMENTS, SIZES, THRESHOLD, Case, _kernel_case, register_case  # noqa: F401
-from ._bench.measure import SLOWDOWN_ENV, slowdown, steady_allocator, time_call
+from ._bench.measure import SLOWDOWN_ENV, slowdown, steady_allocator, time_alternated, time_call
 from ._bench.report import compare, format_table, load_baseline
 from ._bench.stats import paired_ratio, unpaired_ratio, verdict
 
 __all__ = ["AB_THRESHOLD", "Case", "SLOWDOWN_ENV", "ab_main", "compare", "compare_builds", "copy_bandwidth",
            "format_ab", "format_table", "load_baseline", "machine_limits", "paired_ratio", "register_case", "run",
-           "slowdown", "time_call", "unpaired_ratio", "verdict"]
+           "slowdown", "time_alternated", "time_call", "unpaired_ratio", "verdict"]
 
 #: Default threshold of the same-run A/B check (a relative speed drop, like ``THRESHOLD``).
 AB_THRESHOLD = _ab.THRESHOLD

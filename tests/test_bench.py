@@ -92,3 +92,11 @@ def test_rounds_rotate_the_backends_order(monkeypatch):
     assert [seen[3 * i] for i in range(4)] == ["numpy", "numba", "cpp", "numpy"]
     assert sorted(seen[3:6]) == ["cpp", "numba", "numpy"]  # every backend once per round
     assert set(stats) == set(calls) and all(len(v) == 4 for v in stats.values())
+
+
+def test_time_alternated_calls_in_turn_and_reverses_every_other_round():
+    seen = []
+    calls = {k: (lambda k=k: seen.append(k)) for k in ("a", "b", "c")}
+    ts = bench.time_alternated(calls, 3)
+    assert seen == ["a", "b", "c"] + ["a", "b", "c", "c", "b", "a", "a", "b", "c"]  # warm-ups, then 3 rounds
+    assert set(ts) == {"a", "b", "c"} and all(len(v) == 3 and min(v) >= 0.0 for v in ts.values())

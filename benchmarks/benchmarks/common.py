@@ -33,21 +33,15 @@ def median_time(fn, repeat: int = 10) -> float:
 
 
 def interleaved_ratio(num, den, rounds: int = 30) -> float:
-    """median time of ``num`` / median time of ``den``, the two called alternately (the order
-    swapped every round) after one warm-up call each, so that a slow spell of the machine
-    falls on both. For short calls whose ratio is a target: timed in blocks (``median_time``
-    of one, then of the other), the Numba/C++ (8192, 768) ``layer_norm`` row read 1.1-1.5 in
-    ten blocks in a row, and 1.94 in one run of ``benchmarks/issue18_fg.py``, where 200
-    alternated calls gave 1.18-1.20 (2026-12-05)."""
-    num(), den()
-    ts = ([], [])
-    for r in range(rounds):
-        for j in ((0, 1) if r % 2 == 0 else (1, 0)):
-            fn = num if j == 0 else den
-            t = time.perf_counter()
-            fn()
-            ts[j].append(time.perf_counter() - t)
-    return float(np.median(ts[0]) / np.median(ts[1]))
+    """median time of ``num`` / median time of ``den``, the two called alternately
+    (``pyengine.bench.time_alternated``). For short calls whose ratio is a target: timed in
+    blocks (``median_time`` of one, then of the other), the Numba/C++ (8192, 768)
+    ``layer_norm`` row read 1.1-1.5 in ten blocks in a row, and 1.94 in one run of
+    ``benchmarks/issue18_fg.py``, where 200 alternated calls gave 1.18-1.20 (2026-12-05)."""
+    from pyengine.bench import time_alternated
+
+    ts = time_alternated({"num": num, "den": den}, rounds)
+    return float(np.median(ts["num"]) / np.median(ts["den"]))
 
 
 def copy_bandwidth(nbytes: int, repeat: int = 10) -> float:

@@ -124,6 +124,22 @@ def time_call(call: Callable[[], Any], repeat: int) -> tuple[float, float]:
     return med, float((max(times) - min(times)) / med)
 
 
+def time_alternated(calls: dict[str, Callable[[], Any]], rounds: int) -> dict[str, list[float]]:
+    """Seconds of each of ``rounds`` calls of every entry of ``calls``, the entries called in
+    turn (the order reversed every other round) after one untimed warm-up call each, so that a
+    slow spell of the machine falls on all of them: for ratios measured side by side."""
+    for call in calls.values():
+        call()
+    names = list(calls)
+    times: dict[str, list[float]] = {k: [] for k in names}
+    for r in range(rounds):
+        for k in names if r % 2 == 0 else names[::-1]:
+            t0 = time.perf_counter()
+            calls[k]()
+            times[k].append(time.perf_counter() - t0)
+    return times
+
+
 def calibrate(call: Callable[[], Any], target: float | None = None) -> int:
     """Loops per sample (pyperf's calibration): double until ``loops`` calls last >= ``target``.
     ``target`` defaults to :data:`pyengine._bench.stats.SAMPLE_S`, read at call time. The first call

@@ -8,13 +8,10 @@ one GEMM and n JVPs) and its eigenvalues taken from LAPACK (``geev`` without
 vectors, about 10 n^3 flops), the dominant eigenvector by two steps of inverse
 iteration (one complex LU). Why: for a random W the eigenvalues of I + W J_LN
 fill a disk (the circular law), so the dominant one sits on its rim with many
-others close by, and a Krylov method crawls and can stop at a neighbour: ARPACK
-asked for one eigenvalue took 500-1600 products at d = 768 (1-10 s when this path
-was added, 0.04-0.15 s with today's products) and returned a smaller eigenvalue of
-the rim, with a passing residual, for 4 of 40 such operators; asked for ten
-(``_solvers.ARNOLDI_WANTED``, 2026-12-05) it found the dominant one in all 40 at
-0.04-0.1 s, but it certifies no dominance. LAPACK takes about 0.4 s, always, and is
-exact. Below
+others close by, and a Krylov method crawls (ARPACK took about 1000 products, 1-10 s
+at d = 768 when this path was added; 0.04-0.15 s with today's products) and can stop
+at a neighbour with a passing residual (see ``_solvers.ARNOLDI_WANTED``): it certifies
+no dominance. LAPACK takes about 0.4 s, always, and is exact. Below
 DENSE_RADIUS_MIN ARPACK is cheap and stays; above DENSE_RADIUS_MAX the n^2 matrix
 and the n^3 work outgrow the Krylov method.
 

@@ -12,10 +12,8 @@ Two quantities, two separate algorithms (on non-normal operators they differ):
   :func:`rms_norm_spectral_norm` add ``method="exact"`` (the O(d) secular
   equation) and run power iteration and Lanczos in fused per-token kernels.
 * :func:`spectral_radius` -- max |lambda(A_b)| of square, possibly non-symmetric
-  operators: power iteration on A, with a fall-back for the operators whose dominant
-  eigenvalues are a complex or tied pair (the Rayleigh quotient never settles): LAPACK
-  on the formed matrix for 128 <= n <= 2048, else Arnoldi
-  (:func:`scipy.sparse.linalg.eigs`, the largest of ten).
+  operators: power iteration on A; where the Rayleigh quotient never settles (a complex
+  or tied dominant pair), LAPACK on the formed matrix for 128 <= n <= 2048, else Arnoldi.
 
 Every result says, per operator, whether it converged: ``converged`` is False
 whenever the residual test was not met, and then ``sigma`` is only the lower
@@ -365,19 +363,11 @@ def spectral_radius(
     Rayleigh quotient lambda = v^T A v. If its residual does not halve over
     ``STALL_WINDOW`` iterations (a complex-conjugate or +-lambda dominant pair makes
     the Rayleigh quotient oscillate; a tiny gap makes it crawl), or it runs out of
-    iterations, the operator is solved another way; ``method`` says which answered:
-
-    - ``"dense"`` for 128 <= n <= 2048 (and n < 3): the n x n matrix is formed by n
-      products and its eigenvalues taken from LAPACK (about 0.4 s at n = 768), so the
-      answer is the true radius;
-    - ``"arnoldi"`` otherwise: ``scipy.sparse.linalg.eigs`` (which="LM") started from
-      the current iterate, asked for the 10 eigenvalues of largest modulus in a Krylov
-      space of 40 vectors; the largest of them is returned. Asked for one only, ARPACK
-      settled on a smaller eigenvalue of the rim for 4 of 40 random I + W J_LN at
-      n = 768 (many eigenvalues close to the dominant one in modulus); asked for 10, for
-      none, at 0.04-0.1 s an operator. A run that stops (``max_iter`` restarts) before
-      all ten converge says ``converged=False``. It is still a Krylov method: ``converged``
-      certifies the eigenpair's residual, not that no larger eigenvalue exists.
+    iterations, ``method`` says what answered instead: ``"dense"`` for 128 <= n <= 2048 (and
+    n < 3), LAPACK on the matrix formed by n products (0.4 s at n = 768), the true radius;
+    ``"arnoldi"`` otherwise, the largest of the 10 eigenvalues of largest modulus that
+    ``scipy.sparse.linalg.eigs`` computes from the current iterate (asked for one, it can stop
+    at a smaller one close in modulus): a converged answer certifies its residual, not dominance.
 
     Parameters
     ----------
@@ -385,7 +375,7 @@ def spectral_radius(
         Square operators (shape (n, n)).
     tol : float in (0, 1), default 1e-8
     max_iter : int, default 1000
-        Cap on power iterations, and on Arnoldi restarts, per operator.
+        Cap on power iterations, and on Arnoldi restarts (a run cut short: not converged).
     seed : int >= 0 or None, default 0
     v0 : array_like, shape (B, n), optional
         Start vectors; overrides ``seed``.

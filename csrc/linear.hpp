@@ -16,11 +16,11 @@
 // written once and read once in cache instead of being streamed again by separate
 // bias, activation and residual passes.
 //
-// Rounding: the tiling depends on (N, n) only, so results do not depend on the number of
-// threads. The epilogue adds b, then r, in that order, in T; the activation is the one of
-// activations.hpp, element for element (tested). The product itself agrees with one numpy
-// matmul over all rows to rounding, not bit for bit: OpenBLAS's rounding depends on where a
-// row or column falls in the tile (the model keeps float64 on numpy's products for that).
+// Rounding: results do not depend on the number of threads (see tiling() below). The epilogue
+// adds b, then r, in that order, in T; the activation is the one of activations.hpp, element
+// for element (tested). The product itself agrees with one numpy matmul over all rows to
+// rounding, not always bit for bit: a gemm's rounding can depend on where a column falls in
+// its tile and on the call's size (the model keeps float64 on numpy's products for that).
 #pragma once
 
 #include <omp.h>
@@ -158,29 +158,54 @@ PYENGINE_ALWAYS_INLINE bool bias_residual_row(T* p, index_t n, const T* b, const
     return bad != 0;
 }
 
-// The tiles of the (N, n) result: rows x cols each. Large N: row tiles of the full width, at
-// most 2048 rows, about 8 of them. Each row tile packs all of w once and each gemm call packs
-// its own rows of x, so tall, full-width tiles keep the packing small next to the flops; the
-// epilogue then runs on a tile that has left L2. Measured on a quiet 2-core AVX-512 host
+// The tiles of the (N, n) result. Large N: row tiles of the full width, at most 2048 rows.
+// Each row tile packs all of w once and each gemm call packs its own rows
+// of x, so tall, full-width tiles keep the packing small next to the flops; the epilogue
+// then runs on a tile that has left L2. Measured on a quiet 2-core AVX-512 host
 // (2026-12-03, `benchmarks/torch_compare.py`, K = 64, T = 128, GPT-2-small): the previous
 // 512 x 1024 tiles (the epilogue in cache) ran (8320, 768) @ (768, 3072) at 270-275 GFLOP/s
 // against numpy's threaded 324-337; full-width 1040-row tiles at 323-327, and exact propagation
-// went from 98.0 to 87.4 ms a sequence. Small N (a single sequence) splits the columns only, so w is still packed once in all.
-// The tiling depends on (N, n) only, never on the thread count: every element is computed the
-// same way whatever the number of threads (the gemm's rounding can depend on where a row or
-// column falls in its tile).
+// went from 98.0 to 87.4 ms a sequence. Small N (a single sequence) splits the columns only, so
+// w is still packed once in all.
+//
+// Rounding: every element must be computed the same way whatever the number of threads. A
+// gemm's rounding can depend on where a column falls in its tile, and on the call's size
+// where the BLAS takes a small-matrix path (OpenBLAS: under about 1e6 multiply-adds), but
+// not on where a row falls in a row tile of a large product (tested for OpenBLAS and MKL,
+// float32 and float64: tests/test_blas.py). So a large product (k * n >= 2^18: every tile of
+// 16 rows or more is far past the small-matrix paths) is cut into a multiple of the thread
+// count (at most 8) of row tiles, spread evenly at multiples of 16 rows: on two threads
+// each thread packs w once (the span of issue 18, 4096 rows) or three times (all positions,
+// 8320) instead of four; 6 alternated rounds on the 2-core Zen 4 host, medians: the span
+// 62.05 -> 61.15 ms a sequence, all positions 120.3 -> 117.85 (nineteenth session). Other
+// products take about 8 row tiles, by the shape alone.
 struct Tiling {
-    index_t rows, cols;
+    index_t rows;    // row tile height (the last tile may be shorter); 0: `rtiles` even tiles
+    index_t rtiles;  // row tiles
+    index_t cols;    // column tile width
 };
 
 inline index_t round16(index_t v) { return std::max<index_t>(16, (v + 15) / 16 * 16); }
 
-inline Tiling tiling(index_t N, index_t n) {
+inline constexpr index_t kRowInvariantWork = index_t{1} << 18;  // k * n of a large product
+
+inline Tiling tiling(index_t N, index_t n, index_t k, int threads) {
+    if (N >= 256 && k * n >= kRowInvariantWork) {
+        const index_t t = std::clamp<index_t>(threads, 1, 8);
+        const index_t tiles = t * ((N + 2048 * t - 1) / (2048 * t));
+        return {0, tiles, n};
+    }
     if (N >= 256) {  // ~8 full-width row tiles of at most 2048 rows
         const index_t rows = std::min<index_t>(2048, round16((N + 7) / 8));
-        return {rows, n};
+        return {rows, (N + rows - 1) / rows, n};
     }
-    return {N, std::min(n, std::max<index_t>(64, round16((n + 7) / 8)))};
+    return {N, 1, std::min(n, std::max<index_t>(64, round16((n + 7) / 8)))};
+}
+
+// First row of row tile i (i = t.rtiles: N).
+inline index_t row_start(const Tiling& t, index_t N, index_t i) {
+    if (t.rows > 0) return std::min(N, i * t.rows);
+    return i >= t.rtiles ? N : (i * N / t.rtiles) / 16 * 16;
 }
 
 // Runs tile(r0, r1, c0, c1) -> row r of the tile is bad (via flags[r * ctiles + ct]) over the
@@ -188,8 +213,8 @@ inline Tiling tiling(index_t N, index_t n) {
 // returns the number of rows with a bad tile.
 template <class TileFn>
 std::int64_t over_tiles(const LinearBlas& blas, index_t N, index_t n, index_t k, TileFn&& tile) {
-    const Tiling t = tiling(N, n);
-    const index_t rtiles = (N + t.rows - 1) / t.rows, ctiles = (n + t.cols - 1) / t.cols, tiles = rtiles * ctiles;
+    const Tiling t = tiling(N, n, k, g_num_threads);
+    const index_t ctiles = (n + t.cols - 1) / t.cols, tiles = t.rtiles * ctiles;
     const int threads = (N * n * k >= (index_t{1} << 18)) ? static_cast<int>(std::min<index_t>(g_num_threads, tiles))
                                                           : 1;
     std::vector<unsigned char> flags(static_cast<std::size_t>(N * ctiles), 0);
@@ -198,7 +223,7 @@ std::int64_t over_tiles(const LinearBlas& blas, index_t N, index_t n, index_t k,
 #pragma omp for schedule(dynamic, 1)
         for (index_t i = 0; i < tiles; ++i) {
             const index_t rt = i / ctiles, ct = i % ctiles;
-            const index_t r0 = rt * t.rows, r1 = std::min(N, r0 + t.rows);
+            const index_t r0 = row_start(t, N, rt), r1 = row_start(t, N, rt + 1);
             const index_t c0 = ct * t.cols, c1 = std::min(n, c0 + t.cols);
             tile(r0, r1, c0, c1, fl + ct, ctiles);
         }

@@ -130,7 +130,8 @@ print("ok")
 @pytest.mark.parametrize("choice", ["openblas", "mkl"])
 def test_each_library_gives_the_references_products(choice, tmp_path):
     # The library is chosen once per process: each in a process of its own, every kernel
-    # against the reference (the rest of the suite runs on whichever this process took).
+    # against the reference (the rest of the suite runs on whichever this process took), and
+    # the same products on any thread count.
     require("cpp")
     if choice == "mkl" and _blas._mkl_path() is None:
         pytest.skip("the mkl package (the mkl extra) is not installed")
@@ -149,6 +150,15 @@ for dt, tol in ((np.float32, 2e-5), (np.float64, 1e-12)):
             assert backends.resolve(name, "numpy")(*args, want) == 0 and backends.resolve(name, "cpp")(*args, got) == 0
             err = np.abs(got - want).max() / np.abs(want).max()
             assert err < tol, (name, dt, N, k, n, err)
+    # A large product's row tiles follow the thread count: the library must round a row the
+    # same way in any row tile (csrc/linear.hpp's tiling), so the results are the same.
+    x, w = rng.standard_normal((1000, 512)).astype(dt), rng.standard_normal((512, 640)).astype(dt)
+    outs = []
+    for t in (1, 2, 3, 5, 8):
+        outs.append(np.empty((1000, 640), dt))
+        with backends.num_threads(t):
+            _core.linear(x, w, None, None, outs[-1])
+    assert all(np.array_equal(outs[0], o) for o in outs[1:]), dt
 print("ok", info)
 """.format(want="OpenBLAS" if choice == "openblas" else "MKL")
     run = _python(code, choice, tmp_path)

@@ -16,7 +16,7 @@ from helpers import assert_close
 from pyengine import backends
 from pyengine.kernels import linear as L
 
-SHAPES = [(1, 7, 5), (37, 33, 17), (130, 64, 96), (1000, 48, 130), (513, 1, 3)]
+SHAPES = [(1, 7, 5), (37, 33, 17), (130, 64, 96), (1000, 48, 130), (513, 1, 3), (300, 512, 520)]
 ACTS = ["none", "gelu", "gelu_tanh", "relu"]
 
 
@@ -107,16 +107,36 @@ def test_cpp_epilogues_equal_the_separate_kernels_bit_for_bit(dtype):
     assert np.array_equal(with_b, p + b)
 
 
-def test_results_do_not_depend_on_the_thread_count(compiled, dtype):
-    x, w, b, r = _case(777, 40, 300, dtype, seed=5)
+@pytest.mark.parametrize("shape", [(777, 40, 300), (600, 512, 512), (257, 768, 384)], ids=lambda s: "x".join(map(str, s)))
+def test_results_do_not_depend_on_the_thread_count(compiled, dtype, shape):
+    # The first shape is tiled by its shape alone; the others are large products (k n >= 2^18),
+    # whose row tiles follow the thread count (a row's rounding does not depend on its tile).
+    N, k, n = shape
+    x, w, b, r = _case(N, k, n, dtype, seed=5)
     fn = L.kernel("linear_act", compiled)
     outs = []
-    for t in (1, 2, 3):
-        o = np.empty((777, 300), dtype)
+    for t in (1, 2, 3, 5):
+        o = np.empty((N, n), dtype)
         with backends.num_threads(t):
             fn(x, w, b, "gelu_tanh", None, o)
         outs.append(o)
     assert all(np.array_equal(outs[0], o) for o in outs[1:])
+
+
+@pytest.mark.parametrize("threads", [1, 2, 3, 8, 64])
+def test_row_tiles_of_a_large_product_follow_the_thread_count(threads):
+    from pyengine.kernels._numba.linear import row_tiles
+
+    for N in (256, 257, 600, 4096, 4097, 8320, 20000):
+        b = row_tiles(N, 768, 768, threads)
+        sizes = np.diff(b)
+        t = min(threads, 8)
+        assert b[0] == 0 and b[-1] == N and np.all(b[:-1] % 16 == 0), (N, b)
+        assert len(sizes) % t == 0 and sizes.min() >= 16 and sizes.max() <= 2048, (N, sizes)
+        assert sizes.max() - sizes.min() < 32, (N, sizes)
+    assert row_tiles(255, 768, 768, threads) is None
+    small = row_tiles(4096, 40, 300, threads)  # not large: about 8 tiles, whatever the threads
+    assert np.array_equal(small, np.arange(9) * 512)
 
 
 def test_residual_in_place_and_k_zero(backend, dtype):

@@ -2,10 +2,11 @@
 reference's (:mod:`pyengine.kernels._reference.linear`).
 
 From 256 rows on, the rows are cut into the tiles of the C++ kernels (``csrc/linear.hpp``:
-about 8 full-width row tiles of at most 2048 rows, by the shape alone): ``prange`` over the
-tiles, each an ``np.dot`` into the destination (SciPy's BLAS, single-threaded in each Numba
-thread under :func:`~pyengine.backends.one_blas_thread`) followed at once by its epilogue
-(bias, residual, activation or coefficient, the bad-row count) while the tile is warm.
+full-width row tiles of at most 2048 rows, a multiple of the thread count of them for a large
+product, about 8 otherwise; see :func:`row_tiles`): ``prange`` over the tiles, each an
+``np.dot`` into the destination (SciPy's BLAS, single-threaded in each Numba thread under
+:func:`~pyengine.backends.one_blas_thread`) followed at once by its epilogue (bias, residual,
+activation or coefficient, the bad-row count) while the tile is warm.
 Measured at 2048 x 768 @ 768 x 3072 float32 with gelu_tanh: one threaded ``np.matmul``
 then a ``prange`` epilogue took 67 ms against 29 + 10 ms for the two alone, because
 OpenBLAS's threads still spin after the product and the epilogue's threads wait for the
@@ -16,6 +17,7 @@ the results equal theirs element for element.
 
 from __future__ import annotations
 
+import numba
 import numpy as np
 from numba import prange
 
@@ -93,25 +95,40 @@ def _epilogue(p, b, has_b, r, has_r, act, coef, has_coef, out, copy):
 
 
 @fma_pjit
-def _tiled(x, w, p, b, has_b, r, has_r, act, coef, has_coef, out, copy, rows):
-    """p = x @ w tile by tile (``rows`` rows each), each tile's epilogue right after its product."""
-    tiles = (x.shape[0] + rows - 1) // rows
+def _tiled(x, w, p, b, has_b, r, has_r, act, coef, has_coef, out, copy, bounds):
+    """p = x @ w tile by tile (rows bounds[t]:bounds[t + 1]), each tile's epilogue right after its product."""
     nbad = 0
-    for t in prange(tiles):
+    for t in prange(bounds.shape[0] - 1):
         buf = np.empty(p.shape[1], dtype=p.dtype)  # hoisted: once per thread
-        r0 = t * rows
-        r1 = min(x.shape[0], r0 + rows)
+        r0 = bounds[t]
+        r1 = bounds[t + 1]
         np.dot(x[r0:r1], w, p[r0:r1])
         nbad += _rows(p, b, has_b, r, has_r, act, coef, has_coef, out, copy, r0, r1, buf)
     return nbad
 
 
-def tile_rows(n: int) -> int:
-    """Rows per tile of an (n, .) product, or 0 for one threaded matmul: csrc/linear.hpp's row tiling."""
-    if n < 256:
-        return 0
-    per = -(-n // 8)  # ceil(n / 8), rounded up to a multiple of 16
-    return min(2048, max(16, -(-per // 16) * 16))
+#: k * n from which a product is large: its row tiles may follow the thread count (csrc/linear.hpp).
+ROW_INVARIANT_WORK = 1 << 18
+
+
+def row_tiles(N: int, k: int, n: int, threads: int) -> np.ndarray | None:
+    """Row tile bounds (tiles + 1,) of an (N, k) @ (k, n) product, or None for one threaded matmul:
+    csrc/linear.hpp's row tiling. A large product (k * n >= 2^18) takes a multiple of the thread
+    count (at most 8) of tiles of at most 2048 rows, spread evenly at multiples of 16 rows (a
+    row's rounding does not depend on its tile there, so the results do not depend on the thread
+    count); others about 8 tiles, by the shape alone."""
+    if N < 256:
+        return None
+    if k * n >= ROW_INVARIANT_WORK:
+        t = min(max(int(threads), 1), 8)
+        tiles = t * -(-N // (2048 * t))
+        bounds = np.arange(tiles + 1, dtype=np.int64) * N // tiles // 16 * 16
+    else:
+        per = -(-N // 8)  # ceil(N / 8), rounded up to a multiple of 16
+        rows = min(2048, max(16, -(-per // 16) * 16))
+        bounds = np.minimum(np.arange(-(-N // rows) + 1, dtype=np.int64) * rows, N)
+    bounds[-1] = N
+    return bounds
 
 
 def _dummy(x: np.ndarray) -> np.ndarray:
@@ -123,10 +140,10 @@ def _product(x, w, p, b, r, act, coef, out) -> int:
     d = _dummy(p)
     args = (d[0] if b is None else b, b is not None, d if r is None else r, r is not None, act,
             d if coef is None else coef, coef is not None, out, p is not out)
-    rows = tile_rows(x.shape[0])
-    if rows:
+    bounds = row_tiles(x.shape[0], x.shape[1], w.shape[1], numba.get_num_threads())
+    if bounds is not None:
         with one_blas_thread():
-            return int(_tiled(x, w, p, *args, rows))
+            return int(_tiled(x, w, p, *args, bounds))
     np.matmul(x, w, out=p)
     return int(_epilogue(p, *args))
 

@@ -8,8 +8,10 @@ dependency: run this where it is installed, e.g.
     /tmp/venv-torch/bin/pip install torch==2.13.0
     /tmp/venv-torch/bin/python benchmarks/torch_compare.py [--threads 2] [--k 64] [--no-fused] [--no-linear] [--no-attn-blas]
 
-It checks that both compute the same hidden states, then times (median of
---repeat runs, ms per sequence or tangent):
+It checks that both compute the same hidden states, then times (ms per sequence or tangent;
+median of --repeat calls, or, for the calls behind issue 18's ratios, of --rounds rounds in
+which they are called in turn, so that a slow spell of the shared machine falls on both
+sides of a ratio):
 
 - torch: a batched exact forward of the K + 1 sequences (scaled_dot_product_attention,
   causal); torch.func vmap(jvp) of the whole stack over K tangents;
@@ -28,7 +30,7 @@ import json
 import numpy as np
 
 import pyengine as pe
-from pyengine.bench import time_call
+from pyengine.bench import time_alternated, time_call
 
 from benchmarks.bench_propagate_torch import torch_stack  # benchmarks/benchmarks (this script's folder is on sys.path)
 
@@ -56,7 +58,11 @@ def main() -> None:
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--threads", type=int, default=0,
                     help="thread count for both libraries; 0 (default): leave both at their defaults (issue 18)")
-    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--repeat", type=int, default=3, help="calls timed for each figure outside the targets")
+    ap.add_argument("--rounds", type=int, default=5,
+                    help="alternated rounds of the calls behind issue 18's ratios (torch forward, exact all / "
+                         "span, vmap(jvp), linearized, the GEMMs alone): a ratio is the quotient of the two "
+                         "sides' medians over the rounds")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--no-fused", action="store_true",
                     help="float32 forward through the batched q k^T, softmax, P v products (before issue 18)")
@@ -137,20 +143,37 @@ def main() -> None:
         "gemms_alone": (gemms_alone(ops), K + 1),  # as the stack runs them, outputs reused (issue 18)
         "gemms_np_fresh": (lambda: [np.matmul(a, b) for a, b in ops], K + 1),  # the figure before: see gemms_alone
     }
-    res = {}
+    # The targets' ratios from calls made in turn (pyengine.bench.time_alternated: a slow
+    # spell of the shared machine falls on both sides of a ratio); the rest block by block.
+    paired = ["torch_forward", "pe_exact_all", "pe_exact_span", "torch_vmap_jvp", "pe_linearized", "gemms_alone"]
+    res, alt = {}, {}
     for name, (call, per) in calls.items():  # printed as measured: a long run shows its progress
+        if name in paired:
+            continue
         res[name] = time_call(call, args.repeat)[0] / per
         print(f"{name:<16} {1e3 * res[name]:9.1f} ms per sequence/tangent", flush=True)
+    times = time_alternated({k: calls[k][0] for k in paired}, args.rounds)
+    for name in paired:
+        alt[name] = np.asarray(times[name]) / calls[name][1]
+        res[name] = float(np.median(alt[name]))
+        print(f"{name:<16} {1e3 * res[name]:9.1f} ms per sequence/tangent (alternated, "
+              f"{1e3 * alt[name].min():.1f}-{1e3 * alt[name].max():.1f} over {args.rounds} rounds)", flush=True)
+
+    def ratio(num: str, den: str, label: str, target: str) -> None:
+        r = alt[num] / alt[den]  # round by round, for the spread
+        print(f"{label:<30} {res[num] / res[den]:.2f}  ({target}; rounds {r.min():.2f}-{r.max():.2f})")
+
     print(f"forward / its GEMMs alone      {res['pe_forward'] / res['gemms_alone']:.2f}  (issue 4: <= 1.3)")
     print(f"block JVP / block forward      {res['pe_block_jvp'] / res['pe_block_forward']:.2f}  (issue 4: <= 1.5)")
-    print(f"exact / its GEMMs alone        {res['pe_exact_all'] / res['gemms_alone']:.2f}  (issue 18: <= 1.1)")
-    print(f"torch forward / exact (all)    {res['torch_forward'] / res['pe_exact_all']:.2f}  (issue 18: >= 1.15)")
-    print(f"torch forward / exact (span)   {res['torch_forward'] / res['pe_exact_span']:.2f}  (issue 18: >= 2.5)")
+    ratio("pe_exact_all", "gemms_alone", "exact / its GEMMs alone", "issue 18: <= 1.1")
+    ratio("torch_forward", "pe_exact_all", "torch forward / exact (all)", "issue 18: >= 1.15")
+    ratio("torch_forward", "pe_exact_span", "torch forward / exact (span)", "issue 18: >= 2.5")
     print(f"linearized / exact             {res['pe_linearized'] / res['pe_exact_all']:.2f}  (issue 5: <= 1.3)")
-    print(f"vmap(jvp) / linearized         {res['torch_vmap_jvp'] / res['pe_linearized']:.2f}  (issue 18: >= 1.6)")
+    ratio("torch_vmap_jvp", "pe_linearized", "vmap(jvp) / linearized", "issue 18: >= 1.6")
     if args.json:
         with open(args.json, "w") as f:
-            json.dump({"args": vars(args), "cpu": cpu, "blas": blas, "max_rel_diff": err, "seconds": res}, f, indent=1)
+            json.dump({"args": vars(args), "cpu": cpu, "blas": blas, "max_rel_diff": err, "seconds": res,
+                       "alternated_seconds": {k: v.tolist() for k, v in alt.items()}}, f, indent=1)
 
 
 if __name__ == "__main__":

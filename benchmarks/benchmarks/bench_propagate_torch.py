@@ -10,6 +10,9 @@ and barely depend on either), with both libraries at their default thread settin
 - ``track_vmap_jvp_over_linearized``: ``torch.func`` vmap(jvp) over linearized (>= 1.6);
 - ``track_exact_over_gemms``: exact over its own matrix products executed alone (<= 1.1).
 
+Each ratio is the quotient of the two sides' median times over ``ROUNDS`` rounds in which
+they are called in turn (``common.interleaved_ratio``).
+
 PyTorch is optional (the ``test`` extra has it): without it the suite is skipped.
 :func:`torch_stack` is also what ``benchmarks/torch_compare.py`` runs.
 """
@@ -21,9 +24,10 @@ import numpy as np
 import pyengine as pe
 
 from .bench_model import gemm_operands
-from .common import median_time
+from .common import interleaved_ratio
 
 PERTURBATIONS, TOKENS, N_BLOCKS = 16, 128, 4
+ROUNDS = 7  # alternated calls of each side of a ratio
 
 
 def torch_stack(stack: pe.Stack, sdpa: bool = True):
@@ -110,17 +114,19 @@ class PropagateVsTorch:
         for a, b in self.ops:
             np.matmul(a, b)
 
+    # Ratios of calls made in turn (common.interleaved_ratio), as benchmarks/torch_compare.py
+    # gives them: the shared machine's slow spells fall on both sides.
     def track_torch_over_exact_all(self):
-        return median_time(self._torch_forward, 3) / median_time(self._exact, 3)
+        return interleaved_ratio(self._torch_forward, self._exact, ROUNDS)
 
     def track_torch_over_exact_span(self):
-        return median_time(self._torch_forward, 3) / median_time(lambda: self._exact(slice(TOKENS // 2, None)), 3)
+        return interleaved_ratio(self._torch_forward, lambda: self._exact(slice(TOKENS // 2, None)), ROUNDS)
 
     def track_vmap_jvp_over_linearized(self):
-        return median_time(self._vmap_jvp, 3) / median_time(self._linearized, 3)
+        return interleaved_ratio(self._vmap_jvp, self._linearized, ROUNDS)
 
     def track_exact_over_gemms(self):
-        return median_time(self._exact, 3) / median_time(self._gemms, 3)
+        return interleaved_ratio(self._exact, self._gemms, ROUNDS)
 
     for _f in (track_torch_over_exact_all, track_torch_over_exact_span, track_vmap_jvp_over_linearized,
                track_exact_over_gemms):

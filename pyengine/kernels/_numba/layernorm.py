@@ -56,6 +56,12 @@ stores) called once per block of ``_BLOCK`` values, between the block's prefetch
 An earlier streamed variant sent each row out whole after its writing pass, for every large
 output: it was slower everywhere, 1.36-1.64x of C++ without it against 1.91-2.67x with it at
 (8192, 768) float32, and no better at (2048, 4096) or (8192, 4096).
+
+Longer than ~400 lines by exception: the row schedule (``_BLOCK``, ``_CHUNKS``,
+``_WRITE_AHEAD``, the ``STREAM_*`` thresholds, the prefetch helpers), which RMSNorm, the
+softmax and the score gradient import from here, once moved into a module of its own with the
+same code, made ``layer_norm`` (8192, 768) float32 5-7 % slower (``pyengine bench
+--compare-rev``, 16 rounds; benchmarks/PERFORMANCE.md, sixteenth session), so it stays here.
 """
 
 from __future__ import annotations

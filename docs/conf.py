@@ -30,8 +30,7 @@ extensions = [
 # No intersphinx: the build needs no network.
 
 source_suffix = {".rst": "restructuredtext", ".md": "markdown"}
-exclude_patterns = ["_build", "**.ipynb_checkpoints", "auto_examples/*.ipynb",
-                    "auto_examples/*.py", "auto_examples/*.zip", "auto_examples/*.md5"]
+exclude_patterns = ["_build"]
 templates_path = ["_templates"]
 
 # API reference: one generated page per public name (docs/api/generated/, git-ignored).

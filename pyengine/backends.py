@@ -100,6 +100,7 @@ _MODULES: dict[str, str] = {
     "numba": "pyengine.kernels._numba",
     "numpy": "pyengine.kernels._reference",
 }
+#: The backend names, in registry order.
 BACKENDS: tuple[str, ...] = tuple(_MODULES)
 #: Preference order of ``backend="auto"``: fastest first.
 AUTO_ORDER: tuple[str, ...] = ("cpp", "numba", "numpy")

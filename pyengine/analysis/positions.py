@@ -226,7 +226,7 @@ def positional_propagation(model: Any, input_ids: Any, directions: Any, scales: 
     """Inject each positional direction (K, d) with its own scale (K,) at every position of one
     context ``input_ids`` at hidden state 0, exact and linearized (:func:`pyengine.propagate`).
 
-    Persistence is then measured the way concept injection is: |projection| and |delta| per
+    Persistence is then measured the way concept injection is: ``|projection|`` and ``|delta|`` per
     layer, averaged over positions ("all"). Different scales go through as separate calls.
     """
     V = np.atleast_2d(_v.float_array("directions", directions)).astype(np.float64)

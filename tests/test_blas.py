@@ -1,4 +1,4 @@
-"""The BLAS library under the C++ linear kernels, and NumPy's BLAS threads around them (issue 18).
+"""The BLAS library under the C++ linear kernels, and NumPy's BLAS threads around them.
 
 ``pyengine.kernels._blas.find``: NumPy's OpenBLAS, MKL from the ``mkl`` extra, the choice by
 ``PYENGINE_BLAS`` (a bad value fails every compiled call), the reasons it falls back; each
@@ -81,7 +81,7 @@ def test_the_finder_takes_mkl_when_installed(monkeypatch):
 
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", ""])
 def test_the_finder_leaves_mkl_to_intel_cpus_unless_asked(monkeypatch, vendor):
-    # MKL's sgemm ran 63-78 GFLOP/s a core on an AMD Zen 4 host, OpenBLAS's 91-97 (issue 18):
+    # MKL's sgemm measured slower than OpenBLAS's on AMD Zen 4 (docs/design.md):
     # auto keeps OpenBLAS there (and where the vendor is unknown) and says why; mkl still takes it.
     if _blas._mkl_path() is None or not _numpy_has_openblas():
         pytest.skip("the mkl package (the mkl extra) is not installed, or NumPy's BLAS is not OpenBLAS")

@@ -1,4 +1,4 @@
-"""The CLI's rough edges of issue #12, each through a subprocess (cwd outside the repo) where
+"""The CLI's edge cases, each through a subprocess (cwd outside the repo) where
 it is about the command: help text, ``--positions -3:``, ``--directions FILE.npy``, Ctrl-C,
 reads without the last token, model names, ``spectral`` on (L, T, d), token strings in the
 outputs; plus Propagation's summary and signed view, the figure, and the README's snippets."""

@@ -1,4 +1,4 @@
-"""Issue 18's float32 fast paths of the block engine (models/_fast.py) against the generic path.
+"""The float32 fast paths of the block engine (models/_fast.py) against the generic path.
 
 The fused attention head (forward) and the head-major GEMMs (JVP) must compute what the
 batched products compute, to float32 rounding, on every attention variant they serve:

@@ -221,7 +221,7 @@ def test_published_protocol_smollm2(smollm):
                      np.repeat(u, 2, axis=0))
     np.testing.assert_allclose(r.projection[:, :, -1], proj, rtol=2e-3, atol=2e-3 * np.abs(proj).max())
     np.testing.assert_allclose(last, np.abs(proj), rtol=2e-3, atol=2e-3 * np.abs(proj).max())
-    # the mid-block site (issue 12): propagate equals the intervention there
+    # the mid-block site: propagate equals the intervention there
     rm = pe.propagate(smollm, tt.ids, v, [1.0, 6.0], layer="blocks.2.resid_mid", positions=span)
     h = smollm.run(np.broadcast_to(tt.ids, (4, T)), [pe.Intervention("blocks.2.resid_mid", "add", deltas,
                                                                      positions=span)])

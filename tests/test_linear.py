@@ -1,4 +1,4 @@
-"""The dense-layer kernels linear, linear_act, linear_mul (issue 18) against the reference.
+"""The dense-layer kernels linear, linear_act, linear_mul against the reference.
 
 Every backend and dtype over awkward shapes (one row, rows not a multiple of the tile, odd
 k and n, k = 0), the epilogues (bias, residual in place, activations, a coefficient shared

@@ -1,4 +1,4 @@
-"""The compiled attention-JVP head products ``linear_attention_jvp`` (issue 18) and their use.
+"""The compiled attention-JVP head products ``linear_attention_jvp`` and their use.
 
 The kernel against the formula in float64 NumPy (float32 and float64, grouped-query heads,
 odd sizes, a causal span from ``start``, more tangents than one task's chunk, row blocks of

@@ -316,7 +316,7 @@ def test_minilm_matches_independent_bert(minilm):
         assert h32.dtype == np.float32 and h64.dtype == np.float64 and h32.shape == (7, len(ids), 384)
         e_ref = sentence_embedding(ref[-1])
         assert np.abs(sentence_embedding(h32[-1]) - e_ref).max() <= 1e-5
-        # float64 is float64 arithmetic on the stored weights from the first sum (issue 12)
+        # float64 is float64 arithmetic on the stored weights from the first sum
         assert np.abs(sentence_embedding(h64[-1]) - e_ref).max() <= 1e-13
         assert np.abs(h64 - ref).max() <= 1e-12 * np.abs(ref).max()
 
@@ -411,7 +411,7 @@ def test_tiny_bert_folder_matches_naive(libs, tmp_path):
     m = pe.load_pretrained(folder)
     assert m.architecture == "bert" and m.tokenizer is None and m.name == "bert"
     ids = np.array([2, 7, 29, 0, 5])
-    ref = naive_bert(tiny_bert_tensors(), TINY_BERT, ids)  # exact float64 from the first sum (issue 12)
+    ref = naive_bert(tiny_bert_tensors(), TINY_BERT, ids)  # exact float64 from the first sum
     np.testing.assert_allclose(m.hidden_states(ids, dtype=np.float64), ref, rtol=0, atol=1e-12)
     with pytest.raises(ValueError, match="no tokenizer"):
         m.tokenize("hello")

@@ -96,8 +96,8 @@ def test_import_is_lazy():
     ],
 )
 def test_thread_pool_environment_defaults(user, want):
-    """`import pyengine` sets libgomp's spin count (issue 18: passive waiting cost 70-80 us per
-    parallel region) and OpenBLAS's idle timeout only where the user set neither."""
+    """`import pyengine` sets libgomp's spin count (passive waiting costs tens of microseconds
+    per parallel region) and OpenBLAS's idle timeout only where the user set neither."""
     import os
 
     keys = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT")

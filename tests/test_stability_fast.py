@@ -1,4 +1,4 @@
-"""The fast paths of the stability report give the straightforward results (issue 14 speed work)."""
+"""The fast paths of the stability report give the straightforward results."""
 
 import numpy as np
 import pytest

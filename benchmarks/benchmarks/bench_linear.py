@@ -1,4 +1,4 @@
-"""asv suite of the dense-layer kernels (issue 18), one class per kernel id.
+"""asv suite of the dense-layer kernels, one class per kernel id.
 
 GPT-2-small's MLP product at the exact propagation's size, (65 x 128, 768) @ (768, 3072),
 and one sequence (128 rows), float32/float64, with each kernel's epilogue:
@@ -13,26 +13,25 @@ import numpy as np
 
 from pyengine import backends
 
-from .common import BACKENDS, median_time, require_backend
+from .common import BACKENDS, KernelBenchmark, median_time
 
 ROWS = [8320, 128]
 
 
-class _Linear:
+class _Linear(KernelBenchmark):
     params = (BACKENDS, ["float32", "float64"], ROWS)
     param_names = ["backend", "dtype", "rows"]
     timeout = 300
     kernel = ""
 
-    def setup(self, backend, dtype, rows):
-        require_backend(backend)
-        rng = np.random.default_rng(0)
+    def make(self, rng, backend, dtype, rows):
         self.x = rng.standard_normal((rows, 768)).astype(dtype)
         self.w = (rng.standard_normal((768, 3072)) / 28).astype(dtype)
         self.b = rng.standard_normal(3072).astype(dtype)
         self.r = rng.standard_normal((rows, 3072)).astype(dtype)
         self.out = np.empty((rows, 3072), dtype)
         self.fn = backends.resolve(self.kernel, backend)
+        return self.call
 
     def call(self):
         raise NotImplementedError

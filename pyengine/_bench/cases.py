@@ -184,7 +184,7 @@ def _newton_schulz_case(kernel: str) -> Case:
 
 
 def _linear_case(kernel: str) -> Case:
-    """An MLP's first product (tokens, d) @ (d, MLP_RATIO d) with the kernel's epilogue (issue 18)."""
+    """An MLP's first product (tokens, d) @ (d, MLP_RATIO d) with the kernel's epilogue."""
     def setup(backend: str, dtype: str, size: tuple[int, int]):
         (n, d), fn, rng = size, backends.resolve(kernel, backend), np.random.default_rng(0)
         m = MLP_RATIO * d

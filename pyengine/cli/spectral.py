@@ -137,7 +137,7 @@ def run(args: argparse.Namespace) -> int:
     from ..linalg import spectral as sp
 
     sites = None
-    if args.model is not None or args.sites is not None:  # norm-input sites of a model (issue 12)
+    if args.model is not None or args.sites is not None:  # norm-input sites of a model
         if args.input is not None or args.gamma is not None:
             raise ValueError("--model/--sites read the activations and gammas from the model: drop --input/--gamma")
         sites, x, gamma, source = _model_sites(args)

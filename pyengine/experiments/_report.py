@@ -294,7 +294,7 @@ def figure(rep: Recovery) -> Any:
 
 
 def _where(rep: Any) -> str:
-    """Where a recovery run injected: the hidden state, or the site inside a block (issue 12)."""
+    """Where a recovery run injected: the hidden state, or the site inside a block."""
     if getattr(rep, "site", None) and "resid_p" not in rep.site:
         return f"site {rep.site} (inside block {rep.layer + 1})"
     return f"hidden state {rep.layer} (input of block {rep.layer + 1})"

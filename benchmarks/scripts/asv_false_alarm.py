@@ -1,4 +1,4 @@
-"""False alarms of the README's ``asv continuous`` line (issue 19), on one build compared with itself.
+"""False alarms of the README's ``asv continuous`` line, on one build compared with itself.
 
 Makes a twin of REV (a commit with REV's tree and REV as parent, branch ``asv-twin``), runs
 ``asv continuous --factor 1.25 --split -b '^bench_regression\\.' REV asv-twin`` N times, and
@@ -6,7 +6,7 @@ prints per run asv's exit status, whether it reported anything worse, and the la
 ratio between the two commits' figures (parsed from asv's two result tables); the twin
 branch is deleted at the end. From ``benchmarks/``, on a quiet machine, after ``asv machine --yes``:
 
-    python asv_false_alarm.py --runs 10 [--rev HEAD]
+    python scripts/asv_false_alarm.py --runs 10 [--rev HEAD]
 
 The first run builds both commits (about a minute each); the others take ~75 s on the
 2-core development machine.

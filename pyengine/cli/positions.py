@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from .._progress import Progress
-from ._args import positive
+from ._args import add_format_option, positive
 from ._stages import Stages
 
 __all__ = ["add_parser", "run"]
@@ -26,6 +26,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--ablation-contexts", type=positive, default=32, help="contexts used for the block removals")
     p.add_argument("--folds", type=positive, default=3, help="cross-validation folds of the position probe")
     p.add_argument("--out", default="positions-out", help="folder for positions.json, positions.csv and the figures")
+    add_format_option(p)
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the synthetic pair's weights, of random ids for models without a tokenizer, and of the probe's folds (default 0)")
 
@@ -56,6 +57,6 @@ def run(args: argparse.Namespace) -> int:
                                seed=args.seed, progress=bar.stage, on_stage=stages)
     bar.stage(1.0, "done")
     print(format_positions(rep))
-    for path in write_positions(rep, args.out):
+    for path in write_positions(rep, args.out, fmt=args.format):
         print(f"wrote {path}")
     return 0

@@ -10,7 +10,7 @@ import numpy as np
 
 from .._progress import Progress
 from ._stages import Stages, write_stage
-from ._args import count_or_npy, floats, non_negative, positions, positive_float
+from ._args import add_format_option, count_or_npy, floats, non_negative, positions, positive_float
 
 __all__ = ["add_parser", "load_model", "run", "write_stage"]
 
@@ -43,7 +43,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--seed", type=non_negative, default=0,
                    help="seeds the directions and the default model's weights (default 0)")
     r.add_argument("--out", default="recovery-out", help="output folder (default ./recovery-out)")
-    r.add_argument("--no-plots", action="store_true", help="skip recovery.png")
+    r.add_argument("--no-plots", action="store_true", help="skip the figure recovery.<format>")
+    add_format_option(r)
     r.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
                    help="bar on a terminal, stage lines otherwise (auto), or force either")
     return r
@@ -90,6 +91,6 @@ def run(args: argparse.Namespace) -> int:
                        spectral_tokens=args.spectral_tokens, seed=args.seed, dtype=args.dtype, name=name,
                        progress=Progress(args.progress, lines=True).stage, on_stage=stages)
     print(format_table(rep))
-    paths = write_report(rep, args.out, plots=not args.no_plots)
+    paths = write_report(rep, args.out, plots=not args.no_plots, fmt=args.format)
     print(f"time: {rep.seconds['total']:.1f} s; wrote {', '.join(paths)}")
     return 0

@@ -17,10 +17,11 @@ from typing import Any
 
 import numpy as np
 
+from .._figures import COLUMN, log_axis, save, styled, subplots
 from .._progress import Progress
 from ..distributed import Job, load, local_client, register_job, scan
 from ..distributed.jobs import int_axis, real_axis
-from ._args import floats, non_negative, positive, positive_float
+from ._args import add_format_option, floats, non_negative, positive, positive_float
 from ._stages import hold
 
 __all__ = ["AttentionJob", "StabilityJob", "add_parser", "run"]
@@ -80,7 +81,7 @@ register_job(StabilityJob())
 
 # --------------------------------------------------------------------------- summaries
 
-def _spectral_summary(res: Any, out: str | None) -> None:
+def _spectral_summary(res: Any, out: str | None, fmt: str = "png") -> None:
     sigma, sites = res.metrics["sigma"], res.params["sites"]
     print(f"sigma_max per norm layer over {sigma.shape[1]} tokens:")
     print(f"  {'layer':<18} {'min':>9} {'median':>9} {'p99':>9} {'max':>9} {'<1':>7}")
@@ -89,33 +90,32 @@ def _spectral_summary(res: Any, out: str | None) -> None:
         if row.size:
             q = np.percentile(row, [0, 50, 99, 100])
             print(f"  {name:<18} {q[0]:9.4g} {q[1]:9.4g} {q[2]:9.4g} {q[3]:9.4g} {100 * (row < 1).mean():6.1f}%")
-    if out is None:
-        return
-    import matplotlib
+    if out is not None:
+        print(f"wrote {_sigma_figure(sigma, sites, res.params['model'], out, fmt)}")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(sites)), 4))
+@styled
+def _sigma_figure(sigma: np.ndarray, sites: list[str], model: str, out: str, fmt: str) -> str:
+    """Box plots of sigma_max per norm site (quartiles, median, whiskers at 5 and 95 %); the path written."""
+    fig, ax = subplots(size=(max(COLUMN, 0.6 + 0.32 * len(sites)), 2.8))
     data = [r[np.isfinite(r)] for r in sigma]
-    ax.boxplot([d if d.size else [np.nan] for d in data], showfliers=False)
-    ax.set_xticks(range(1, len(sites) + 1), [s.replace("blocks.", "") for s in sites], rotation=60, fontsize=7)
-    ax.set_yscale("log")
-    ax.set_ylabel("sigma_max of the norm Jacobian")
-    ax.set_title(f"{res.params['model']}: {sigma.shape[1]} tokens")
-    fig.tight_layout()
-    path = os.path.join(out, "sigma_max.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+    ax.boxplot([d if d.size else [np.nan] for d in data], whis=(5, 95), showfliers=False, widths=0.6,
+               medianprops={"color": "C1"})
+    ax.set_xticks(range(1, len(sites) + 1), [s.replace("blocks.", "") for s in sites], rotation=60, ha="right",
+                  rotation_mode="anchor")
+    log_axis(ax)
+    ax.set_xlabel("norm site (block.norm)")
+    ax.set_ylabel(r"$\sigma_{\max}$ of the norm Jacobian")
+    ax.set_title(f"{model}: {sigma.shape[1]} tokens\nbox: quartiles and median; whiskers: 5-95 %")
+    return save(fig, os.path.join(out, "sigma_max"), fmt)
 
 
-def _summary(res: Any, out: str | None) -> None:
+def _summary(res: Any, out: str | None, fmt: str = "png") -> None:
     m, p = res.metrics, res.params
     if not m:
         return
     if res.job == "spectral":
-        _spectral_summary(res, out)
+        _spectral_summary(res, out, fmt)
     elif res.job == "recovery":
         proj = m["projection"]  # (prompts, layers, n_layers + 1, K, S)
         print("projection at the last hidden state / scale (mean over prompts and directions):")
@@ -203,7 +203,7 @@ def run(args: argparse.Namespace) -> int:
             client.close()  # also stops a LocalCluster it started
     print(f"{len(res.points)} points ({res.computed} computed now, {len(res.points) - res.computed} stored before) "
           f"in {res.tasks} tasks, {res.seconds:.2f} s")
-    _summary(load(out), out)
+    _summary(load(out), out, getattr(args, "format", "png"))
     for e in res.errors[:10]:
         print(f"failed point {e['index']} {e['point']}: {e['error']}")
     if res.errors:
@@ -237,6 +237,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=non_negative, default=0, help="seed of the iterative solvers' start vectors")
     sp.add_argument("--sites", default=None, help="comma-separated norm-input sites or globs, e.g. "
                     "'blocks.*.norm1.input' (default every norm of the model)")
+    add_format_option(sp)
     rc = jobs.add_parser("recovery", parents=[common], help="propagation over prompts x layers (x directions x scales)")
     rc.add_argument("--model", default="default", help="load_pretrained name/path, 'default' or 'tiny' (synthetic)")
     rc.add_argument("--prompts", metavar="FILE", help="one prompt per line")

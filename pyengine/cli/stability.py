@@ -7,7 +7,7 @@ from __future__ import annotations
 import argparse
 
 from .._progress import Progress
-from ._args import positive
+from ._args import add_format_option, positive
 from ._stages import Stages
 
 __all__ = ["add_parser", "run"]
@@ -35,6 +35,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                         "skipped with a note if its package is not installed; 'none' skips it)")
     p.add_argument("--no-demo", action="store_true", help="skip the steepest-descent comparison")
     p.add_argument("--out", default="stability-out", help="folder for the figures and stability.json")
+    add_format_option(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (default 0)")
 
 
@@ -65,6 +66,6 @@ def run(args: argparse.Namespace) -> int:
                         placements=() if args.no_stacks else STACK_PLACEMENTS, on_stage=stages)
     bar.step(1, 1, "done")
     print(format_stability(rep))
-    for path in write_stability(rep, args.out):
+    for path in write_stability(rep, args.out, fmt=args.format):
         print(f"wrote {path}")
     return 0

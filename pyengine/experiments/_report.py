@@ -1,4 +1,4 @@
-"""Verdicts, text, JSON, CSV and PNG output of a :class:`~pyengine.experiments.Recovery`.
+"""Verdicts, text, JSON, CSV and figure output of a :class:`~pyengine.experiments.Recovery`.
 
 The verdicts (one line per prediction of :mod:`pyengine.experiments.recovery`) and
 the thresholds they use are here, with the rest of the report's words.
@@ -13,6 +13,8 @@ import os
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
+
+from .._figures import PAGE, check_format, layer_axis, log_axis, save, styled, subplots
 
 if TYPE_CHECKING:
     from ..analysis import DecayFit
@@ -167,8 +169,10 @@ def _clean(o: Any) -> Any:
     return o
 
 
-def write(rep: Recovery, folder: str, plots: bool = True) -> list[str]:
-    """Write recovery.json, layers.csv, metrics.csv and (if ``plots``) recovery.png; return the paths."""
+def write(rep: Recovery, folder: str, plots: bool = True, fmt: str = "png") -> list[str]:
+    """Write recovery.json, layers.csv, metrics.csv and (if ``plots``) the figure recovery.<fmt>
+    (``fmt``: png, pdf or svg); return the paths."""
+    check_format(fmt)
     os.makedirs(folder, exist_ok=True)
     paths = []
     p = os.path.join(folder, "recovery.json")
@@ -200,20 +204,8 @@ def write(rep: Recovery, folder: str, plots: bool = True) -> list[str]:
                                     f"{run.norm_ratio[i, n, t]:.9g}", f"{run.delta_norm[i, n, t]:.9g}"])
     paths.append(p)
     if plots:
-        paths.append(_plot(rep, os.path.join(folder, "recovery.png")))
+        paths.append(save(figure(rep), os.path.join(folder, "recovery"), fmt))
     return paths
-
-
-def _plot(rep: Recovery, path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    fig = figure(rep)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
 
 
 def _zeros(a: Any, x: np.ndarray, y: np.ndarray, color: Any = None) -> None:
@@ -232,62 +224,86 @@ def _span(pos: np.ndarray) -> str:
     return ",".join(map(str, pos[:8])) + (",..." if pos.size > 8 else "")
 
 
+#: Mathtext of the quantities on the recovery figure, and the two runs' line styles.
+INJ, BASE = r"h_{\mathrm{inj}}", r"h_{\mathrm{base}}"
+EXACT = dict(color="C0", marker="o", ls="-", label="exact")
+LINEAR = dict(color="C1", marker="s", ls="--", mfc="none", label="linearized")
+RHO = dict(color="0.15", marker="^", ls="-", label=r"$\rho$ (spectral radius)")
+SIGMA = dict(color="0.55", marker="v", ls=":", label=r"$\sigma_{\max}$ (spectral norm)")
+GAP = dict(color="C2", marker="D", ls="-", label="linearization error")
+
+
+def _legend(fig: Any, zeros: bool) -> None:
+    """One legend for the whole figure, below the panels (it covers no data)."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], **EXACT), Line2D([], [], **LINEAR),
+               Line2D([], [], color="0.4", ls=":", label=r"fit $|p_k| \propto e^{-\lambda k}$ ($\lambda$ > 0 decays)"),
+               Line2D([], [], color="k", lw=1.6, label=r"$\|%s\|$" % BASE),
+               Line2D([], [], **RHO), Line2D([], [], **SIGMA),
+               Line2D([], [], **GAP), Line2D([], [], color="k", lw=0.6, ls="--", label=f"{LINEAR_TOL:.0%} error")]
+    if zeros:
+        handles.append(Line2D([], [], color="0.4", marker="v", mfc="none", ls="none", label="0 (off the log axis)"))
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 5), frameon=False)
+
+
+@styled
 def figure(rep: Recovery) -> Any:
     """The report's figure (six panels, x always the hidden state k except the scale sweep)."""
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
     ex, li, j = rep.exact, rep.linear, rep.scale_index
     k = ex.layers
-    fig, ax = plt.subplots(2, 3, figsize=(15, 9), layout="constrained")
+    fig, ax = subplots(2, 3, size=(PAGE, 5.0))
 
     def mean(p: Any, metric: str) -> np.ndarray:
         return p.view(metric, rep.read).reshape(-1, p.K, p.S)[:, :, j].mean(axis=1)
 
     a = ax[0, 0]
-    for p, fit, style, lab in ((ex, rep.fit_exact, "o-", "exact"), (li, rep.fit_linear, "s--", "linearized")):
+    for p, fit, style in ((ex, rep.fit_exact, EXACT), (li, rep.fit_linear, LINEAR)):
         y = mean(p, "projection")
-        a.semilogy(k, np.where(y > 0, y, np.nan), style, label=f"{lab}: rate {fit.rate:+.3f}/layer")
-        color = a.lines[-1].get_color()
+        a.plot(k, np.where(y > 0, y, np.nan), **style)
         if math.isfinite(fit.rate):
-            a.semilogy(k, np.exp(fit.intercept - fit.rate * k), ":", color=color)
-        _zeros(a, k, y, color)
-    a.set(title=f"|projection on v| ({rep.read}), scale {rep.protocol_scale:g}", ylabel="|delta . v|")
-    a.legend(title="|p_k| ~ exp(-rate k): rate > 0 decays", fontsize=8, title_fontsize=8)
-    for a, metric, title, ylabel in ((ax[0, 1], "cosine", "cos(h_injected, h_base)", "cosine"),
-                                     (ax[0, 2], "norm_ratio", "|h_injected| / |h_base|", "norm ratio")):
-        a.plot(k, mean(ex, metric), "o-", label="exact")
-        a.plot(k, mean(li, metric), "s--", label="linearized")
+            a.plot(k, np.exp(fit.intercept - fit.rate * k), ":", color=style["color"])
+        _zeros(a, k, y, style["color"])
+    log_axis(a)
+    a.set(title=f"projection on $v$ ($\\alpha$ = {rep.protocol_scale:g})\n$\\lambda$ per layer: "
+                f"exact {rep.fit_exact.rate:+.3f}, linearized {rep.fit_linear.rate:+.3f}",
+          ylabel=r"$|p_k| = |(%s - %s)\cdot v|$" % (INJ, BASE))
+    for a, metric, title, ylabel in (
+            (ax[0, 1], "cosine", "direction", r"$\cos(%s, %s)$" % (INJ, BASE)),
+            (ax[0, 2], "norm_ratio", "norm", r"$\|%s\| / \|%s\|$" % (INJ, BASE))):
+        a.plot(k, mean(ex, metric), **EXACT)
+        a.plot(k, mean(li, metric), **LINEAR)
         a.set(title=title, ylabel=ylabel)
-        a.legend(fontsize=8)
     a = ax[1, 0]
     m = ex.position_mask(rep.read)
-    for p, style, lab in ((ex, "o-", "|delta| exact"), (li, "s--", "|delta| linearized")):
+    for p, style in ((ex, EXACT), (li, LINEAR)):
         y = mean(p, "delta_norm")
-        a.semilogy(k, np.where(y > 0, y, np.nan), style, label=lab)
-        _zeros(a, k, y, a.lines[-1].get_color())
-    a.semilogy(k, ex.base_norm[:, m].mean(axis=1), "k-", label="|h| baseline")
-    a.set(title="norms", ylabel="L2 norm")
-    a.legend(fontsize=8)
+        a.plot(k, np.where(y > 0, y, np.nan), **style)
+        _zeros(a, k, y, style["color"])
+    a.plot(k, ex.base_norm[:, m].mean(axis=1), "k-", lw=1.6)
+    log_axis(a)
+    a.set(title=r"perturbation $\delta_k = %s - %s$" % (INJ, BASE), ylabel=r"$\|\delta_k\|$, $\|%s\|$" % BASE)
     a = ax[1, 1]
     ks = np.arange(rep.layer, rep.layer + rep.rho.shape[0])  # block k + 1 leaves hidden state k
-    a.plot(ks, rep.rho.max(axis=1), "o-", label="rho (spectral radius)")
-    a.plot(ks, rep.sigma.max(axis=1), "s-", label="sigma_max")
-    a.axhline(1.0, color="k", lw=0.8)
-    a.set(title="Jacobian block of block k+1 at the read token", ylabel="rho, sigma_max", yscale="log")
-    a.legend(fontsize=8)
+    a.plot(ks, rep.rho.max(axis=1), **RHO)
+    a.plot(ks, rep.sigma.max(axis=1), **SIGMA)
+    a.axhline(1.0, color="k", lw=0.6)
+    log_axis(a)
+    a.set(title="Jacobian of block $k+1$ at the read token", ylabel=r"$\rho$, $\sigma_{\max}$")
     for a in (*ax[0], ax[1, 0], ax[1, 1]):
-        a.set_xlabel("hidden state k")
-        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+        a.set_xlabel("hidden state $k$")
+        layer_axis(a)
     a = ax[1, 2]
     gap = rep.linear_gap
-    a.loglog(ex.scales, np.where(gap > 0, gap, np.nan), "o-", label="gap")
-    _zeros(a, ex.scales, gap)
-    a.axhline(LINEAR_TOL, color="k", lw=0.8, ls="--", label=f"{LINEAR_TOL:.0%}")
-    a.set(title="linear regime: max over k of\n|delta_ex - delta_lin| / |delta_lin|", xlabel="scale",
-          ylabel="relative gap")
-    a.legend(fontsize=8)
-    text = rep.text if rep.text is None or len(rep.text) <= 70 else rep.text[:67] + "..."
+    a.plot(ex.scales, np.where(gap > 0, gap, np.nan), **GAP)
+    _zeros(a, ex.scales, gap, GAP["color"])
+    a.axhline(LINEAR_TOL, color="k", lw=0.6, ls="--")
+    log_axis(a, "x")
+    log_axis(a, "y")
+    a.set(title="linearization error", xlabel=r"injection scale $\alpha$",
+          ylabel=r"$\max_k \|\delta_k^{\mathrm{ex}} - \delta_k^{\mathrm{lin}}\| / \|\delta_k^{\mathrm{lin}}\|$")
+    _legend(fig, any(line.get_marker() == "v" and line.get_linestyle() == "None" for x in ax.flat for line in x.lines))
+    text = rep.text if rep.text is None or len(rep.text) <= 60 else rep.text[:57] + "..."
     fig.suptitle(f"pyengine recovery: {rep.model}; text {text!r}\ninjected at {_where(rep)}, "
                  f"positions {_span(ex.positions)} of T = {ex.T}; read-out: {rep.read}")
     return fig

@@ -22,6 +22,7 @@ from typing import Any
 import numpy as np
 
 from .. import _validate as _v
+from .._figures import check_format
 from ..analysis.placement import PlacementProfile, placement_profile
 from ..analysis.positions import (PositionalDecomposition, PositionalPropagation, PositionProbe,
                                   position_probe, positional_decomposition, positional_propagation)
@@ -184,8 +185,10 @@ def format_positions(rep: PositionsReport) -> str:
     return "\n".join(out)
 
 
-def write_positions(rep: PositionsReport, folder: str) -> list[str]:
-    """positions.json, positions.csv (one row per model and layer/block) and PNG figures in ``folder``."""
+def write_positions(rep: PositionsReport, folder: str, fmt: str = "png") -> list[str]:
+    """positions.json, positions.csv (one row per model and layer/block) and the figures in ``folder``
+    (``fmt``: png, pdf or svg)."""
+    check_format(fmt)
     os.makedirs(folder, exist_ok=True)
     paths = [os.path.join(folder, "positions.json"), os.path.join(folder, "positions.csv")]
     with open(paths[0], "w") as f:
@@ -205,4 +208,4 @@ def write_positions(rep: PositionsReport, folder: str) -> list[str]:
                             "" if pr.removal_top1 is None else pr.removal_top1[k]])
     from ._positions_plots import plot_positions
 
-    return paths + plot_positions(rep, folder)
+    return paths + plot_positions(rep, folder, fmt)

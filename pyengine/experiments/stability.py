@@ -2,9 +2,10 @@
 spectral condition of a real model, and steepest descent under three norms on a toy task.
 
 :func:`stability` returns a :class:`Stability` report; :func:`format_stability` prints it,
-:func:`write_stability` saves ``stability.png`` (forward and backward RMS against depth,
-log scale, one panel per (norm, residual) setting, one line per scheme, the mean-field
-prediction dashed), ``weight_spectra.png``, ``descent.png`` and ``stability.json``.
+:func:`write_stability` saves the figures ``stability`` (forward and backward RMS against
+depth, log scale, one panel per (norm, residual) setting, one line per scheme, the mean-field
+prediction dashed), ``stack_stability``, ``weight_spectra`` and ``descent`` (png, pdf or svg)
+and ``stability.json``.
 """
 
 from __future__ import annotations
@@ -13,10 +14,12 @@ import dataclasses
 import json
 import math
 import os
+import textwrap
 from typing import Any
 
 import numpy as np
 
+from .._figures import COLUMN, PAGE, check_format, layer_axis, log_axis, save, styled, subplots
 from ..analysis.stability import (SignalPropagation, gelu_second_moment, mlp_stacks, signal_propagation,
                                   signal_propagations)
 from ..analysis.stack_stability import stack_signal_propagation
@@ -231,61 +234,65 @@ def format_stability(rep: Stability) -> str:
     return "\n".join(rows)
 
 
-def write_stability(rep: Stability, outdir: str) -> list[str]:
-    """Save the figures and stability.json under ``outdir``; the paths written."""
-    import matplotlib
+def _propagation_figure(groups: dict[str, list[Any]], title: str, unit: str) -> Any:
+    """Forward and backward RMS against depth: one column per group, one colour per scheme."""
+    from matplotlib.lines import Line2D
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(outdir, exist_ok=True)
-    settings = list(dict.fromkeys((r.norm, r.residual) for r in rep.runs))
-    fig, axes = plt.subplots(2, len(settings), figsize=(4 * len(settings), 7), squeeze=False)
-    for j, st in enumerate(settings):
-        for i, r in enumerate(x for x in rep.runs if (x.norm, x.residual) == st):
-            color = f"C{i}"
+    fig, axes = subplots(2, len(groups), size=(min(PAGE, 1.2 + 1.6 * len(groups)), 3.9), squeeze=False,
+                         sharex="col")
+    schemes: dict[str, str] = {}
+    for j, (name, runs) in enumerate(groups.items()):
+        for r in runs:
+            color = schemes.setdefault(r.scheme, f"C{len(schemes)}")
             layers = np.arange(r.depth + 1)
             for row, (meas, pred) in enumerate(((r.forward_rms, r.forward_pred), (r.backward_rms, r.backward_pred))):
-                axes[row, j].plot(layers, meas, color=color, label=r.scheme)
+                axes[row, j].plot(layers, meas, color=color)
                 axes[row, j].plot(layers, pred, color=color, ls="--", lw=0.8)
-        title = f"{'pre-' + st[0] if st[0] != 'none' else 'no norm'}{', residual' if st[1] else ''}"
-        axes[0, j].set(yscale="log", title=title, ylabel="forward RMS of h_l")
-        axes[1, j].set(yscale="log", xlabel="layer l", ylabel="backward RMS of dL/dh_l")
-    axes[0, 0].legend(fontsize=7)
-    fig.suptitle("measured (solid) vs mean-field prediction (dashed)")
-    fig.tight_layout()
-    paths = [os.path.join(outdir, "stability.png")]
-    fig.savefig(paths[0], dpi=110)
-    plt.close(fig)
+        axes[0, j].set_title(textwrap.fill(name, 22))
+        axes[1, j].set_xlabel(f"{unit} $\\ell$")
+        for row in range(2):
+            log_axis(axes[row, j])
+            layer_axis(axes[row, j])
+    axes[0, 0].set_ylabel(r"forward RMS of $h_\ell$")
+    axes[1, 0].set_ylabel(r"backward RMS of $\partial L / \partial h_\ell$")
+    handles = [Line2D([], [], color=c, label=s) for s, c in schemes.items()]
+    handles += [Line2D([], [], color="0.3", label="measured"),
+                Line2D([], [], color="0.3", ls="--", lw=0.8, label="mean-field prediction")]
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 5), frameon=False)
+    fig.suptitle(title)
+    return fig
+
+
+@styled
+def write_stability(rep: Stability, outdir: str, fmt: str = "png") -> list[str]:
+    """Save the figures (in ``fmt``: png, pdf or svg) and stability.json under ``outdir``; the paths written."""
+    check_format(fmt)
+    os.makedirs(outdir, exist_ok=True)
+    settings: dict[str, list[Any]] = {}
+    for r in rep.runs:
+        name = f"{'pre-' + r.norm if r.norm != 'none' else 'no norm'}{', residual' if r.residual else ''}"
+        settings.setdefault(name, []).append(r)
+    fig = _propagation_figure(settings, "MLP stacks: forward and backward signal by initialization", "layer")
+    paths = [save(fig, os.path.join(outdir, "stability"), fmt)]
     if rep.stack_runs:
-        places = list(dict.fromkeys(r.arch for r in rep.stack_runs))
-        fig, axes = plt.subplots(2, len(places), figsize=(4 * len(places), 7), squeeze=False)
-        for j, arch in enumerate(places):
-            for i, r in enumerate(x for x in rep.stack_runs if x.arch == arch):
-                layers = np.arange(r.depth + 1)
-                for row, (meas, pred) in enumerate(((r.forward_rms, r.forward_pred), (r.backward_rms, r.backward_pred))):
-                    axes[row, j].plot(layers, meas, color=f"C{i}", label=r.scheme)
-                    axes[row, j].plot(layers, pred, color=f"C{i}", ls="--", lw=0.8)
-            axes[0, j].set(yscale="log", title=arch, ylabel="forward RMS of h_l")
-            axes[1, j].set(yscale="log", xlabel="block l", ylabel="backward RMS of dL/dh_l")
-        axes[0, 0].legend(fontsize=7)
-        fig.suptitle("transformer stacks: measured (solid) vs mean-field prediction (dashed)")
-        fig.tight_layout()
-        paths.append(os.path.join(outdir, "stack_stability.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        places: dict[str, list[Any]] = {}
+        for r in rep.stack_runs:
+            places.setdefault(r.arch, []).append(r)
+        fig = _propagation_figure(places, "transformer stacks: forward and backward signal", "block")
+        paths.append(save(fig, os.path.join(outdir, "stack_stability"), fmt))
     if rep.spectra is not None:
-        paths.append(rep.spectra.plot(os.path.join(outdir, "weight_spectra.png"), rep.model))
+        paths.append(rep.spectra.plot(os.path.join(outdir, "weight_spectra"), rep.model, fmt=fmt))
     if rep.descent is not None:
-        fig, ax = plt.subplots(figsize=(5, 3.5))
+        fig, ax = subplots(size=(COLUMN, 2.5))
+        names = {"gd": r"GD ($\ell_2$)", "sign": r"sign ($\ell_\infty$)", "spectral": r"spectral ($\|\cdot\|_{2\to 2}$)"}
         for k, v in rep.descent.items():
-            ax.plot(v, label=k)
-        ax.set(yscale="log", xlabel="step", ylabel="relative loss", title="GD vs sign vs spectral descent")
-        ax.legend()
-        fig.tight_layout()
-        paths.append(os.path.join(outdir, "descent.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+            ax.plot(v, label=names.get(k, k))
+        log_axis(ax)
+        layer_axis(ax)
+        ax.set(xlabel="step $t$", ylabel="relative loss $L(W_t) / L(W_0)$",
+               title="steepest descent under three norms (best lr of each)")
+        ax.legend(loc="lower left")
+        paths.append(save(fig, os.path.join(outdir, "descent"), fmt))
     doc = {"runs": [_run_dict(r) for r in rep.runs],
            "spectra": rep.spectra.to_dict() if rep.spectra is not None else None,
            "stack_runs": [_run_dict(r) for r in rep.stack_runs],

@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os as _os
 
+from ._version import __version__
+
 # The C++ kernels and Numba's "omp" threading layer share libgomp, whose idle threads
 # spin for GOMP_SPINCOUNT rounds (300000 by default, a few ms) before they sleep. On a
 # 2-core machine such a spinning team starved the other backend's: a 100-token LayerNorm
@@ -65,8 +67,6 @@ from .models import PretrainedModel, Stack, StackConfig, init_weights, load_pret
 from .models import Intervention, TokenizedText, ablate_head  # sites and interventions
 from .analysis import BlockJacobian, DecayFit, Propagation, block_jacobian_norm, fit_decay, propagate
 from .distributed import scan  # pyengine.scan(job, grid, ...); pyengine.scan.load(out)
-
-__version__ = "0.1.0"
 
 
 def get_include() -> str:

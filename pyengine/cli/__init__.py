@@ -31,6 +31,7 @@ from collections.abc import Sequence
 from types import ModuleType
 
 from .._progress import end_line
+from .._version import __version__
 
 __all__ = ["COMMANDS", "main", "parser"]
 
@@ -51,6 +52,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pyengine", description=_plain(__doc__.split("\n\n")[0]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=_plain(__doc__.split("\n\n")[2]))
+    p.add_argument("--version", action="version", version=f"pyengine {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for module in _commands().values():
         module.add_parser(sub)

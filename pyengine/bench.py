@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Mapping
 from typing import Any
 
 from . import _validate as _v
@@ -37,7 +38,7 @@ from ._bench.stats import paired_ratio, unpaired_ratio, verdict
 
 __all__ = ["AB_THRESHOLD", "Case", "SLOWDOWN_ENV", "ab_main", "compare", "compare_builds", "copy_bandwidth",
            "format_ab", "format_table", "load_baseline", "machine_limits", "paired_ratio", "register_case", "run",
-           "slowdown", "time_alternated", "time_call", "unpaired_ratio", "verdict"]
+           "slowdown", "time_alternated", "time_call", "tuned_environment", "unpaired_ratio", "verdict"]
 
 #: Default threshold of the same-run A/B check (a relative speed drop, like ``THRESHOLD``).
 AB_THRESHOLD = _ab.THRESHOLD
@@ -69,6 +70,43 @@ def run(quick: bool = False, repeat: int | None = None, dtypes: tuple[str, ...] 
     ``backends``: only these; NumPy is always timed, for the speed-up). See
     :func:`pyengine._bench.runner.run` for the rows."""
     return _runner.run(quick=quick, repeat=repeat, dtypes=dtypes, kernels=kernels, only_backends=backends)
+
+
+def tuned_environment(environ: Mapping[str, str] | None = None) -> dict[str, str]:
+    """The thread-pool settings pyengine's timings assume, less those ``environ`` (default
+    ``os.environ``) already decides: ``{name: value}`` to add to a new process's environment.
+
+    Both are read once, when the library loads, so they count only in a process that
+    starts with them (``env OPENBLAS_THREAD_TIMEOUT=20 pyengine ...``, or
+    ``subprocess.run(cmd, env=os.environ | tuned_environment())``); ``import pyengine``
+    sets neither, and the ``pyengine`` command sets only ``GOMP_SPINCOUNT``, before the
+    compiled extension or Numba load libgomp (NumPy, and its OpenBLAS, are loaded by then).
+
+    - ``GOMP_SPINCOUNT=10000`` (omitted when ``OMP_WAIT_POLICY`` or ``GOMP_SPINCOUNT`` is
+      set). The C++ kernels and Numba's "omp" threading layer share libgomp, whose idle
+      threads spin 300000 rounds (a few ms) by default before they sleep. On a 2-core
+      machine such a spinning team starved the other backend's: a 100-token LayerNorm JVP
+      took 8 ms instead of 0.08-0.14 ms when cpp and numba calls alternated. Not spinning
+      (``OMP_WAIT_POLICY=PASSIVE``) wakes the threads through the kernel in every parallel
+      region: 70-80 us each, more than that JVP's work (C++ 94 us passive against 24 us
+      spinning). 10000 rounds (about 0.1 ms) span the gap between back-to-back calls and
+      stop before they slow a NumPy product that follows (a kernel right after a 512 x 512
+      matmul: passive 76-120 us, 10000 rounds 99-124, 100000 rounds 1.3 ms).
+    - ``OPENBLAS_THREAD_TIMEOUT=20`` (omitted when set). OpenBLAS's idle threads spin for
+      2^28 cycles (~0.1 s) after a threaded product, and a compiled kernel that starts
+      meanwhile shares the cores with them: the attention forward at (192, 128, 128, 64)
+      float32 took 20-21 ms right after a NumPy matmul instead of 9-10. 2^20 cycles
+      (~0.4 ms) still span back-to-back products.
+
+    Neither changes any result, only where the threads wait.
+    """
+    env = os.environ if environ is None else environ
+    out = {}
+    if "OMP_WAIT_POLICY" not in env and "GOMP_SPINCOUNT" not in env:
+        out["GOMP_SPINCOUNT"] = "10000"
+    if "OPENBLAS_THREAD_TIMEOUT" not in env:
+        out["OPENBLAS_THREAD_TIMEOUT"] = "20"
+    return out
 
 
 def _write(path: str | None, doc: dict[str, Any]) -> None:

@@ -25,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -86,8 +87,22 @@ def _join_dash_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _thread_pools() -> None:
+    """libgomp's spin count of :func:`pyengine.bench.tuned_environment`, where the user set no
+    wait policy. libgomp reads it when it loads, with the compiled extension or Numba's OpenMP
+    layer: so only while neither is loaded (``import pyengine`` loads neither); the worker
+    processes of a run inherit it."""
+    if "pyengine._core" in sys.modules or "numba" in sys.modules:
+        return
+    from ..bench import tuned_environment
+
+    if "GOMP_SPINCOUNT" in (tuned := tuned_environment()):
+        os.environ["GOMP_SPINCOUNT"] = tuned["GOMP_SPINCOUNT"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``pyengine`` command with ``argv`` (default: ``sys.argv[1:]``); the exit status."""
+    _thread_pools()
     argv = sys.argv[1:] if argv is None else argv
     args = parser().parse_args(_join_dash_values(argv))
     try:

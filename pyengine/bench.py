@@ -109,24 +109,32 @@ def tuned_environment(environ: Mapping[str, str] | None = None) -> dict[str, str
     return out
 
 
-def _write(path: str | None, doc: dict[str, Any]) -> None:
+def _write(path: str | None, doc: dict[str, Any], dtypes: tuple[str, ...] = (),
+           argv: list[str] | None = None) -> None:
+    """``doc`` as JSON at ``path`` (if given), with a ``provenance`` block (``argv``: the command line)."""
     if path is not None:
+        from .provenance import provenance
+
+        doc = {**doc, "provenance": provenance(argv=argv, dtype=dtypes[0] if len(dtypes) == 1 else None,
+                                               extra={"dtypes": list(dtypes)} if len(dtypes) > 1 else None)}
         with open(path, "w", encoding="utf-8") as f:
             json.dump(doc, f, indent=1)
         print(f"wrote {path}")
 
 
 def main(quick: bool, json_path: str | None, compare_path: str | None, threshold: float, dtypes: tuple[str, ...],
-         kernels: tuple[str, ...] | None = None, backends: tuple[str, ...] | None = None) -> int:
+         kernels: tuple[str, ...] | None = None, backends: tuple[str, ...] | None = None,
+         argv: list[str] | None = None) -> int:
     """The ``pyengine bench`` command; exit status 1 on a regression against the baseline.
-    Every argument (and the slowdown switch) is checked before any timing."""
+    Every argument (and the slowdown switch) is checked before any timing; ``argv``: the
+    command line for the JSON report's provenance (default ``sys.argv``)."""
     threshold = _v.real("threshold", threshold, low=0, high=1, high_open=True)
     slowdown()
     baseline = None if compare_path is None else load_baseline(compare_path)
     steady_allocator()  # this process times the kernels: allocate as every bench process does
     report = run(quick=quick, dtypes=dtypes, kernels=kernels, backends=backends)
     print(format_table(report))
-    _write(json_path, report)
+    _write(json_path, report, dtypes, argv)
     if baseline is not None:
         regressions = compare(report, baseline, threshold)
         for line in regressions:
@@ -139,7 +147,7 @@ def main(quick: bool, json_path: str | None, compare_path: str | None, threshold
 def ab_main(rev: str | None, old_python: str | None, quick: bool, json_path: str | None, threshold: float,
             dtypes: tuple[str, ...], kernels: tuple[str, ...] | None = None,
             backends: tuple[str, ...] | None = None, root: str = ".", cache: str | None = None,
-            rounds: int | None = None) -> int:
+            rounds: int | None = None, argv: list[str] | None = None) -> int:
     """``pyengine bench ab``: build ``rev`` (or use the interpreter ``old_python``), time it against
     this build interleaved; exit status 1 when any row's verdict is a regression."""
     threshold = _v.real("threshold", threshold, low=0, high=1, high_open=True)
@@ -156,7 +164,7 @@ def ab_main(rev: str | None, old_python: str | None, quick: bool, json_path: str
     report = compare_builds(old_python, quick=quick, dtypes=dtypes, kernels=kernels, only_backends=backends,
                             threshold=threshold, rounds=rounds, old_label=rev or "old")
     print(format_ab(report))
-    _write(json_path, report)
+    _write(json_path, report, dtypes, argv)
     bad = [r for r in report["results"] if r["verdict"] == "regression"]
     for r in bad:
         print(f"REGRESSION {r['kernel']} {r['backend']} {r['dtype']} {r['size']}: x{r['ratio']:.3f} "

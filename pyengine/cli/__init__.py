@@ -33,6 +33,7 @@ from types import ModuleType
 
 from .._progress import end_line
 from .._version import __version__
+from ._provenance import ARGV
 
 __all__ = ["COMMANDS", "main", "parser"]
 
@@ -103,8 +104,9 @@ def _thread_pools() -> None:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``pyengine`` command with ``argv`` (default: ``sys.argv[1:]``); the exit status."""
     _thread_pools()
-    argv = sys.argv[1:] if argv is None else argv
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(_join_dash_values(argv))
+    setattr(args, ARGV, ["pyengine", *argv])  # the provenance of the JSON files this run writes
     try:
         return _commands()[args.command].run(args)
     except KeyboardInterrupt as exc:  # a subcommand may say what it kept: KeyboardInterrupt("...")

@@ -136,7 +136,7 @@ def test_a_failing_point_is_reported_and_the_rest_complete(tmp_path):
     ok = scan("norms", {**NORMS, "scales": [1.0]})
     assert np.array_equal(sigma[:, 0], ok.metrics["sigma"][:, 0])
     saved = json.loads((tmp_path / "s" / "errors.json").read_text())
-    assert [e["index"] for e in saved] == bad
+    assert [e["index"] for e in saved["errors"]] == bad and saved["provenance"]["version"] == pyengine.__version__
     assert len(pyengine.scan.load(tmp_path / "s").errors) == len(bad)
 
 

@@ -105,7 +105,7 @@ def check_layers(root: pathlib.Path = PACKAGE, pkg: str = "pyengine") -> list[st
             if trank > rank or (trank == rank and tname != name):
                 problems.append(f"{where}: {name} (rank {rank}) imports {target} from {tname} (rank {trank})")
             private_module = any(p.startswith("_") and not p.startswith("__") for p in target.split(".")[1:])
-            private_name = imported is not None and imported.startswith("_")
+            private_name = imported is not None and imported.startswith("_") and not imported.startswith("__")
             if (private_module and target != f"{pkg}._core" and tname != "<foundation>") or private_name:
                 what = f"{target}.{imported}" if private_name else target
                 problems.append(f"{where}: {name} uses {what}, a private name of {tname}")
@@ -194,6 +194,12 @@ def test_checker_finds_each_kind_of_violation(tmp_path, rel, text, expect):
         files["kernels/_private_mod.py"] = ""
     problems = check_layers(_tree(tmp_path, files), "pkg")
     assert any(expect in p for p in problems), problems
+
+
+def test_checker_accepts_dunder_names(tmp_path):
+    """``from .._version import __version__``: a dunder name is public, a private foundation module may be used."""
+    files = {**BASE, "_version.py": "__version__ = '1'\n", "cli/v.py": "from .._version import __version__\n"}
+    assert check_layers(_tree(tmp_path, files), "pkg") == []
 
 
 def test_checker_ignores_type_checking_imports(tmp_path):

@@ -12,6 +12,7 @@ import sys
 import time
 
 from ._args import add_format_option
+from ._provenance import block
 from ._stages import hold
 
 __all__ = ["add_parser", "run"]
@@ -146,7 +147,9 @@ def run(args: argparse.Namespace) -> int:
                                  newton_damping=args.newton_damping, dtype=args.dtype, backend=args.backend,
                                  progress=_held(_Bar(args.progress)), workers=args.workers)
         print(format_attention_table(rep))
-        paths = write_attention_report(rep, args.out, plots=not args.no_plots, fmt=args.format)
+        prov = block(args, seeds=list(args.seeds), dtype=args.dtype, backend=args.backend,
+                     model="synthetic: one causal attention head on a sticky Markov chain")
+        paths = write_attention_report(rep, args.out, plots=not args.no_plots, fmt=args.format, provenance=prov)
         print(f"time: {rep.seconds['total']:.1f} s ({rep.seconds['per_step_ms']:.2f} ms per step); "
               f"wrote {', '.join(paths)}")
         if rep.interrupted:

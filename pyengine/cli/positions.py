@@ -8,6 +8,7 @@ import argparse
 
 from .._progress import Progress
 from ._args import add_format_option, positive
+from ._provenance import block, model_fields
 from ._stages import Stages
 
 __all__ = ["add_parser", "run"]
@@ -49,14 +50,21 @@ def run(args: argparse.Namespace) -> int:
         from ..models import load_pretrained
 
         models = [(m, load_pretrained(m)) for m in args.model]
+    if models:
+        fields = [model_fields(m, name) for name, m in models]
+        prov = block(args, seeds=[args.seed], model=", ".join(f["model"] for f in fields),
+                     weight_files=[p for f in fields for p in f["weight_files"]], inputs=(args.corpus,))
+    else:
+        prov = block(args, seeds=[args.seed], inputs=(args.corpus,),
+                     model=f"synthetic: pre-LN / post-LN pair, seed {args.seed}")
     bar = Progress("auto")
-    stages = Stages(args.out)  # each model's measurements on disk as soon as they are done
+    stages = Stages(args.out, prov)  # each model's measurements on disk as soon as they are done
     with stages.keep():
         rep = positions_report(models, corpus=args.corpus, length=args.length, max_contexts=args.contexts,
                                layers=layers, folds=args.folds, ablation_contexts=args.ablation_contexts,
                                seed=args.seed, progress=bar.stage, on_stage=stages)
     bar.stage(1.0, "done")
     print(format_positions(rep))
-    for path in write_positions(rep, args.out, fmt=args.format):
+    for path in write_positions(rep, args.out, fmt=args.format, provenance=prov):
         print(f"wrote {path}")
     return 0

@@ -9,6 +9,7 @@ import argparse
 import numpy as np
 
 from .._progress import Progress
+from ._provenance import block, model_fields
 from ._stages import Stages, write_stage
 from ._args import add_format_option, count_or_npy, floats, non_negative, positions, positive_float
 
@@ -67,6 +68,13 @@ def load_model(name: str, seed: int = 0):
     return model, getattr(model, "name", name)
 
 
+def _array_sha256(a: np.ndarray) -> str:
+    """SHA-256 of an array's values (C order), for the provenance of a --directions file."""
+    import hashlib
+
+    return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
+
+
 def run(args: argparse.Namespace) -> int:
     from ..experiments import format_table, recovery, write_report
 
@@ -79,9 +87,12 @@ def run(args: argparse.Namespace) -> int:
     if args.site is not None and args.layer is not None:
         raise ValueError("--site and --layer both name the injection point: give one")
     layer = args.site if args.site is not None else 2 if args.layer is None else args.layer
-    stages = Stages(args.out)  # each finished stage is on disk at once
-
     model, name = load_model(args.model, args.seed)
+    synthetic = f"synthetic: default (seeded GPT-2-small-shaped pre-LN stack, seed {args.seed})"
+    prov = block(args, seeds=[args.seed], dtype=args.dtype,
+                 extra={"directions_sha256": _array_sha256(args.directions)} if given else None,
+                 **model_fields(args.model if args.model.endswith(".npz") else model, name, synthetic=synthetic))
+    stages = Stages(args.out, prov)  # each finished stage is on disk at once
     print(f"pyengine recovery: model {name or 'default (seeded GPT-2-small-shaped pre-LN stack)'}; "
           f"output folder {args.out}", flush=True)
     with stages.keep():
@@ -91,6 +102,6 @@ def run(args: argparse.Namespace) -> int:
                        spectral_tokens=args.spectral_tokens, seed=args.seed, dtype=args.dtype, name=name,
                        progress=Progress(args.progress, lines=True).stage, on_stage=stages)
     print(format_table(rep))
-    paths = write_report(rep, args.out, plots=not args.no_plots, fmt=args.format)
+    paths = write_report(rep, args.out, plots=not args.no_plots, fmt=args.format, provenance=prov)
     print(f"time: {rep.seconds['total']:.1f} s; wrote {', '.join(paths)}")
     return 0

@@ -22,6 +22,7 @@ from .._progress import Progress
 from ..distributed import Job, load, local_client, register_job, scan
 from ..distributed.jobs import int_axis, real_axis
 from ._args import add_format_option, floats, non_negative, positive, positive_float
+from ._provenance import block, named_model_fields
 from ._stages import hold
 
 __all__ = ["AttentionJob", "StabilityJob", "add_parser", "run"]
@@ -171,11 +172,26 @@ def _grid(args: argparse.Namespace) -> dict[str, Any]:
     return {"seeds": list(range(args.points)), "tokens": args.tokens, "d": args.d}
 
 
+def _provenance(args: argparse.Namespace, grid: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's provenance block: the seeds and the model of the grid."""
+    from ..distributed.worker import SYNTHETIC
+
+    seeds = grid.get("seeds", [grid["seed"]] if "seed" in grid else None)
+    if "model" in grid:
+        fields = named_model_fields(grid["model"], SYNTHETIC)
+    else:
+        what = {"attention": "one causal attention head on a sticky Markov chain",
+                "stability": "MLP stacks by initialization scheme", "norms": "random normalization inputs"}
+        fields = {"model": f"synthetic: {what[args.job]}"}
+    return block(args, seeds=seeds, inputs=(getattr(args, "corpus", None), getattr(args, "prompts", None)), **fields)
+
+
 def run(args: argparse.Namespace) -> int:
     out = args.out or f"scan-{args.job}"
     grid = _grid(args)
     if args.workers < 0:
         raise ValueError(f"--workers must be >= 0; got {args.workers}")
+    prov = _provenance(args, grid)
     bar = Progress(args.progress, label=f"scan {args.job}", unit="points")
     client = None
     try:
@@ -193,7 +209,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             res = scan(args.job, grid, client=client, out=out, chunk=args.chunk, resume=args.resume,
-                       memory_budget=int(args.memory_budget * 2**20), progress=progress)
+                       memory_budget=int(args.memory_budget * 2**20), progress=progress, provenance=prov)
         except KeyboardInterrupt:
             kept = (f"the {done[0]} finished point(s) are in the store {out} (continue with --resume)" if done[0]
                     else "no point had finished")

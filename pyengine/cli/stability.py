@@ -8,6 +8,7 @@ import argparse
 
 from .._progress import Progress
 from ._args import add_format_option, positive
+from ._provenance import block, model_fields
 from ._stages import Stages
 
 __all__ = ["add_parser", "run"]
@@ -49,16 +50,24 @@ def run(args: argparse.Namespace) -> int:
         if s.lower() not in SCHEMES and s.lower() not in ALIASES:
             raise ValueError(f"--schemes: unknown scheme {s!r}; expected one of {', '.join(SCHEMES)}")
     model = None if args.model.lower() == "none" else args.model
-    if model is not None and model == DEFAULT_MODEL:
+    if model is not None:  # loaded here, before any work: its weight files' hashes go into the provenance
         from ..models.pretrained import load_pretrained
 
         try:
             model = load_pretrained(model)
-        except (FileNotFoundError, ImportError) as e:  # the default only: a model asked for must load
+            model.name = args.model  # the report names it as given
+        except (FileNotFoundError, ImportError) as e:
+            if args.model != DEFAULT_MODEL:  # the default only may be missing: a model asked for must load
+                raise
             print(f"spectral condition of a real model: skipped ({e})")
             model = None
+    synthetic = f"synthetic: {args.activation} MLP and transformer stacks, seed {args.seed}"
+    fields = model_fields(model, synthetic=synthetic)
+    if model is not None:
+        fields["model"] = f"{fields['model']}; {synthetic}"
+    prov = block(args, seeds=[args.seed], **fields)
     bar = Progress("auto")
-    stages = Stages(args.out)  # each finished part on disk at once
+    stages = Stages(args.out, prov)  # each finished part on disk at once
     with stages.keep():
         rep = stability(schemes, args.depth, args.width, args.tokens, activation=args.activation, model=model,
                         demo=not args.no_demo, seed=args.seed, progress=bar.step,
@@ -66,6 +75,6 @@ def run(args: argparse.Namespace) -> int:
                         placements=() if args.no_stacks else STACK_PLACEMENTS, on_stage=stages)
     bar.step(1, 1, "done")
     print(format_stability(rep))
-    for path in write_stability(rep, args.out, fmt=args.format):
+    for path in write_stability(rep, args.out, fmt=args.format, provenance=prov):
         print(f"wrote {path}")
     return 0

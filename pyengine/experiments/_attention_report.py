@@ -11,6 +11,7 @@ from typing import Any
 import numpy as np
 
 from .._figures import COLUMN, PAGE, check_format, heatmap_grid, layer_axis, save, styled, subplots
+from ..provenance import provenance as gather
 from .attention_dynamics import METRICS, AttentionDynamics
 
 __all__ = ["format_attention_table", "write_attention_report"]
@@ -80,14 +81,16 @@ def to_dict(rep: AttentionDynamics) -> dict[str, Any]:
     })
 
 
-def write_attention_report(rep: AttentionDynamics, folder: str, plots: bool = True, fmt: str = "png") -> list[str]:
+def write_attention_report(rep: AttentionDynamics, folder: str, plots: bool = True, fmt: str = "png",
+                           provenance: dict[str, Any] | None = None) -> list[str]:
     """Write attention.json, attention.csv (one row per arm, seed, step) and, with plots, three
-    figures in ``fmt`` (png, pdf or svg): attention_loss, attention_heatmaps, attention_value_pca."""
+    figures in ``fmt`` (png, pdf or svg): attention_loss, attention_heatmaps, attention_value_pca.
+    ``provenance``: attention.json's block (default :func:`pyengine.provenance.provenance` now)."""
     check_format(fmt)
     os.makedirs(folder, exist_ok=True)
     paths = [os.path.join(folder, "attention.json"), os.path.join(folder, "attention.csv")]
     with open(paths[0], "w") as f:
-        json.dump(to_dict(rep), f, indent=1)
+        json.dump({**to_dict(rep), "provenance": provenance or gather(seeds=rep.seeds)}, f, indent=1)
     with open(paths[1], "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["arm", "seed", "step", *METRICS])

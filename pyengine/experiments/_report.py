@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from .._figures import PAGE, check_format, layer_axis, log_axis, save, styled, subplots
+from ..provenance import provenance as gather
 
 if TYPE_CHECKING:
     from ..analysis import DecayFit
@@ -169,16 +170,18 @@ def _clean(o: Any) -> Any:
     return o
 
 
-def write(rep: Recovery, folder: str, plots: bool = True, fmt: str = "png") -> list[str]:
+def write(rep: Recovery, folder: str, plots: bool = True, fmt: str = "png",
+          provenance: dict[str, Any] | None = None) -> list[str]:
     """Write recovery.json, layers.csv, metrics.csv and (if ``plots``) the figure recovery.<fmt>
-    (``fmt``: png, pdf or svg); return the paths."""
+    (``fmt``: png, pdf or svg); return the paths. ``provenance``: recovery.json's block (default
+    :func:`pyengine.provenance.provenance` now)."""
     check_format(fmt)
     os.makedirs(folder, exist_ok=True)
     paths = []
     p = os.path.join(folder, "recovery.json")
     with open(p, "w") as f:
-        json.dump(_clean(rep.to_dict()), f, indent=1,
-                  allow_nan=False)
+        json.dump(_clean({**rep.to_dict(), "provenance": provenance or gather(model=rep.model)}), f,
+                  indent=1, allow_nan=False)
     paths.append(p)
     p = os.path.join(folder, "layers.csv")
     rows = rep.layer_table()

@@ -28,6 +28,7 @@ from ..analysis.positions import (PositionalDecomposition, PositionalPropagation
                                   position_probe, positional_decomposition, positional_propagation)
 from ..corpus import load_corpus, tokenized_corpus
 from ..models import Stack, StackConfig, init_weights
+from ..provenance import provenance as gather
 
 __all__ = ["ModelPositions", "PositionsReport", "format_positions", "positions_report", "synthetic_pair",
            "write_positions"]
@@ -185,14 +186,16 @@ def format_positions(rep: PositionsReport) -> str:
     return "\n".join(out)
 
 
-def write_positions(rep: PositionsReport, folder: str, fmt: str = "png") -> list[str]:
+def write_positions(rep: PositionsReport, folder: str, fmt: str = "png",
+                    provenance: dict[str, Any] | None = None) -> list[str]:
     """positions.json, positions.csv (one row per model and layer/block) and the figures in ``folder``
-    (``fmt``: png, pdf or svg)."""
+    (``fmt``: png, pdf or svg). ``provenance``: positions.json's block (default
+    :func:`pyengine.provenance.provenance` now)."""
     check_format(fmt)
     os.makedirs(folder, exist_ok=True)
     paths = [os.path.join(folder, "positions.json"), os.path.join(folder, "positions.csv")]
     with open(paths[0], "w") as f:
-        json.dump(rep.to_dict(), f, indent=1)
+        json.dump({**rep.to_dict(), "provenance": provenance or gather()}, f, indent=1)
     with open(paths[1], "w", newline="") as f:
         w = csv.writer(f)
         w.writerow(["model", "kind", "index", "pos_share", "effective_rank", "angle1_deg", "probe_r2", "shuffled_r2",

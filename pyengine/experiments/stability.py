@@ -25,6 +25,7 @@ from ..analysis.stability import (SignalPropagation, gelu_second_moment, mlp_sta
 from ..analysis.stack_stability import stack_signal_propagation
 from ..analysis.weight_spectra import WeightSpectra, weight_spectra
 from ..linalg.steepest import steepest_descent
+from ..provenance import provenance as gather
 
 __all__ = ["SETTINGS", "Stability", "descent_demo", "format_stability", "stability", "write_stability"]
 
@@ -264,8 +265,10 @@ def _propagation_figure(groups: dict[str, list[Any]], title: str, unit: str) -> 
 
 
 @styled
-def write_stability(rep: Stability, outdir: str, fmt: str = "png") -> list[str]:
-    """Save the figures (in ``fmt``: png, pdf or svg) and stability.json under ``outdir``; the paths written."""
+def write_stability(rep: Stability, outdir: str, fmt: str = "png",
+                    provenance: dict[str, Any] | None = None) -> list[str]:
+    """Save the figures (in ``fmt``: png, pdf or svg) and stability.json under ``outdir``; the paths
+    written. ``provenance``: stability.json's block (default :func:`pyengine.provenance.provenance` now)."""
     check_format(fmt)
     os.makedirs(outdir, exist_ok=True)
     settings: dict[str, list[Any]] = {}
@@ -296,7 +299,8 @@ def write_stability(rep: Stability, outdir: str, fmt: str = "png") -> list[str]:
     doc = {"runs": [_run_dict(r) for r in rep.runs],
            "spectra": rep.spectra.to_dict() if rep.spectra is not None else None,
            "stack_runs": [_run_dict(r) for r in rep.stack_runs],
-           "descent": {k: v.tolist() for k, v in (rep.descent or {}).items()}, "seconds": rep.seconds}
+           "descent": {k: v.tolist() for k, v in (rep.descent or {}).items()}, "seconds": rep.seconds,
+           "provenance": provenance or gather()}
     paths.append(os.path.join(outdir, "stability.json"))
     with open(paths[-1], "w", encoding="utf-8") as f:
         json.dump(doc, f)

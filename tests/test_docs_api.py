@@ -32,6 +32,7 @@ MODULES = (
     "pyengine.backends",
     "pyengine.bench",
     "pyengine.corpus",
+    "pyengine.provenance",
 )
 
 _MODULE_DIRECTIVE = re.compile(r"^\.\. (?:module|currentmodule|automodule)::\s*(\S+)\s*$")

@@ -2,6 +2,9 @@
 // SIMD lanes (row sums and the row-writing pass, with streaming stores), and the row
 // pipeline that overlaps one row's writing with the next row's reading. Pure C++17 on
 // raw pointers, no pybind11; threads come from parallel.hpp.
+// Longer than ~400 lines by exception: every family includes the three parts together and
+// they change together (the row pipeline drives RowSums and write_row, which apply the bad-row
+// conventions); csrc/ is split by kernel family, not by helper.
 #pragma once
 
 #include <omp.h>

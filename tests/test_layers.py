@@ -3,10 +3,13 @@
 Rules (README, Layout): the root modules (and private root packages such as
 ``_validate/``) are the foundation every layer may use; each
 folder is a layer and imports only the foundation and the layers below it
-(kernels < linalg, models < analysis < experiments, distributed < cli); siblings of one
-rank do not import each other; there are no import cycles; and no module imports a
-private name (``_x``) or a private module from another layer. ``pyengine/__init__.py`` and
-``__main__.py`` sit above every layer: they gather the public names.
+(kernels < linalg, models < analysis < experiments < distributed < cli: the sweep layer
+sits above the experiments whose jobs it runs); siblings of one rank do not import each
+other; no library module imports the CLI, not even for annotations or by name
+(``importlib.import_module``); there are no import cycles, imports under
+``if TYPE_CHECKING:`` included (only the rank and private-name rules skip them); and no module
+imports a private name (``_x``) or a private module from another layer.
+``pyengine/__init__.py`` and ``__main__.py`` sit above every layer: they gather the public names.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ PACKAGE = pathlib.Path(__file__).resolve().parents[1] / "pyengine"
 
 #: Folder -> rank. Root modules are rank 0 (foundation); the package's __init__ and
 #: __main__ are above everything.
-RANKS = {"kernels": 1, "linalg": 2, "models": 2, "analysis": 3, "experiments": 4, "distributed": 4, "cli": 5}
+RANKS = {"kernels": 1, "linalg": 2, "models": 2, "analysis": 3, "experiments": 4, "distributed": 4.5, "cli": 5}
 TOP = 99
 
 
@@ -35,7 +38,7 @@ def _modules(root: pathlib.Path, pkg: str) -> dict[str, pathlib.Path]:
     return out
 
 
-def _layer(mod: str, pkg: str) -> tuple[str, int]:
+def _layer(mod: str, pkg: str) -> tuple[str, float]:
     """(layer name, rank) of a module: its first folder below the package, or the root."""
     parts = mod.split(".")[1:]
     if not parts or parts == ["__main__"]:
@@ -56,17 +59,26 @@ def _in_type_checking(node: ast.AST, parents: dict[ast.AST, ast.AST]) -> bool:
 
 
 def _imports(mod: str, path: pathlib.Path, known: set[str], pkg: str):
-    """Yield (lineno, target module, imported name or None) for every import of the package."""
+    """Yield (lineno, target module, imported name or None, type only?) for every import of the package."""
     tree = ast.parse(path.read_text(), str(path))
     parents = {child: node for node in ast.walk(tree) for child in ast.iter_child_nodes(node)}
     is_pkg = path.name == "__init__.py"
     for node in ast.walk(tree):
-        if _in_type_checking(node, parents):
+        if isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant):
+            # importlib.import_module("pkg.x") / __import__("pkg.x"): an import by name
+            func = node.func.attr if isinstance(node.func, ast.Attribute) else getattr(node.func, "id", "")
+            name = node.args[0].value
+            if func in ("import_module", "__import__") and isinstance(name, str) and (
+                    name == pkg or name.startswith(pkg + ".")):
+                yield node.lineno, name, None, False
             continue
+        if not isinstance(node, (ast.Import, ast.ImportFrom)):
+            continue
+        typing_only = _in_type_checking(node, parents)
         if isinstance(node, ast.Import):
             for alias in node.names:
                 if alias.name == pkg or alias.name.startswith(pkg + "."):
-                    yield node.lineno, alias.name, None
+                    yield node.lineno, alias.name, None, typing_only
         elif isinstance(node, ast.ImportFrom):
             if node.level:
                 base = mod.split(".") if is_pkg else mod.split(".")[:-1]
@@ -79,9 +91,9 @@ def _imports(mod: str, path: pathlib.Path, known: set[str], pkg: str):
             for alias in node.names:
                 sub = f"{target}.{alias.name}"
                 if sub in known:  # `from . import module`
-                    yield node.lineno, sub, None
+                    yield node.lineno, sub, None, typing_only
                 else:
-                    yield node.lineno, target, alias.name
+                    yield node.lineno, target, alias.name, typing_only
 
 
 def check_layers(root: pathlib.Path = PACKAGE, pkg: str = "pyengine") -> list[str]:
@@ -92,7 +104,7 @@ def check_layers(root: pathlib.Path = PACKAGE, pkg: str = "pyengine") -> list[st
     graph: dict[str, set[str]] = {m: set() for m in mods}
     for mod, path in mods.items():
         name, rank = _layer(mod, pkg)
-        for line, target, imported in _imports(mod, path, known, pkg):
+        for line, target, imported, typing_only in _imports(mod, path, known, pkg):
             where = f"{path.relative_to(root.parent)}:{line}"
             if target not in known:
                 problems.append(f"{where}: imports {target}, which does not exist")
@@ -100,7 +112,9 @@ def check_layers(root: pathlib.Path = PACKAGE, pkg: str = "pyengine") -> list[st
             tname, trank = _layer(target, pkg)
             if target in mods and target != mod:
                 graph[mod].add(target)
-            if tname == name:
+            if tname == "cli" and name not in ("cli", "<top>"):
+                problems.append(f"{where}: {name} imports {target}: no library module imports the CLI")
+            if tname == name or typing_only:  # annotations may name any layer; cycles still count
                 continue
             if trank > rank or (trank == rank and tname != name):
                 problems.append(f"{where}: {name} (rank {rank}) imports {target} from {tname} (rank {trank})")
@@ -202,7 +216,30 @@ def test_checker_accepts_dunder_names(tmp_path):
     assert check_layers(_tree(tmp_path, files), "pkg") == []
 
 
-def test_checker_ignores_type_checking_imports(tmp_path):
+def test_type_checking_imports_may_name_a_higher_layer(tmp_path):
     files = dict(BASE)
-    files["kernels/ok.py"] = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..cli import main\n"
+    files["kernels/ok.py"] = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..linalg import x\n"
+    files["linalg/x.py"] = ""
     assert check_layers(_tree(tmp_path, files), "pkg") == []
+
+
+@pytest.mark.parametrize(
+    "text",
+    ["from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from ..cli import main\n",
+     "import importlib\ndef f():\n    return importlib.import_module('pkg.cli')\n",
+     "def f():\n    import pkg.cli\n"],
+    ids=["type-only", "by-name", "lazy"],
+)
+def test_checker_finds_a_library_module_that_imports_the_cli(tmp_path, text):
+    files = dict(BASE)
+    files["linalg/bad.py"] = text
+    problems = check_layers(_tree(tmp_path, files), "pkg")
+    assert any("linalg imports pkg.cli: no library module imports the CLI" in p for p in problems), problems
+
+
+def test_checker_finds_a_cycle_through_type_checking_imports(tmp_path):
+    files = dict(BASE)
+    files["kernels/a.py"] = "from . import b\n"
+    files["kernels/b.py"] = "from typing import TYPE_CHECKING\nif TYPE_CHECKING:\n    from .a import A\n"
+    problems = check_layers(_tree(tmp_path, files), "pkg")
+    assert "import cycle: pkg.kernels.a -> pkg.kernels.b -> pkg.kernels.a" in problems, problems

@@ -130,8 +130,8 @@ def scan(job: str | Job, grid: Mapping[str, Any], *, client: Any = None, out: st
     Parameters
     ----------
     job : str or Job
-        A registered job name (``"spectral"``, ``"recovery"``, ``"norms"``; ``"attention"``
-        and ``"stability"`` once :mod:`pyengine.cli.scan` is imported) or a :class:`Job`.
+        A registered job name (``"spectral"``, ``"recovery"``, ``"norms"``, ``"attention"``,
+        ``"stability"``: :data:`pyengine.distributed.JOBS`) or a :class:`Job`.
     grid : dict
         The job's parameters; its axes are sequences (see the job's docstring).
     client : dask.distributed.Client, optional

@@ -8,14 +8,14 @@ placement: |h_l|/sqrt(d) and cosine against removal effect, per model (pre and p
 from __future__ import annotations
 
 import os
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from .._figures import COLUMN, PAGE, check_format, layer_axis, log_axis, save, styled, subplots
 
-if TYPE_CHECKING:
-    from .positions import PositionsReport
+#: A :class:`~pyengine.experiments.positions.PositionsReport` (not imported: positions.py imports this module).
+PositionsReport = Any
 
 __all__ = ["plot_positions"]
 

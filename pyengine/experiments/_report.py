@@ -19,7 +19,9 @@ from ..provenance import provenance as gather
 
 if TYPE_CHECKING:
     from ..analysis import DecayFit
-    from .recovery import Recovery
+
+#: A :class:`~pyengine.experiments.Recovery` (not imported: recovery.py imports this module).
+Recovery = Any
 
 __all__ = ["LINEAR_TOL", "format_table", "write"]
 

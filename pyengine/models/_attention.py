@@ -21,7 +21,7 @@ from ._fast import DISCARD, attn_blas, attn_jvp_blas, attn_jvp_gemm, fused_dtype
 from ._linear import dense, workspace
 
 if TYPE_CHECKING:
-    from ._blocks import Cache, Context, Weights
+    from ._context import Cache, Context, Weights
 
 __all__ = ["attn", "attn_jvp", "attn_vjp", "check"]
 

@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -31,35 +31,9 @@ from .. import _validate as _v
 from ..kernels.activations import kernel
 from ..kernels.layernorm import kernel as norm_kernel
 from ._attention import attn, attn_jvp, check
+from ._context import Cache, Context, Weights
 from ._fast import DISCARD
 from ._linear import FUSED_ACTIVATIONS, dense, dense_act, dense_mul, workspace
-
-
-Weights = dict[str, np.ndarray]
-Cache = dict[str, Any]
-
-
-class Context(NamedTuple):
-    """What a block needs besides weights: the config and the per-(T, dtype) tables.
-
-    ``start`` > 0 (causal stacks only) means the arrays carry only the rows
-    start..T-1 of a length-T sequence: the earlier rows' keys and values come from
-    a base cache (forward: ``cache["attn.past"]``; JVP: a :func:`suffix` cache), and
-    the rotary tables are sliced to those rows (query row i is position start + i).
-    ``rows`` (JVP only, from :func:`diagonal`) selects the per-token diagonal
-    Jacobian blocks.
-    """
-
-    cfg: Any  # StackConfig
-    rope_q: tuple[np.ndarray, np.ndarray] | None  # (cos, sin) * 1/sqrt(dh): scale folded into q
-    rope_k: tuple[np.ndarray, np.ndarray] | None
-    start: int = 0
-    rows: np.ndarray | None = None
-    #: Forward only (``models/sites.py``): ``hook(site, x) -> x`` at every named site of
-    #: the block (x itself, or a fresh array that replaces it), and the padding mask of
-    #: the keys, bool (B, 1, 1, 1, Tk), True where a key is padding.
-    hook: Any = None
-    key_mask: np.ndarray | None = None
 
 
 def site(ctx: Context, name: str, x: np.ndarray) -> np.ndarray:

@@ -12,15 +12,13 @@ kernels directly.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from . import _blocks
 from .. import _validate as _v
-
-if TYPE_CHECKING:
-    from .stack import Stack
+from ._stacklike import StackLike
 
 __all__ = ["BlockCache", "Linearization"]
 
@@ -38,7 +36,7 @@ class BlockCache:
 
     __slots__ = ("_views", "block", "ctx", "data", "h", "stack")
 
-    def __init__(self, stack: Stack, block: int, h: np.ndarray, ctx: Any, data: dict[str, Any]) -> None:
+    def __init__(self, stack: StackLike, block: int, h: np.ndarray, ctx: Any, data: dict[str, Any]) -> None:
         self.stack, self.block, self.h, self.ctx, self.data = stack, block, h, ctx, data
         self._views: dict[tuple[str, Any], tuple[Any, dict[str, Any]]] = {}
 
@@ -61,7 +59,7 @@ class BlockCache:
 class Linearization:
     """The block-JVP methods of :class:`~pyengine.models.stack.Stack` (a base class of it)."""
 
-    def _owns(self, cache: Any, k: int, name: str = "cache") -> None:
+    def _owns(self: StackLike, cache: Any, k: int, name: str = "cache") -> None:
         if not isinstance(cache, BlockCache):
             raise TypeError(f"{name} must be a BlockCache from block_forward(..., return_cache=True) or "
                             f"forward(..., cache_from=...); got {type(cache).__name__}")
@@ -69,7 +67,7 @@ class Linearization:
             owner = "this stack" if cache.stack is self else "another stack"
             raise ValueError(f"{name} belongs to block {cache.block} of {owner}, not to block {k} of this stack")
 
-    def _linearize(self, k: Any, h: Any, dh: Any, rows: Callable[[int], int], mode: str,
+    def _linearize(self: StackLike, k: Any, h: Any, dh: Any, rows: Callable[[int], int], mode: str,
                    cache: BlockCache | None, arg: str = "dh") -> tuple[int, np.ndarray, bool, BlockCache]:
         """Checked block index, tangents (K, R, d) in h's dtype, whether dh had K, and the cache.
 
@@ -100,7 +98,7 @@ class Linearization:
                 raise ValueError("cache was computed at a different h (or dtype) than the one given")
         return k, (t if t.ndim == 3 else t[None]), t.ndim == 3, cache
 
-    def block_jvp(self, k: int, h: Any, dh: Any, mode: str = "full", cache: BlockCache | None = None,
+    def block_jvp(self: StackLike, k: int, h: Any, dh: Any, mode: str = "full", cache: BlockCache | None = None,
                   *, start: int = 0) -> np.ndarray:
         """Exact directional derivative of block k at ``h`` in direction(s) ``dh``.
 
@@ -142,7 +140,7 @@ class Linearization:
         out = _blocks.block_jvp(self._params(t.dtype)[0][k], ctx, t, data, mode)
         return out if many else out[0]
 
-    def block_jvp_diagonal(self, k: int, h: Any, dh: Any, tokens: Any, mode: str = "full",
+    def block_jvp_diagonal(self: StackLike, k: int, h: Any, dh: Any, tokens: Any, mode: str = "full",
                            cache: BlockCache | None = None) -> np.ndarray:
         """The per-token diagonal blocks of block k's Jacobian at ``h``, applied to ``dh``.
 

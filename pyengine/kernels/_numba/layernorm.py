@@ -477,40 +477,51 @@ def layer_norm(x, gamma, beta, eps, out):
     return nbad
 
 
+def _tangent_batch(core):
+    """The batch kernel of a JVP or VJP row core (LayerNorm's or RMSNorm's), the only part they differ in.
+
+    ``core(x, t, gamma, eps, frozen, out, x_next, t_next, stream)`` computes one row and
+    returns True for a bad row. Returns a ``pjit`` function ``(x, t, gamma, eps, frozen, out)``
+    -> the number of bad rows, which the registered kernel calls under its own parameter
+    names (``v`` or ``u``: the registry checks them against the reference). Each call makes
+    a new function closing over its own core: Numba's on-disk cache keys it by the closure's
+    contents too, so the kernels' cached machine code stays apart.
+    """
+
+    @pjit
+    def batch(x, t, gamma, eps, frozen, out):
+        n = x.shape[0]
+        nbad = 0
+        nc = min(n, _CHUNKS)
+        stream = _stream_rows(out, STREAM_SHORT_ROW_MIN_BYTES)
+        for c in prange(nc):
+            for r in range(c * n // nc, (c + 1) * n // nc):
+                nx = min(r + 1, n - 1)
+                if core(x[r], t[r], gamma, eps, frozen, out[r], x[nx], t[nx], stream):
+                    nbad += 1
+            if stream:
+                store_fence()
+        return nbad
+
+    return batch
+
+
+_layer_norm_jvp_batch = _tangent_batch(_layer_norm_jvp_row)
+_layer_norm_vjp_batch = _tangent_batch(_layer_norm_vjp_row)
+
+
 @register("layer_norm_jvp", "numba")
-@pjit
+@jit
 def layer_norm_jvp(x, v, gamma, eps, frozen, out):
     """x, v, out : (n, d); gamma : (d,). Returns the number of bad rows."""
-    n = x.shape[0]
-    nbad = 0
-    nc = min(n, _CHUNKS)
-    stream = _stream_rows(out, STREAM_SHORT_ROW_MIN_BYTES)
-    for c in prange(nc):
-        for r in range(c * n // nc, (c + 1) * n // nc):
-            nx = min(r + 1, n - 1)
-            if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], x[nx], v[nx], stream):
-                nbad += 1
-        if stream:
-            store_fence()
-    return nbad
+    return _layer_norm_jvp_batch(x, v, gamma, eps, frozen, out)
 
 
 @register("layer_norm_vjp", "numba")
-@pjit
+@jit
 def layer_norm_vjp(x, u, gamma, eps, frozen, out):
     """x, u, out : (n, d); gamma : (d,). Returns the number of bad rows."""
-    n = x.shape[0]
-    nbad = 0
-    nc = min(n, _CHUNKS)
-    stream = _stream_rows(out, STREAM_SHORT_ROW_MIN_BYTES)
-    for c in prange(nc):
-        for r in range(c * n // nc, (c + 1) * n // nc):
-            nx = min(r + 1, n - 1)
-            if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], x[nx], u[nx], stream):
-                nbad += 1
-        if stream:
-            store_fence()
-    return nbad
+    return _layer_norm_vjp_batch(x, u, gamma, eps, frozen, out)
 
 
 @register("layer_norm_jacobian", "numba")

@@ -239,6 +239,15 @@ def propagate(
     Returns
     -------
     Propagation (a list of them for a padded batch)
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument, named, before the baseline forward (``positions``,
+        ``return_deltas`` and a site direction that the weights after the site send to
+        zero right after it: they need the forward). ValueError when the perturbed
+        stream (or the tangent) overflows to NaN or Inf, naming the hidden state and
+        block where it first did.
     """
     if not isinstance(model, Stack):
         raise TypeError(f"model must be a pyengine Stack or pretrained model; got {type(model).__name__}")
@@ -253,13 +262,16 @@ def propagate(
     return propagate_request(model, input_ids, req, positions, return_deltas)
 
 
-def propagate_request(model: Stack, input_ids: Any, req: Request, positions: Any = "all", return_deltas: Any = False
-        ) -> Propagation:
-    """:func:`propagate` of one sequence with checked arguments: ``req`` from
-    :func:`~pyengine.analysis.propagate_stages.check_request` (or built from arguments
-    checked as it checks them); ``input_ids`` (checked by the forward), ``positions`` and
-    ``return_deltas`` as propagate takes them. NaN or Inf in the propagated stream is one
-    ValueError naming the block where it first appeared.
+def propagate_request(model: Stack, input_ids: Any, req: Request, positions: Any = "all",
+                      return_deltas: Any = False) -> Propagation:
+    """:func:`propagate` of one sequence, its arguments already checked.
+
+    ``req`` comes from :func:`~pyengine.analysis.propagate_stages.check_request`, or is
+    built from arguments checked as it checks them; nothing in it is checked again, so
+    ``model`` must be a Stack it fits (the one it was checked against, or one of the same
+    shape, e.g. ``model.replace(eps=...)``). ``input_ids`` (checked by the forward),
+    ``positions`` and ``return_deltas`` as propagate takes them. NaN or Inf in the
+    propagated stream is one ValueError naming the block where it first appeared.
     """
     base = baseline(model, req, input_ids, positions)
     T, d = base.h.shape[1:]

@@ -73,9 +73,9 @@ class Baseline:
     """The baseline run of one sequence (T tokens), what the sweep and the metrics read.
 
     ``h`` (n_layers + 1, T, d) hidden states in the compute dtype, ``caches`` the blocks
-    from ``layer`` on; ``hf`` / ``sq`` the hidden states in float64 and |h_k|^2 (n_layers +
+    from ``layer`` on; ``hf`` / ``sq`` the hidden states in float64 and ``|h_k|^2`` (n_layers +
     1, T). Rows ``s``.. (T' of them) can move: ``hb0`` (T', width) float64 is row 0's base
-    (hidden state ``layer``, or the site's activation), ``hb2`` (L', T') |base|^2 of every
+    (hidden state ``layer``, or the site's activation), ``hb2`` (L', T') ``|base|^2`` of every
     row, ``base_norm`` (L', T). ``Vw`` (K, d_model): for a site of another width, the unit
     directions it writes into the stream; ``V_dt`` the directions projected on in the
     stream rows, in the compute dtype.
@@ -211,7 +211,7 @@ class Metrics:
     """The metrics (float64, (L', N, T)) of :class:`~pyengine.Propagation`, accumulated
     from the :class:`Step` s of a sweep, and the deltas at the positions ``keep``.
 
-    ``hb2`` (L', T'): |base|^2 of every row on rows s.. (T' = T - s); ``S`` the scales
+    ``hb2`` (L', T'): ``|base|^2`` of every row on rows s.. (T' = T - s); ``S`` the scales
     (the linearized steps are scaled by each); ``width_differs``: row 0 lives in another
     space than the stream (its deltas are NaN).
     """
@@ -249,7 +249,7 @@ class Metrics:
                 self.deltas[i][np.ix_(rows, self.kin)] = delta[:, self.rel].astype(self.deltas.dtype)
 
     def put(self, i: int, n: Any, dot: np.ndarray, dd: np.ndarray, proj: np.ndarray) -> None:
-        """Row i, perturbations n, rows s..: delta.h_b, |delta|^2, delta.v (n, T')."""
+        """Row i, perturbations n, rows s..: ``delta . h_b``, ``|delta|^2``, ``delta . v`` (n, T')."""
         nb2 = self.hb2[i]
         ni2 = np.maximum(nb2 + 2.0 * dot + dd, 0.0)
         nb, ni = np.sqrt(nb2), np.sqrt(ni2)
@@ -261,7 +261,7 @@ class Metrics:
         self.delta_norm[i, n, s:] = np.sqrt(dd)
 
     def nonfinite(self, err: NonFinite, req: Request, base: Baseline) -> ValueError:
-        """The error for ``err``: the first row of its batch whose |delta| is not finite
+        """The error for ``err``: the first row of its batch whose ``|delta|`` is not finite
         (row 0 when none is: the injection itself, rounded to the compute dtype)."""
         nS = self.S.size
         cols = (err.rows[:, None] * nS + np.arange(nS)).ravel() if self.linearized else err.rows
@@ -278,7 +278,7 @@ class Metrics:
 
 
 def base_stream(hf: np.ndarray, sq: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(n_layers, T) cos(h_k, h_{k+1}) and |h_{k+1} - h_k| of the baseline (float64 states)."""
+    """(n_layers, T) ``cos(h_k, h_{k+1})`` and ``|h_{k+1} - h_k|`` of the baseline (float64 states)."""
     a, b = hf[:-1], hf[1:]
     with np.errstate(divide="ignore", invalid="ignore"):
         adj = np.einsum("ktd,ktd->kt", a, b) / np.sqrt(sq[:-1] * sq[1:])

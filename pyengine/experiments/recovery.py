@@ -276,7 +276,7 @@ def _propagation_record(ids: np.ndarray | None, tokens: list[str] | None, read: 
 def _spectra(model: Stack, ids: np.ndarray, block: int, toks: np.ndarray, progress: Callable[[int, int], None]
              ) -> tuple[np.ndarray, ...]:
     """(n_blocks, R) rho and sigma_max of the diagonal Jacobian blocks at ``toks`` (float64)
-    of every block from ``block`` on, and |A 1 - 1|_inf."""
+    of every block from ``block`` on, and ``|A 1 - 1|_inf``."""
     cfg = model.config
     h = model.hidden_states(ids, dtype=np.float64)
     n = cfg.n_layers - block

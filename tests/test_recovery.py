@@ -226,3 +226,31 @@ def test_default_model_and_byte_tokens():
     assert m.dtype == np.float32
     assert np.array_equal(byte_ids("Ab"), [65, 98])
     assert np.array_equal(m.weights["blocks.0.attn.w_o"], pe.experiments.default_model().weights["blocks.0.attn.w_o"])
+
+
+def test_stages_report_progress_and_records_in_order():
+    """progress rises from 0 to 1 through the six stages; on_stage gets each one's record as it
+    finishes; the propagations equal pyengine.propagate with the unit directions recovery made."""
+    st = _stack(dtype=np.float32)
+    calls, records = [], []
+    D = np.random.default_rng(5).standard_normal((2, 16)) * [[1e-3], [40.0]]
+    r = recovery(st, ids=np.arange(3, 15), layer=1, directions=D, scales=(0.5, 2.0), eps_values=[1e-5],
+                 gamma_values=[1.0], progress=lambda f, s: calls.append((f, s)),
+                 on_stage=lambda s, rec: records.append((s, rec)))
+    names = ["exact propagation", "linearized propagation", "block Jacobian spectra", "ablation: no residual",
+             "sweep: norm eps", "sweep: gamma scale"]
+    assert [s for s, _ in records] == names and list(r.seconds) == names + ["total"]
+    assert [s for s in dict.fromkeys(s for _, s in calls)] == names + ["done"]
+    fracs = [f for f, _ in calls]
+    assert fracs[0] == 0.0 and fracs[-1] == 1.0 and all(a <= b for a, b in zip(fracs, fracs[1:]))
+    last = {s: f for f, s in calls}  # the work of a stage with progress ends at its share
+    assert last["exact propagation"] == pytest.approx(0.35) and last["block Jacobian spectra"] == pytest.approx(0.7)
+    assert all(rec["stage"] == s and rec["seconds"] >= 0 for s, rec in records)
+    assert records[0][1]["propagation"]["cosine"] == r.exact.to_dict()["cosine"]
+    assert records[2][1]["blocks"] == [2, 3, 4] and records[4][1]["sweep"][0]["eps"] == 1e-5
+    unit = D / np.linalg.norm(D, axis=1)[:, None]  # to rounding: recovery's own unit rows
+    again = pe.propagate(st, np.arange(3, 15), pe._validate.unit_rows("d", D, 16), r.exact.scales, 1,
+                         dtype=np.float32)
+    np.testing.assert_array_equal(again.directions, r.exact.directions)
+    np.testing.assert_array_equal(again.projection, r.exact.projection)
+    np.testing.assert_allclose(r.exact.directions, unit, rtol=1e-15)

@@ -16,7 +16,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _blocks
+from . import _blocks, _fast
 from .. import _validate as _v
 from ._stacklike import StackLike
 
@@ -136,9 +136,30 @@ class Linearization:
             return T - start
 
         k, t, many, cache = self._linearize(k, h, dh, rows, mode, cache)
-        ctx, data = cache._rows(start=start)
-        out = _blocks.block_jvp(self._params(t.dtype)[0][k], ctx, t, data, mode)
+        out = self.jvp_rows(cache, t, mode, start)
         return out if many else out[0]
+
+    def jvp_rows(self: StackLike, cache: BlockCache, t: np.ndarray, mode: str, start: int = 0) -> np.ndarray:
+        """:meth:`block_jvp` of block ``cache.block`` at ``cache.h`` without its checks.
+
+        The caller guarantees what block_jvp checks: ``t`` (K, T - start, d_model),
+        C-contiguous, in the cache's dtype, finite; ``mode`` valid; ``start`` in [0, T),
+        > 0 only for a causal stack. Returns (K, T - start, d_model).
+        """
+        ctx, data = cache._rows(start=start)
+        return _blocks.block_jvp(self._params(t.dtype)[0][cache.block], ctx, t, data, mode)
+
+    def forward_rows(self: StackLike, past: BlockCache, x: np.ndarray) -> np.ndarray:
+        """:meth:`block_forward` ``(past.block, x, past=past)`` without its checks.
+
+        The caller guarantees what block_forward checks: ``x`` (B, T', d_model),
+        C-contiguous, in past's dtype, finite, T' <= T (T' < T only for a causal stack).
+        Returns (B, T', d_model): the block's output on the last T' rows.
+        """
+        T, n = past.h.shape[0], x.shape[1]
+        ctx = _blocks.make_context(self._config, T, x.dtype, T - n)
+        data = {_fast.DISCARD: True, "attn.past": past.data}
+        return _blocks.block_forward(self._params(x.dtype)[0][past.block], ctx, x, data)
 
     def block_jvp_diagonal(self: StackLike, k: int, h: Any, dh: Any, tokens: Any, mode: str = "full",
                            cache: BlockCache | None = None) -> np.ndarray:

@@ -333,16 +333,16 @@ def plot_descent(d: Descent, outdir: str, fmt: str = "png") -> list[str]:
     from .._figures import COLUMN, layer_axis, log_axis, save, subplots
 
     paths = []
-    fig, ax = subplots(size=(COLUMN, 2.5))
+    fig, ax = subplots(size=(COLUMN, 3.2))
     for k, v in d.losses.items():
         ax.plot(v, label=NAMES.get(k, k), ls="-" if k in dict(STEEPEST) else "--")
     log_axis(ax)
     layer_axis(ax)
     ax.set(xlabel="step $t$", ylabel="relative loss $L(W_t) / L(W_0)$",
            title="steepest descent and training rules (best lr of each)")
-    ax.legend(loc="lower left", ncols=2)
+    fig.legend(loc="outside lower center", ncols=2, frameon=False)
     paths.append(save(fig, os.path.join(outdir, "descent"), fmt))
-    fig, ax = subplots(size=(COLUMN, 2.6))
+    fig, ax = subplots(size=(COLUMN, 3.4))
     t = np.arange(d.steps)
     positive = np.concatenate([s[np.isfinite(s) & (s > 0)] for s in d.sigma.values()] + [np.array([d.target])])
     for k, s in d.sigma.items():
@@ -354,6 +354,6 @@ def plot_descent(d: Descent, outdir: str, fmt: str = "png") -> list[str]:
         log_axis(ax)
     layer_axis(ax)
     ax.set(xlabel="step $t$", ylabel=r"$\sigma_{\max}(W_t)$", title=r"$\sigma_{\max}$ of the weight over training")
-    ax.legend(loc="best", ncols=2, fontsize=6)
+    fig.legend(loc="outside lower center", ncols=2, frameon=False)
     paths.append(save(fig, os.path.join(outdir, "descent_sigma"), fmt))
     return paths

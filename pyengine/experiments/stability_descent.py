@@ -83,6 +83,8 @@ def training_step(w: Any, g: Any, method: str, lr: float, *, clip: float = CLIP,
     w, g : ndarray, shape (d_out, d_in), float64
         The weight and the loss gradient at ``w``.
     method : {"plain", "normalized", "clipped", "weight_decay"}
+        "normalized" steps by -η g/||g||_F, of norm η (the seed text's g/||g||² is a typo: that
+        step is not unit-norm); a zero gradient gives no step.
     lr : float >= 0
         η of this step.
     clip : float > 0

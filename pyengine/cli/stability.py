@@ -1,6 +1,8 @@
 """``pyengine stability``: forward/backward signal propagation by initialization scheme (with and
-without LayerNorm and residual), the spectral condition of a real model, and GD vs sign vs
-spectral descent; prints the tables and writes the figures."""
+without LayerNorm and residual), the spectral condition of a real model, GD vs sign vs
+spectral descent, and the training-time stability (sigma_max of the weight over steps) of
+plain, normalized, clipped and weight-decayed gradient descent; prints the tables and the
+finding and writes the figures."""
 
 from __future__ import annotations
 
@@ -34,7 +36,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"a load_pretrained name or path for the spectral-condition table (default {DEFAULT_MODEL}, "
                         "skipped with a note if its package is not installed; 'none' skips it)")
-    p.add_argument("--no-demo", action="store_true", help="skip the steepest-descent comparison")
+    p.add_argument("--no-demo", action="store_true", help="skip the steepest-descent and training-time comparison")
     p.add_argument("--out", default="stability-out", help="folder for the figures and stability.json")
     add_format_option(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (default 0)")

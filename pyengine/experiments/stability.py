@@ -1,11 +1,12 @@
 """Forward/backward stability report (``pyengine stability``): signal propagation by scheme, the
-spectral condition of a real model, and steepest descent under three norms on a toy task.
+spectral condition of a real model, and steepest descent under three norms and training-time
+gradient rules on a toy task (:mod:`~pyengine.experiments.stability_descent`).
 
 :func:`stability` returns a :class:`Stability` report; :func:`format_stability` prints it,
 :func:`write_stability` saves the figures ``stability`` (forward and backward RMS against
 depth, log scale, one panel per (norm, residual) setting, one line per scheme, the mean-field
-prediction dashed), ``stack_stability``, ``weight_spectra`` and ``descent`` (png, pdf or svg)
-and ``stability.json``.
+prediction dashed), ``stack_stability``, ``weight_spectra``, ``descent`` and ``descent_sigma``
+(png, pdf or svg) and ``stability.json``.
 """
 
 from __future__ import annotations
@@ -19,13 +20,13 @@ from typing import Any
 
 import numpy as np
 
-from .._figures import COLUMN, PAGE, check_format, layer_axis, log_axis, save, styled, subplots
+from .._figures import PAGE, check_format, layer_axis, log_axis, save, styled, subplots
 from ..analysis.stability import (SignalPropagation, gelu_second_moment, mlp_stacks, signal_propagation,
                                   signal_propagations)
 from ..analysis.stack_stability import stack_signal_propagation
 from ..analysis.weight_spectra import WeightSpectra, weight_spectra
-from ..linalg.steepest import steepest_descent
 from ..provenance import provenance as gather
+from .stability_descent import Descent, descent_demo, format_descent, plot_descent
 
 __all__ = ["SETTINGS", "Stability", "descent_demo", "format_stability", "stability", "write_stability"]
 
@@ -41,47 +42,13 @@ class Stability:
     runs: list[SignalPropagation]
     spectra: WeightSpectra | None = None
     model: str = ""
-    descent: dict[str, np.ndarray] | None = None
+    #: The descent demonstration (:func:`~pyengine.experiments.stability_descent.descent_demo`).
+    descent: Descent | None = None
     seconds: float = 0.0
     #: The same schemes in full transformer stacks (attention + MLP blocks, LayerNorm, residual).
     stack_runs: list[SignalPropagation] = dataclasses.field(default_factory=list)
     #: Kaiming GELU runs (no norm, plain) for the GELU departure of :func:`departures`.
     gelu_runs: list[SignalPropagation] = dataclasses.field(default_factory=list)
-
-
-def descent_demo(steps: int = 100, d_out: int = 32, d_in: int = 64, seed: int = 0,
-                 lrs: tuple[float, ...] = (0.003, 0.01, 0.03, 0.1, 0.3)) -> dict[str, np.ndarray]:
-    """Loss against steps of GD, sign and spectral descent on L(W) = ½ ||(W - W*) C^½||_F² / ||W* C^½||_F².
-
-    C is an ill-conditioned input covariance (eigenvalues 10^[-2, 0]). Each method takes
-    unit steps in its own norm scaled to the Frobenius norm of the matrix
-    (Δ = -lr t*, ||t*|| = 1 with t* rescaled so that ||t*||_F = sqrt(d_out) as for a
-    unit-spectral semi-orthogonal step), lr decaying linearly to 0, and the best lr of the
-    same grid ``lrs`` for every method (matched step sizes). Returns name -> loss curve.
-    """
-    rng = np.random.default_rng(seed)
-    w_star = rng.standard_normal((d_out, d_in)) / np.sqrt(d_in)
-    q, _ = np.linalg.qr(rng.standard_normal((d_in, d_in)))
-    c_half = (q * np.logspace(-1, 0, d_in)) @ q.T
-    scale = 0.5 * np.sum((w_star @ c_half) ** 2)
-    norm_f = np.sqrt(min(d_out, d_in))
-    out = {}
-    for name, which in (("gd", "l2"), ("sign", "linf"), ("spectral", "spectral")):
-        best = None
-        for lr in lrs:
-            w = np.zeros_like(w_star)
-            curve = []
-            for k in range(steps):
-                r = (w - w_star) @ c_half
-                curve.append(0.5 * np.sum(r * r) / scale)
-                g = r @ c_half.T
-                t = steepest_descent(g, which, 1.0)
-                t *= norm_f / max(np.linalg.norm(t), 1e-300)
-                w = w + lr * (1 - k / steps) * t
-            if best is None or curve[-1] < best[-1]:
-                best = curve
-        out[name] = np.array(best)
-    return out
 
 
 def stability(
@@ -111,22 +78,24 @@ def stability(
     done: dict[tuple[str, str, bool], SignalPropagation] = {}
     gelu_runs = []
     for r in dict.fromkeys(r for _, r in settings):
-        # One draw per block shape for every scheme (schemes consuming the same numbers share
-        # it), shared by the norm settings, which run as one batch; freed before the next shape.
-        weights = mlp_stacks(depth, width, schemes, residual=r, seed=seed, dtype=dtype)
+        # One scheme's stack at a time, shared by the norm settings (which run as one batch) and
+        # freed before the next: holding every scheme's residual stack at once cost 0.9 GB per
+        # scheme at the defaults. mlp_stacks gives each scheme, array for array, the weights of a
+        # shared draw, at about the same CPU time.
         norms = list(dict.fromkeys(n for n, rr in settings if rr == r))
         for s in schemes:
+            layers = mlp_stacks(depth, width, (s,), residual=r, seed=seed, dtype=dtype)[s]
             if progress:
                 progress(len(done), len(plan), f"{s} {'/'.join(norms)} {'residual' if r else 'plain'}")
             for run in signal_propagations(s, depth, width, tokens, activation=activation, norms=norms, residual=r,
-                                           seed=seed, dtype=dtype, layers=weights[s]):
+                                           seed=seed, dtype=dtype, layers=layers):
                 done[s, run.norm, r] = run
-        if gelu_check and not r and "kaiming_normal" in schemes:
-            if progress:
-                progress(len(done), len(plan), "kaiming_normal gelu")
-            gelu_runs.append(signal_propagation("kaiming_normal", depth, width, tokens, activation="gelu", seed=seed,
-                                                dtype=dtype, layers=weights["kaiming_normal"]))
-        del weights
+            if gelu_check and not r and s == "kaiming_normal" and not gelu_runs:
+                if progress:
+                    progress(len(done), len(plan), "kaiming_normal gelu")
+                gelu_runs.append(signal_propagation("kaiming_normal", depth, width, tokens, activation="gelu",
+                                                    seed=seed, dtype=dtype, layers=layers))
+            del layers
     if gelu_check and "kaiming_normal" in schemes and not gelu_runs:  # no plain setting asked: its own draw
         gelu_runs.append(signal_propagation("kaiming_normal", depth, width, tokens, activation="gelu", seed=seed,
                                             dtype=dtype))
@@ -160,7 +129,7 @@ def stability(
         keep("weight spectra", {"model": name, "spectra": spectra.to_dict()})
     descent = descent_demo() if demo else None
     if descent is not None:
-        keep("descent demo", {"descent": {k: v.tolist() for k, v in descent.items()}})
+        keep("descent demo", descent.to_dict())
     return Stability(runs, spectra, name, descent, time.perf_counter() - t0, stack_runs, gelu_runs)
 
 
@@ -228,9 +197,7 @@ def format_stability(rep: Stability) -> str:
         rows += ["", f"Spectral condition of {rep.model or 'the model'} (sqrt(d_in/d_out) sigma_max, target Theta(1))",
                  rep.spectra.to_text()]
     if rep.descent is not None:
-        rows += ["", "Steepest descent on an ill-conditioned matrix regression (relative loss, best lr of one grid)"]
-        rows += [f"  {k:<9} step 0 {v[0]:.3g}  step {len(v) // 2} {v[len(v) // 2]:.3g}  step {len(v) - 1} {v[-1]:.3g}"
-                 for k, v in rep.descent.items()]
+        rows += [""] + format_descent(rep.descent)
     rows.append(f"({rep.seconds:.1f} s)")
     return "\n".join(rows)
 
@@ -286,20 +253,11 @@ def write_stability(rep: Stability, outdir: str, fmt: str = "png",
     if rep.spectra is not None:
         paths.append(rep.spectra.plot(os.path.join(outdir, "weight_spectra"), rep.model, fmt=fmt))
     if rep.descent is not None:
-        fig, ax = subplots(size=(COLUMN, 2.5))
-        names = {"gd": r"GD ($\ell_2$)", "sign": r"sign ($\ell_\infty$)", "spectral": r"spectral ($\|\cdot\|_{2\to 2}$)"}
-        for k, v in rep.descent.items():
-            ax.plot(v, label=names.get(k, k))
-        log_axis(ax)
-        layer_axis(ax)
-        ax.set(xlabel="step $t$", ylabel="relative loss $L(W_t) / L(W_0)$",
-               title="steepest descent under three norms (best lr of each)")
-        ax.legend(loc="lower left")
-        paths.append(save(fig, os.path.join(outdir, "descent"), fmt))
+        paths += plot_descent(rep.descent, outdir, fmt)
     doc = {"runs": [_run_dict(r) for r in rep.runs],
            "spectra": rep.spectra.to_dict() if rep.spectra is not None else None,
            "stack_runs": [_run_dict(r) for r in rep.stack_runs],
-           "descent": {k: v.tolist() for k, v in (rep.descent or {}).items()}, "seconds": rep.seconds,
+           "descent": {}, **(rep.descent.to_dict() if rep.descent is not None else {}), "seconds": rep.seconds,
            "provenance": provenance or gather()}
     paths.append(os.path.join(outdir, "stability.json"))
     with open(paths[-1], "w", encoding="utf-8") as f:

@@ -279,6 +279,7 @@ class PositionalPropagation:
     delta_norm: np.ndarray  # (L', K) mean |delta|, exact
     projection_linearized: np.ndarray  # (L', K)
     delta_norm_linearized: np.ndarray  # (L', K)
+    projection_median: np.ndarray  # (L', K) median |delta . v| over positions, exact: no one position decides it
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name).tolist() for f in dataclasses.fields(self)}
@@ -290,7 +291,8 @@ def positional_propagation(model: Any, input_ids: Any, directions: Any, scales: 
     context ``input_ids`` at hidden state 0, exact and linearized (:func:`pyengine.propagate`).
 
     Persistence is then measured the way concept injection is: ``|projection|`` and ``|delta|`` per
-    layer, averaged over positions ("all"). Different scales go through as separate calls.
+    layer, averaged over positions ("all"), and the median ``|projection|`` over positions beside
+    the mean. Different scales go through as separate calls.
     """
     V = np.atleast_2d(_v.float_array("directions", directions)).astype(np.float64)
     S = np.atleast_1d(np.asarray(scales, dtype=np.float64))
@@ -298,14 +300,17 @@ def positional_propagation(model: Any, input_ids: Any, directions: Any, scales: 
         raise ValueError(f"scales must be {V.shape[0]} positive finite numbers (one per direction); got {S}")
     progress = _v.callback(progress, "progress")
     rows: dict[bool, list[tuple[np.ndarray, np.ndarray]]] = {False: [], True: []}
+    medians = []
     layers = None
     for i in range(V.shape[0]):
         for lin in (False, True):
             p = propagate(model, input_ids, V[i], float(S[i]), 0, "all", linearized=lin)
             rows[lin].append((p.view("projection", "all")[:, 0], p.view("delta_norm", "all")[:, 0]))
             layers = p.layers
+            if not lin:
+                medians.append(np.median(np.abs(p.view("projection", "all", reduce=None)[:, 0]), axis=-1))
         if progress is not None:
             progress(i + 1, V.shape[0])
     ex, li = rows[False], rows[True]
     return PositionalPropagation(np.asarray(layers), S, np.stack([r[0] for r in ex], 1), np.stack([r[1] for r in ex], 1),
-                                 np.stack([r[0] for r in li], 1), np.stack([r[1] for r in li], 1))
+                                 np.stack([r[0] for r in li], 1), np.stack([r[1] for r in li], 1), np.stack(medians, 1))

@@ -202,6 +202,7 @@ def _findings(m: ModelPositions) -> list[str]:
     d, p, pr, g = m.decomposition, m.probe, m.placement_profile, m.propagation
     last = len(m.layers) - 1
     keep = g.projection[-1].mean() / g.projection[0].mean()
+    keep_med = g.projection_median[-1].mean() / max(g.projection_median[0].mean(), 1e-300)
     lin = np.abs(g.projection_linearized[-1] - g.projection[-1]).mean() / max(g.projection[-1].mean(), 1e-300)
     dis = pr.disagreements()
     lines = [
@@ -210,7 +211,7 @@ def _findings(m: ModelPositions) -> list[str]:
         f"largest principal angle to layer 0 at the top {np.degrees(d.angles[last].max()):.0f} deg",
         f"position probe R^2 {p.r2[0]:.3f} -> {p.r2[last]:.3f} (shuffled control max {p.r2_shuffled.max():.3f})",
         f"layer-0 positional directions propagated: {100 * keep:.0f}% of the projection left at the last "
-        f"hidden state; linearized differs by {100 * lin:.1f}%",
+        f"hidden state (median over positions {100 * keep_med:.0f}%); linearized differs by {100 * lin:.1f}%",
         f"|h|/sqrt(d) {pr.norm[0]:.2f} -> {pr.norm[-1]:.2f} ({m.placement}-norm); adjacent cosine "
         f"{pr.cosine.min():.3f} .. {pr.cosine.max():.3f}",
         f"Spearman(1 - cos, removal effect) = {pr.spearman:+.2f}; least important by cosine {dis['least_by_cosine']}, "

@@ -1,6 +1,7 @@
 """The figures of :mod:`pyengine.experiments.positions` (png, pdf or svg).
 
-positions_depth: positional share and probe R^2 (with the shuffled control) against depth;
+positions_depth: positional share (dashed: without the first positions, dotted: each token at unit
+RMS) and probe R^2 (with the shuffled control) against depth;
 positions_angles: principal angles of the positional subspace to layer 0;
 placement: |h_l|/sqrt(d) and cosine against removal effect, per model (pre and post side by side).
 """
@@ -37,6 +38,9 @@ def plot_positions(rep: PositionsReport, folder: str, fmt: str = "png") -> list[
     for i, m in enumerate(rep.models):
         x = m.layers / max(m.layers.max(), 1)
         ax[0].plot(x, m.decomposition.rel_norm, marker="o", color=f"C{i}")
+        for key, ls in (("without_first", "--"), ("normalized", ":")):
+            if key in m.variants:
+                ax[0].plot(x, m.variants[key].rel_norm, ls=ls, color=f"C{i}")
         ax[1].plot(x, m.probe.r2, marker="o", color=f"C{i}")
         ax[1].plot(x, m.probe.r2_shuffled, ls=":", color=f"C{i}")
     ax[0].set(xlabel=r"relative depth $\ell / L$", ylabel=r"$\|\mathrm{pos}\|_F \,/\, \|h - \mu\|_F$",
@@ -44,7 +48,9 @@ def plot_positions(rep: PositionsReport, folder: str, fmt: str = "png") -> list[
     ax[1].set(xlabel=r"relative depth $\ell / L$", ylabel=r"cross-validated $R^2$", title="linear probe of the position")
     for a in ax:
         a.grid(True)
-    _legend(fig, models + [Line2D([], [], color="0.4", ls=":", label="probe on shuffled positions (control)")])
+    _legend(fig, models + [Line2D([], [], color="0.4", ls="--", label="left: without the first positions"),
+                           Line2D([], [], color="0.4", ls=":", label="left: tokens at unit RMS; right: probe on "
+                                  "shuffled positions (control)")])
     paths.append(save(fig, os.path.join(folder, "positions_depth"), fmt))
 
     fig, ax = subplots(size=(COLUMN, 2.7))

@@ -368,6 +368,9 @@ def spectral_radius(
     ``"arnoldi"`` otherwise, the largest of the 10 eigenvalues of largest modulus that
     ``scipy.sparse.linalg.eigs`` computes from the current iterate (asked for one, it can stop
     at a smaller one close in modulus): a converged answer certifies its residual, not dominance.
+    A zero image A v = 0 is the exact eigenpair (0, v): rho = 0, converged, residual 0 (from a
+    random start, A is nilpotent); a stalled operator with n <= 2048 first continues its power
+    sequence for up to n products looking for one, as Arnoldi cannot answer rho = 0.
 
     Parameters
     ----------

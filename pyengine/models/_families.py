@@ -143,13 +143,14 @@ def gpt_neox(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any
     rope = _rope(hf, where)
     pct = (hf.get("rope_parameters") or {}).get("partial_rotary_factor",
                                                 hf.get("partial_rotary_factor", hf.get("rotary_pct", 1.0)))
-    r = int(dh * float(pct))
+    r = int(dh * float(pct))  # 0: no rotation at all (transformers rotates nothing), not the whole head
     parallel = bool(hf.get("use_parallel_residual", True))
     tied = bool(hf.get("tie_word_embeddings", False))
     cfg = _config(where, d_model=d, n_heads=H, n_layers=L, d_mlp=n, norm="layernorm", placement="pre",
-                  layout="parallel2" if parallel else "sequential", activation=_GPT2_ACT[act], positions="rotary",
+                  layout="parallel2" if parallel else "sequential", activation=_GPT2_ACT[act],
+                  positions="rotary" if r else "none",
                   eps=num(hf, "layer_norm_eps", where, real=True, default=1e-5), max_seq_len=P, vocab_size=V,
-                  bias=True, rotary_dim=0 if r == dh else r, lm_head="tied" if tied else "separate", **rope)
+                  bias=True, rotary_dim=r, lm_head="tied" if tied else "separate", **rope)
     get = _Reader(st, dtype, ("gpt_neox.",))
     perm = _partial_perm(dh, r)
     w = {}

@@ -3,7 +3,8 @@
 A config with fewer layers than the files (a silently truncated model) and a tensor with no
 place in the model (silently dropped) raise ValueError naming the tensor and the weights
 file, for every decoder family with ``weights="load"`` and ``weights="mmap"`` (one check,
-:func:`pyengine.models._families.check_tensors`).
+:func:`pyengine.models._families.check_tensors`), and for BERT (whose known extras, the
+pooler and ``position_ids``, are accepted).
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ import numpy as np
 import pytest
 
 import pyengine as pe
-from test_pretrained import need_libs
+from test_pretrained import TINY_BERT, need_libs, tiny_bert_tensors, write_bert
 
 FAMILIES = ["gpt2", "gpt_neox", "llama", "qwen2", "gemma"]
 #: config key of the layer count, and a real tensor name of a bias the family has no place for
@@ -91,3 +92,33 @@ def test_decoder_checkpoints_are_read_whole(folders, tmp_path, family, mode):
         _edit(extra, add=[name])
         with pytest.raises(ValueError, match=rf"tensor\(s\) \['{name}'\] in weights file.*model\.safetensors"):
             _load(extra, mode)
+
+
+@pytest.fixture(scope="module")
+def libs():
+    need_libs()
+
+
+def test_bert_refuses_layers_beyond_the_config(libs, tmp_path):
+    folder = write_bert(tmp_path / "bert", config={**TINY_BERT, "num_hidden_layers": 1})
+    with pytest.raises(ValueError, match=r"'encoder\.layer\.1\..*model\.safetensors"):
+        pe.load_pretrained(folder)
+
+
+@pytest.mark.parametrize("name", ["encoder.layer.0.output.dense.scale", "cls.predictions.bias", "unknown"])
+def test_bert_refuses_unknown_tensors(libs, tmp_path, name):
+    W = tiny_bert_tensors()
+    W[name] = np.zeros(4, np.float32)
+    with pytest.raises(ValueError, match=rf"\['{name}'\] in weights file .*model\.safetensors"):
+        pe.load_pretrained(write_bert(tmp_path / "bert", W))
+
+
+@pytest.mark.parametrize("pre", ["", "bert."])
+def test_bert_accepts_its_known_extras(libs, tmp_path, pre):
+    W = tiny_bert_tensors()
+    d = TINY_BERT["hidden_size"]
+    W |= {"pooler.dense.weight": np.zeros((d, d), np.float32), "pooler.dense.bias": np.zeros(d, np.float32)}
+    W = {pre + n: a for n, a in W.items()}
+    ref = pe.load_pretrained(write_bert(tmp_path / "plain")).hidden_states(np.array([1, 2]))
+    got = pe.load_pretrained(write_bert(tmp_path / "bert", W)).hidden_states(np.array([1, 2]))
+    np.testing.assert_array_equal(got, ref)

@@ -316,7 +316,9 @@ def layer_norm_spectral_norm(
         fused per-token power iteration on J^T J. ``"lanczos"``: fused per-token
         Lanczos on J^T J with full reorthogonalization (C++ / Numba; the
         ``"numpy"`` backend runs the batched Golub-Kahan-Lanczos of
-        :func:`spectral_norm`); the same result contract.
+        :func:`spectral_norm`); the same result contract. Iterations are in
+        [1, max_iter], except for the zero operator (mode "full", eps = 0, d = 2: J = 0),
+        which every method answers with sigma 0, residual 0, converged and 0 iterations.
     tol, max_iter, seed
         As :func:`spectral_norm` (unused by "exact"). A token's start vector
         depends only on (seed, its flat index), so results do not depend on

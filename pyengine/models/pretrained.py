@@ -230,6 +230,7 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
         cfg, weights = _hf.bert(hf, _hf.Safetensors(st_path), cfg_path)
     elif weights == "mmap":
         shards = _hf.Shards(path)
+        _families.check_tensors(hf, shards, cfg_path, dt)
         cfg, _ = _families.read_family(hf, shards, cfg_path, dt, layers=(), glob=False)
         new = _streaming.streamed(PretrainedModel).__new__(_streaming.streamed(PretrainedModel))
         new._init_streamed(cfg, hf, shards, cfg_path, dt)
@@ -238,7 +239,9 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
         new.bos_token_id = new.eos_token_id = None
         return new
     else:
-        cfg, weights = _families.read_family(hf, _hf.Shards(path), cfg_path, dt)
+        shards = _hf.Shards(path)
+        _families.check_tensors(hf, shards, cfg_path, dt)
+        cfg, weights = _families.read_family(hf, shards, cfg_path, dt)
     return _finish(cfg, weights, name, path, arch, tokenizer_json(path))
 
 

@@ -1,7 +1,7 @@
 """Text, JSON, CSV and PNG output of a :class:`~pyengine.experiments.Recovery`.
 
 The verdicts (one line per prediction of :mod:`pyengine.experiments.recovery`) and the
-thresholds they use are in :mod:`._recovery_verdicts`.
+thresholds they use are in ``pyengine.experiments._recovery_verdicts``.
 """
 
 from __future__ import annotations

@@ -13,12 +13,15 @@ fits the decay rate of |projection|, and tests three predictions:
    with LayerNorm, A_k 1 = 1 exactly (every LayerNorm Jacobian annihilates the
    all-ones direction), so rho >= 1 and the prediction is "no decay". RMSNorm does
    not annihilate 1: there the bound is measured, not assumed.
-2. **Residual connections.** The same weights with the residual removed.
-3. **Norm parameters.** Sweeps of the norm epsilon and of the global gamma scale.
+2. **Residual connections.** The same weights with the residual removed: without it the
+   perturbation should decay faster.
+3. **Norm parameters.** Sweeps of the norm epsilon and of the global gamma scale: each
+   should set the rate.
 
-Every prediction gets a one-line verdict with its numbers, computed from the signs and the
-95 % intervals (SUPPORTED, CONTRADICTED or NOT RESOLVED; :mod:`._recovery_verdicts`), and
-the report states its evaluation protocol in one line. The linear model of the run: the
+Every prediction gets a one-line verdict with its numbers, computed from the signs and
+the 95 % intervals (SUPPORTED, CONTRADICTED or NOT RESOLVED; see ``decide`` in
+``pyengine.experiments._recovery_verdicts``), and the report states its evaluation
+protocol in one line. The linear model of the run: the
 least-squares fit ``alpha I + beta 11^T/d`` of the composed Jacobian from the injection to
 every later hidden state at the read-out token, matrix-free
 (:func:`pyengine.analysis.linear_model.scaling_fit`), and the split of the propagated delta
@@ -331,7 +334,7 @@ def _skipped_record(out: Any) -> dict[str, Any]:
 
 
 def _verdicts(r: Recovery) -> list[str]:
-    """The verdict lines of ``r`` (:func:`._recovery_verdicts.verdicts`)."""
+    """The verdict lines of ``r`` (``_recovery_verdicts.verdicts``)."""
     return verdicts(r, LINEAR_TOL)
 
 

@@ -258,6 +258,8 @@ def test_propagate_checks_arguments_before_work(stack, monkeypatch, kwargs, name
     ({"n_directions": 0}, "n_directions"),
     ({"read": "first"}, "read"),
     ({"spectral_tokens": slice(0, 2, 0)}, "positions"),
+    ({"n_probes": 0}, "n_probes"),
+    ({"spectra": "no"}, "spectra"),
 ])
 def test_recovery_checks_arguments_before_work(stack, monkeypatch, kwargs, name):
     from pyengine.experiments import recovery

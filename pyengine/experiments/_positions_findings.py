@@ -4,12 +4,12 @@ comes from the measurements (tests drive each branch with constructed data)."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any
 
 import numpy as np
 
-if TYPE_CHECKING:
-    from .positions import ModelPositions
+#: A :class:`~pyengine.experiments.positions.ModelPositions` (not imported: its module imports this one).
+ModelPositions = Any
 
 __all__ = ["dominance_warnings", "extra_findings", "variant_cells", "variant_header"]
 

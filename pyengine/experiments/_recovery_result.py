@@ -10,6 +10,7 @@ from typing import Any
 import numpy as np
 
 from ..analysis import DecayFit, Propagation
+from ..analysis.linear_model import ScalingFit
 from ..models import StackConfig
 from ._report import LINEAR_TOL
 
@@ -28,7 +29,13 @@ class Recovery:
     layers after the injection, of ``|delta_ex - delta_lin| / |delta_lin|`` at the read-out
     positions (summed over directions); ``linear_regime`` the longest run of scales
     where it stays within 10 %. ``gain_linear``: the gain along v of each block. ``no_residual``, ``eps_sweep``,
-    ``gamma_sweep``: decay fits of the ablations. ``verdicts``: one line per prediction.
+    ``gamma_sweep``: decay fits of the ablations. ``verdicts``: one line per prediction;
+    ``protocol`` the evaluation protocol in one line. ``spectra_skipped``: the spectra were
+    not formed (``rho`` etc. then have no rows). ``scaling``: the linear model, the fit
+    ``alpha I + beta 11^T/d`` of the composed Jacobian from hidden state ``layer`` to each later
+    one at the last read-out token. ``uniform``: ``{"exact": (uniform, rest), "linear": ...}``,
+    (L,) each: the norms of ``mean(delta) 1`` and of ``delta - mean(delta) 1`` at the read-out
+    (protocol scale, mean over directions and read-out positions).
     """
 
     model: str
@@ -55,6 +62,11 @@ class Recovery:
     seconds: dict[str, float]
     tokens: list[str] | None = None  # the text of each token id (the model's detokenize, or the bytes)
     site: str | None = None  # the site name when injected at one (``layer`` is then its block)
+    spectra_skipped: bool = False
+    scaling: ScalingFit | None = None
+    uniform: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
+    seed: int = 0
+    protocol: str = ""
 
     @property
     def scale_index(self) -> int:
@@ -96,9 +108,21 @@ class Recovery:
                 "sigma_max": float(self.sigma[i].max()) if i < self.sigma.shape[0] else float("nan"),
                 "adjacent_cosine": float(ex.base_adjacent_cosine[k - 1][m].mean()) if whole and k else float("nan"),
                 "step_norm": float(ex.base_step[k - 1][m].mean()) if whole and k else float("nan"),
+                **self._linear_model_row(i, whole),
             }
             rows.append(row)
         return rows
+
+    def _linear_model_row(self, i: int, whole: bool) -> dict[str, float]:
+        """Row i of the linear model (the scaling fit starts at a hidden state, so a site's row 0 has none)."""
+        nan = float("nan")
+        sc, un = self.scaling, self.uniform or {}
+        fit = sc is not None and whole and i < sc.alpha.size
+        ex = un.get("exact", ((), ()))
+        return {"alpha": float(sc.alpha[i]) if fit else nan, "beta": float(sc.beta[i]) if fit else nan,
+                "unexplained": float(sc.unexplained[i]) if fit else nan,
+                "uniform": float(ex[0][i]) if i < len(ex[0]) else nan,
+                "nonuniform": float(ex[1][i]) if i < len(ex[1]) else nan}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: settings, table, fits, spectra, ablations, verdicts and both runs."""
@@ -108,17 +132,32 @@ class Recovery:
             "read": self.read,
             "protocol_scale": self.protocol_scale, "table": self.layer_table(),
             "fit_exact": self.fit_exact.to_dict(), "fit_linear": self.fit_linear.to_dict(),
-            "spectral": {"blocks": list(range(self.layer, self.layer + self.rho.shape[0])),
+            "spectral": {"skipped": self.spectra_skipped,
+                         "reason": "spectra skipped (--no-spectra)" if self.spectra_skipped else None,
+                         "blocks": list(range(self.layer, self.layer + self.rho.shape[0])),
                          "tokens": self.spectral_tokens.tolist(), "rho": self.rho.tolist(),
                          "sigma_max": self.sigma.tolist(), "ones_residual": self.ones_residual.tolist()},
+            "scaling_fit": None if self.scaling is None else self.scaling.to_dict(),
+            "uniform_split": self._uniform_dict(),
             "linear_gap": dict(zip(map(float, self.exact.scales), map(float, self.linear_gap))),
             "linear_regime": list(self.linear_regime) if self.linear_regime else None,
             "no_residual": self.no_residual.to_dict(),
             "eps_sweep": [{"eps": e, **f.to_dict()} for e, f in self.eps_sweep],
             "gamma_sweep": [{"gamma_scale": g, **f.to_dict()} for g, f in self.gamma_sweep],
-            "verdicts": self.verdicts, "seconds": self.seconds,
+            "verdicts": self.verdicts, "protocol": self.protocol, "seconds": self.seconds,
             "exact": self.exact.to_dict(), "linear": self.linear.to_dict(),
         }
+
+
+    def _uniform_dict(self) -> dict[str, Any] | None:
+        """Per hidden state from ``layer`` on: the norms of the uniform part and of the rest."""
+        if self.uniform is None:
+            return None
+        out: dict[str, Any] = {"layers": [float(k) for k in self.exact.layers], "scale": self.protocol_scale}
+        for run, (u, r) in self.uniform.items():
+            sfx = "" if run == "exact" else f"_{run}"
+            out[f"uniform{sfx}"], out[f"nonuniform{sfx}"] = u.tolist(), r.tolist()
+        return out
 
 
 def _finite_mean(a: np.ndarray, axis: int) -> np.ndarray:

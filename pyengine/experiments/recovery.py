@@ -13,11 +13,20 @@ fits the decay rate of |projection|, and tests three predictions:
    with LayerNorm, A_k 1 = 1 exactly (every LayerNorm Jacobian annihilates the
    all-ones direction), so rho >= 1 and the prediction is "no decay". RMSNorm does
    not annihilate 1: there the bound is measured, not assumed.
-2. **Residual connections.** The same weights with the residual removed.
-3. **Norm parameters.** Sweeps of the norm epsilon and of the global gamma scale.
+2. **Residual connections.** The same weights with the residual removed: without it the
+   perturbation should decay faster.
+3. **Norm parameters.** Sweeps of the norm epsilon and of the global gamma scale: each
+   should set the rate.
 
-Every prediction gets a one-line verdict with its numbers; the engine reports what it
-measures, also when that contradicts the hypothesis.
+Every prediction gets a one-line verdict with its numbers, computed from the signs and
+the 95 % intervals (SUPPORTED, CONTRADICTED or NOT RESOLVED; see ``decide`` in
+``pyengine.experiments._recovery_verdicts``), and the report states its evaluation
+protocol in one line. The linear model of the run: the
+least-squares fit ``alpha I + beta 11^T/d`` of the composed Jacobian from the injection to
+every later hidden state at the read-out token, matrix-free
+(:func:`pyengine.analysis.linear_model.scaling_fit`), and the split of the propagated delta
+into its uniform part ``mean(delta) 1`` (which every LayerNorm Jacobian annihilates) and the
+rest.
 """
 
 from __future__ import annotations
@@ -35,11 +44,14 @@ from ..models import Stack, StackConfig, init_weights
 from ..analysis import DecayFit, Propagation, position_mask, resolve_positions, token_jacobians
 from ..analysis.propagate import propagate  # noqa: F401  (a name test_reliability's work guard replaces)
 from ..analysis.propagate import propagate_request
+from ..analysis.linear_model import scaling_fit, uniform_split
 from ..analysis.propagate_inputs import resolve_injection
 from ..analysis.propagate_stages import Request
 from ..models.site_blocks import site_width
 from ._recovery_result import Recovery, _linear_gap, _regime
-from ._report import _clean, _verdicts
+from ._recovery_verdicts import protocol as _protocol
+from ._recovery_verdicts import verdicts
+from ._report import LINEAR_TOL, _clean
 
 __all__ = ["DEFAULT_TEXT", "Recovery", "byte_ids", "default_model", "recovery", "token_strings"]
 
@@ -99,6 +111,8 @@ def recovery(
     eps_values: Sequence[float] | None = None,
     gamma_values: Sequence[float] = (0.5, 1.0, 2.0),
     seed: int = 0,
+    spectra: bool = True,
+    n_probes: int = 64,
     dtype: Any = np.float32,
     name: str | None = None,
     progress: Progress | None = None,
@@ -133,6 +147,12 @@ def recovery(
         The sweeps (default eps: the model's own, and 0.01, 0.1 and 1 times the median
         mean square of the stream's entries after the injection, where eps matters).
     seed : int
+        Seeds the directions, the linear model's probes (and the default model's weights).
+    spectra : bool
+        Form the block Jacobians' spectra (prediction 1); when False the stage is skipped,
+        and the report says so.
+    n_probes : int
+        Rademacher probes of the linear model (``n_probes >= d_model``: exact, d JVPs).
     dtype : float32 or float64
         Compute dtype of the propagations.
     progress : callable(fraction, stage), optional
@@ -144,6 +164,8 @@ def recovery(
     t_start = time.perf_counter()
     # Every argument is checked here, before the first (expensive) propagation.
     seed = _v.int_seed(seed)
+    spectra = _v.flag("spectra", spectra)
+    n_probes = _v.count("n_probes", n_probes)
     stages = _Stages(_v.callback(progress, "progress"), _v.callback(on_stage, "on_stage"))
     protocol_scale = _v.real("protocol_scale", protocol_scale, low=0, low_open=True)
     scales = _v.as_array("scales", scales, np.float64)
@@ -154,6 +176,7 @@ def recovery(
     gamma_values = [_v.real("gamma_values", g) for g in np.atleast_1d(_v.as_array("gamma_values", gamma_values))]
     if name is not None and not isinstance(name, str):
         raise TypeError(f"name must be a str or None; got {name!r}")
+    default_weights = model is None
     if model is None:
         model = default_model(seed)
         name = name or "default (seeded GPT-2-small-shaped pre-LN stack)"
@@ -184,6 +207,7 @@ def recovery(
     inj = resolve_injection(layer, cfg)  # a site name: its block, and the directions' width
     width = cfg.d_model if inj.site is None else site_width(cfg, inj.site)
     block = _v.index_of("layer", inj.layer, cfg.n_layers, "a hidden-state index: the input of a block")
+    given = directions is not None
     if directions is None:
         n = _v.count("n_directions", n_directions)
         directions = np.random.default_rng(seed).standard_normal((n, width))
@@ -202,9 +226,17 @@ def recovery(
     cb = stages.start("linearized propagation", 0.35, 0.45)
     li = stages.finish(propagate_request(model, ids, req._replace(linearized=True, progress=cb), positions, read_at),
                        record)
-    cb = stages.start("block Jacobian spectra", 0.45, 0.7)
-    spectra = _spectra(model, ids, block, toks, cb)
-    rho, sig, one = stages.finish(spectra, functools.partial(_spectra_record, block, toks))
+    stages.start("linear model", 0.45, 0.5)
+    scaling = stages.finish(scaling_fit(model, ids, block, int(read_at[-1]), n_probes=n_probes, seed=seed,
+                                        dtype=req.dt, mode=req.mode), _scaling_record)
+    split = {run: tuple(x.mean(axis=(1, 2)) for x in uniform_split(p.deltas[:, j::sc.size]))
+             for run, p in (("exact", ex), ("linear", li))}  # (L,) each: protocol scale, mean over K and read-out
+    cb = stages.start("block Jacobian spectra", 0.5, 0.7)
+    if spectra:
+        rho, sig, one = stages.finish(_spectra(model, ids, block, toks, cb),
+                                      functools.partial(_spectra_record, block, toks))
+    else:
+        rho, sig, one = stages.finish(tuple(np.empty((0, toks.size)) for _ in range(3)), _skipped_record)
 
     fit = functools.partial(_fit, ids=ids, req=req._replace(S=sc[j:j + 1]), positions=positions, read=read)
     stages.start("ablation: no residual", 0.7, 0.75)
@@ -226,9 +258,11 @@ def recovery(
         fit_exact=ex.fit(read, j), fit_linear=li.fit(read, j),
         spectral_tokens=toks, rho=rho, sigma=sig, ones_residual=one, linear_gap=gap,
         linear_regime=_regime(sc, gap), no_residual=no_res, eps_sweep=eps_sweep, gamma_sweep=gamma_sweep,
-        verdicts=[], seconds=stages.seconds, tokens=tokens, site=ex.site,
+        verdicts=[], seconds=stages.seconds, tokens=tokens, site=ex.site, spectra_skipped=not spectra,
+        scaling=scaling, uniform=split, seed=seed,
     )
     rep.verdicts = _verdicts(rep)
+    rep.protocol = _protocol(rep, default_weights, given)
     stages.seconds["total"] = time.perf_counter() - t_start
     stages.say(1.0, "done")
     return rep
@@ -289,6 +323,19 @@ def _spectra(model: Stack, ids: np.ndarray, block: int, toks: np.ndarray, progre
             one[i, r] = np.abs(A[r] @ np.ones(cfg.d_model) - 1.0).max()
         progress(i + 1, n)
     return rho, sig, one
+
+
+def _scaling_record(out: Any) -> dict[str, Any]:
+    return {"scaling_fit": out.to_dict()}
+
+
+def _skipped_record(out: Any) -> dict[str, Any]:
+    return {"skipped": True, "reason": "spectra skipped (spectra=False, --no-spectra)"}
+
+
+def _verdicts(r: Recovery) -> list[str]:
+    """The verdict lines of ``r`` (``_recovery_verdicts.verdicts``)."""
+    return verdicts(r, LINEAR_TOL)
 
 
 def _spectra_record(block: int, toks: np.ndarray, out: tuple[np.ndarray, ...]) -> dict[str, Any]:

@@ -89,10 +89,13 @@ ORTHOGONALIZE_KERNELS: tuple[str, ...] = ("newton_schulz",)
 #: Dense layers x @ w with a fused epilogue (bias, residual, activation, JVP coefficient):
 #: the block engine's GEMMs.
 LINEAR_KERNELS: tuple[str, ...] = ("linear", "linear_act", "linear_mul")
+#: The block engine's attention heads in its projections' layout (grouped queries, past keys,
+#: K tangents): forward and JVP, by per-head BLAS products next to the dense-layer kernels.
+LINEAR_ATTENTION_KERNELS: tuple[str, ...] = ("linear_attention_forward", "linear_attention_jvp")
 #: Every kernel id; each must have a ``numpy`` (reference) entry.
 KERNELS: tuple[str, ...] = (
     NORM_KERNELS + SPECTRAL_KERNELS + ACTIVATION_KERNELS + ATTENTION_KERNELS + ORTHOGONALIZE_KERNELS
-    + LINEAR_KERNELS
+    + LINEAR_KERNELS + LINEAR_ATTENTION_KERNELS
 )
 
 #: Backend name -> the module that registers its kernels when imported.

@@ -328,3 +328,28 @@ def test_forward_through_the_kernel_matches_the_streaming_head(causal, T, monkey
     assert calls
     for a, b in zip(got, want):
         assert_close(a, b, np.float32)
+
+
+def test_forced_fallback_takes_the_gemm_path_once(monkeypatch):
+    """Without the BLAS path the rotary JVP is the head-major GEMMs' result exactly: the tangents
+    are rotated once (the path is chosen before any kernel writes the workspace)."""
+    core = _core()
+    import pyengine as pe
+    from pyengine.models import _fast
+
+    cfg = pe.StackConfig(d_model=32, n_heads=4, n_kv_heads=2, d_mlp=64, n_layers=2, vocab_size=50,
+                         activation="gelu_tanh", positions="rotary", max_seq_len=12)
+    stack = pe.init_weights(cfg, "gpt2", seed=0, dtype=np.float32, bias_std=0.02)
+    rng = np.random.default_rng(1)
+    h1 = stack.hidden_states(rng.integers(0, 50, 12))[1]
+    tang = rng.standard_normal((3, 12, 32)).astype(np.float32)
+    _, cache = stack.block_forward(1, h1, return_cache=True)
+    core.linear_force_fallback(True)
+    try:
+        got = stack.block_jvp(1, h1, tang, cache=cache)
+        with monkeypatch.context() as m:
+            m.setattr(_fast, "attention_jvp_kernel", lambda: None)
+            want = stack.block_jvp(1, h1, tang, cache=cache)
+    finally:
+        core.linear_force_fallback(False)
+    np.testing.assert_array_equal(got, want)

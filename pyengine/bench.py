@@ -54,9 +54,9 @@ def copy_bandwidth(nbytes: int, repeat: int = 5) -> float:
     from . import backends
     src = np.ones(nbytes, np.uint8)
     dst = np.zeros_like(src)
-    if backends.available_backends()["cpp"].available:
-        from . import _core
-        copy = lambda: _core.stream_copy(src, dst)  # noqa: E731
+    cpp = backends.backend_module("cpp")
+    if cpp is not None:
+        copy = lambda: cpp.stream_copy(src, dst)  # noqa: E731
     else:
         copy = lambda: np.copyto(dst, src)  # noqa: E731
     copy()

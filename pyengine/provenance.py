@@ -139,9 +139,7 @@ def _backends(requested: str | None) -> tuple[dict[str, Any], dict[str, Any], in
              "available": [n for n, i in avail.items() if i.available],
              "unavailable": {n: i.reason for n, i in avail.items() if not i.available}}
     if avail["cpp"].available:
-        from . import _core
-
-        products = str(_core.linear_blas_info())
+        products = str(backends.backend_module("cpp").linear_blas_info())
     else:
         products = f"cpp backend unavailable ({avail['cpp'].reason})"
     return block, {"cpp_products": products}, int(backends.get_num_threads())

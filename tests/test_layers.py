@@ -151,6 +151,33 @@ def check_layers(root: pathlib.Path = PACKAGE, pkg: str = "pyengine") -> list[st
     return problems
 
 
+#: The one module that imports the compiled extension; every other module reaches it through
+#: the registry and this module's public functions.
+CORE_OWNER = "kernels._cpp"
+
+
+def check_core_imports(root: pathlib.Path = PACKAGE, pkg: str = "pyengine") -> list[str]:
+    """Every import of ``<pkg>._core`` outside ``<pkg>.kernels._cpp``, one line each."""
+    mods = _modules(root, pkg)
+    known = set(mods) | {f"{pkg}._core"}
+    return [f"{path.relative_to(root.parent)}:{line}: imports {pkg}._core (only {pkg}.{CORE_OWNER} may)"
+            for mod, path in mods.items() if mod != f"{pkg}.{CORE_OWNER}"
+            for line, target, _ in _imports(mod, path, known, pkg) if target == f"{pkg}._core"]
+
+
+def test_only_the_cpp_backend_imports_the_extension():
+    problems = check_core_imports()
+    assert not problems, "imports of the extension:\n" + "\n".join(problems)
+
+
+@pytest.mark.parametrize("text", ["from .. import _core\n", "def f():\n    from pkg import _core as core\n",
+                                  "import pkg._core\n"])
+def test_the_extension_checker_finds_an_import(tmp_path, text):
+    files = dict(BASE, **{"kernels/_cpp.py": "from .. import _core\n", "kernels/k.py": text})
+    assert check_core_imports(_tree(tmp_path, files), "pkg") == [f"pkg/kernels/k.py:{text.count(chr(10))}: "
+                                                               "imports pkg._core (only pkg.kernels._cpp may)"]
+
+
 def test_package_is_layered():
     problems = check_layers()
     assert not problems, "layering violations:\n" + "\n".join(problems)

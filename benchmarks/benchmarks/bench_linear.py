@@ -68,3 +68,37 @@ class LinearMul(_Linear):
 
     def time_linear_mul(self, backend, dtype, rows):
         self.call()
+
+
+class _LinearAttention(KernelBenchmark):
+    """A block's causal attention heads at GPT-2 small's shape: 12 heads of 64, T = 128, 8 sequences
+    (forward) or 8 tangents of one (JVP)."""
+
+    params = (BACKENDS, ["float32", "float64"])
+    param_names = ["backend", "dtype"]
+    timeout = 300
+    kernel = ""
+
+    def make(self, rng, backend, dtype):
+        rand = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
+        qkv, out, fn = rand(8, 128, 36, 64), np.empty((8, 128, 12, 64), dtype), backends.resolve(self.kernel, backend)
+        if self.kernel == "linear_attention_forward":
+            past = np.empty((12, 0, 64), dtype)
+            return lambda: fn(qkv, past, past, 12, 0, 0.125, out)
+        q, k, v, p = rand(12, 1, 128, 64), rand(12, 128, 64), rand(12, 128, 64), np.empty((12, 1, 128, 128), dtype)
+        backends.resolve("softmax", "numpy")(rand(12, 128, 128), 0, p.reshape(12, 128, 128))
+        return lambda: fn(qkv, q, k, v, p, 0, 0.125, out)
+
+
+class LinearAttentionForward(_LinearAttention):
+    kernel = "linear_attention_forward"
+
+    def time_linear_attention_forward(self, backend, dtype):
+        self.call()
+
+
+class LinearAttentionJvp(_LinearAttention):
+    kernel = "linear_attention_jvp"
+
+    def time_linear_attention_jvp(self, backend, dtype):
+        self.call()

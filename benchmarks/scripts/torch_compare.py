@@ -78,9 +78,9 @@ def main() -> None:
     print("cpu:", cpu)
     print("linear kernels:", blas)
     if args.no_fused:  # an A/B switch for this script only
-        import pyengine.models._attention as _attention
+        import pyengine.models._fast as _fast
 
-        _attention.fused_dtype = lambda dtype: False
+        _fast.fused_dtype = lambda dtype: False
     if args.threads:
         torch.set_num_threads(args.threads)
         pe.set_num_threads(args.threads)

@@ -1,4 +1,4 @@
-"""Finds the BLAS of the C++ linear kernels (``csrc/bind_linear.hpp`` calls :func:`find` once).
+"""Finds the BLAS of the C++ linear kernels (:mod:`pyengine.kernels._cpp` calls :func:`find` once and hands it over).
 
 The compiled dense-layer kernels call a CBLAS ``sgemm``/``dgemm`` single-threaded in each of
 their own OpenMP threads: MKL's, from the optional ``mkl`` package (the ``mkl`` extra;

@@ -96,6 +96,13 @@ def _imports(mod: str, path: pathlib.Path, known: set[str], pkg: str):
                     yield node.lineno, target, alias.name, typing_only
 
 
+#: (module, imported module) pairs exempt from the rank and private-name rules, each with its
+#: reason. The A/B bench loads its own measure.py against an older build of the package, whose
+#: registry has no public way to reach the "cpp" backend's module.
+EXEMPT = {("pyengine._bench.measure", "pyengine.kernels._cpp"):
+          "an older build under A/B has no backends.backend_module"}
+
+
 def check_layers(root: pathlib.Path = PACKAGE, pkg: str = "pyengine") -> list[str]:
     """Every violation of the layering rules in the tree at ``root``, one line each."""
     mods = _modules(root, pkg)
@@ -114,8 +121,8 @@ def check_layers(root: pathlib.Path = PACKAGE, pkg: str = "pyengine") -> list[st
                 graph[mod].add(target)
             if tname == "cli" and name not in ("cli", "<top>"):
                 problems.append(f"{where}: {name} imports {target}: no library module imports the CLI")
-            if tname == name or typing_only:  # annotations may name any layer; cycles still count
-                continue
+            if tname == name or typing_only or (mod, target) in EXEMPT:  # annotations may name any layer;
+                continue                                                      # cycles still count
             if trank > rank or (trank == rank and tname != name):
                 problems.append(f"{where}: {name} (rank {rank}) imports {target} from {tname} (rank {trank})")
             private_module = any(p.startswith("_") and not p.startswith("__") for p in target.split(".")[1:])
@@ -162,7 +169,7 @@ def check_core_imports(root: pathlib.Path = PACKAGE, pkg: str = "pyengine") -> l
     known = set(mods) | {f"{pkg}._core"}
     return [f"{path.relative_to(root.parent)}:{line}: imports {pkg}._core (only {pkg}.{CORE_OWNER} may)"
             for mod, path in mods.items() if mod != f"{pkg}.{CORE_OWNER}"
-            for line, target, _ in _imports(mod, path, known, pkg) if target == f"{pkg}._core"]
+            for line, target, _, _ in _imports(mod, path, known, pkg) if target == f"{pkg}._core"]
 
 
 def test_only_the_cpp_backend_imports_the_extension():

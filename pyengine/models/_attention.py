@@ -55,6 +55,20 @@ def _qk(ctx: Context, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndar
     return np.multiply(q, 1.0 / math.sqrt(q.shape[-1]), out=np.empty(q.shape, q.dtype)), k
 
 
+def _head_sites(ctx: Context, q: np.ndarray, k: np.ndarray, v: np.ndarray, hook: Any) -> tuple[np.ndarray, ...]:
+    """:func:`_qk` with the sites ``attn.q|k|v`` (B, T, heads, dh) in between: q and k after
+    rotary, q before the 1/sqrt(dh) that _qk folds in; a changed site replaces the array."""
+    qs, ks = _qk(ctx, q, k)
+    qr = q if ctx.rope_q is None else _rotate(q, ctx.rope_k)
+    sites = [x.transpose(0, 2, 1, 3) for x in (qr, ks, v)]
+    new = [hook(n, x) for n, x in zip(("attn.q", "attn.k", "attn.v"), sites)]
+    if new[0] is not sites[0]:
+        q2 = np.asarray(new[0]).transpose(0, 2, 1, 3)
+        qs = np.multiply(q2, 1.0 / math.sqrt(q.shape[-1]), out=np.empty(q2.shape, q2.dtype))
+    k2, v2 = (np.asarray(n).transpose(0, 2, 1, 3) if n is not s else x for n, s, x in zip(new[1:], sites[1:], (ks, v)))
+    return qs, k2, v2
+
+
 def check(nbad: int, what: str) -> None:
     if nbad:
         raise ValueError(f"{what}: {nbad} row(s) hold NaN or Inf (overflow in the block; are the inputs huge?)")
@@ -104,7 +118,7 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | 
     else:
         buf = None
     q, k, v = _split_heads(qkv, B, T, cfg)
-    q, k = _qk(ctx, q, k)
+    q, k, v = _head_sites(ctx, q, k, v, hook) if read else (*_qk(ctx, q, k), v)
     # Query heads h = j*g + i share key/value head j: (B, Hkv, g, T, dh) against (B, Hkv, 1, T, dh).
     q5 = q.reshape(B, Hkv, H // Hkv, T, cfg.head_dim)
     k5, v5 = k[:, :, None], v[:, :, None]
@@ -143,6 +157,14 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | 
         np.matmul(p, v5, out=view)
         if read:
             buf = np.ascontiguousarray(hook("attn.head_out", buf))
+    if read and getattr(hook, "wants", lambda n: False)("attn.result"):  # each head's contribution (B, T, H, d), bias excluded
+        res = np.einsum("btha,had->bthd", buf, w["attn.w_o"].reshape(H, cfg.head_dim, d))
+        res2 = hook("attn.result", res)
+        if res2 is not res:  # changed: the sublayer output is the sum of the changed contributions
+            out = res2.sum(axis=2).reshape(B * T, d) + (w["attn.b_o"] if cfg.bias else 0)
+            out = out if r is None else out + r.reshape(B * T, d)
+            cache.update({"attn.q": q5, "attn.k": k5, "attn.v": v5, "attn.p": p, "attn.in": a})
+            return out.reshape(B, T, d)
     out = dense(buf.reshape(B * T, H * cfg.head_dim), w["attn.w_o"], w["attn.b_o"] if cfg.bias else None,
                 None if r is None else r.reshape(B * T, d))
     cache.update({"attn.q": q5, "attn.k": k5, "attn.v": v5, "attn.p": p, "attn.in": a})

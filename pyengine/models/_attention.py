@@ -55,6 +55,20 @@ def _qk(ctx: Context, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndar
     return np.multiply(q, 1.0 / math.sqrt(q.shape[-1]), out=np.empty(q.shape, q.dtype)), k
 
 
+def _head_sites(ctx: Context, q: np.ndarray, k: np.ndarray, v: np.ndarray, hook: Any) -> tuple[np.ndarray, ...]:
+    """:func:`_qk` with the sites ``attn.q|k|v`` (B, T, heads, dh) in between: q and k after
+    rotary, q before the 1/sqrt(dh) that _qk folds in; a changed site replaces the array."""
+    qs, ks = _qk(ctx, q, k)
+    qr = q if ctx.rope_q is None else _rotate(q, ctx.rope_k)
+    sites = [x.transpose(0, 2, 1, 3) for x in (qr, ks, v)]
+    new = [hook(n, x) for n, x in zip(("attn.q", "attn.k", "attn.v"), sites)]
+    if new[0] is not sites[0]:
+        q2 = np.asarray(new[0]).transpose(0, 2, 1, 3)
+        qs = np.multiply(q2, 1.0 / math.sqrt(q.shape[-1]), out=np.empty(q2.shape, q2.dtype))
+    k2, v2 = (np.asarray(n).transpose(0, 2, 1, 3) if n is not s else x for n, s, x in zip(new[1:], sites[1:], (ks, v)))
+    return qs, k2, v2
+
+
 def check(nbad: int, what: str) -> None:
     if nbad:
         raise ValueError(f"{what}: {nbad} row(s) hold NaN or Inf (overflow in the block; are the inputs huge?)")
@@ -101,7 +115,7 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | 
         buf = attn_blas(cfg, ctx.start, qkv.reshape(B, T, -1, cfg.head_dim), past, check)
         if discard and not read:  # nothing else wanted: no q, k, v arrays, no P
             return _project(w, cfg, buf, r)
-    q5, k5, v5 = _heads_in(ctx, qkv, past, B, T)
+    q5, k5, v5 = _heads_in(ctx, qkv, past, B, T, site)
     if path == "blas":  # the cache and the sites still want q, k, v and P
         p = _pattern(ctx, q5, k5, site, buf)
     elif path == "fused":
@@ -109,8 +123,25 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | 
     else:
         buf, p = _unfused(ctx, q5, k5, v5, site)
     out = _project(w, cfg, buf, r)
+    if site is not None and getattr(site, "wants", lambda n: False)("attn.result"):
+        out = _result_site(w, cfg, buf, r, site, out)
     cache.update({"attn.q": q5, "attn.k": k5, "attn.v": v5, "attn.p": p, "attn.in": a})
     return out
+
+
+def _result_site(w: Weights, cfg: Any, buf: np.ndarray, r: np.ndarray | None, site: Any, out: np.ndarray
+                 ) -> np.ndarray:
+    """The site ``attn.result``: each head's contribution (B, T, H, d) through its rows of w_o, the
+    bias excluded. Read only, the output stays ``out``; changed, the output is the sum of the changed
+    contributions plus the bias (and ``r``)."""
+    B, T, H, dh = buf.shape
+    d = out.shape[-1]
+    res = np.einsum("btha,had->bthd", buf, w["attn.w_o"].reshape(H, dh, d))
+    res2 = site("attn.result", res)
+    if res2 is res:
+        return out
+    summed = np.asarray(res2).sum(axis=2) + (w["attn.b_o"] if cfg.bias else 0)
+    return summed if r is None else summed + r.reshape(B, T, d)
 
 
 def _project(w: Weights, cfg: Any, buf: np.ndarray, r: np.ndarray | None) -> np.ndarray:
@@ -120,12 +151,14 @@ def _project(w: Weights, cfg: Any, buf: np.ndarray, r: np.ndarray | None) -> np.
                  None if r is None else r.reshape(B * T, d)).reshape(B, T, d)
 
 
-def _heads_in(ctx: Context, qkv: np.ndarray, past: Cache | None, B: int, T: int) -> tuple[np.ndarray, ...]:
-    """q (B, Hkv, g, T, dh), rotated and scaled, and k, v (B, Hkv, 1, Tk, dh), the past keys first."""
+def _heads_in(ctx: Context, qkv: np.ndarray, past: Cache | None, B: int, T: int, site: Any
+              ) -> tuple[np.ndarray, ...]:
+    """q (B, Hkv, g, T, dh), rotated and scaled, and k, v (B, Hkv, 1, Tk, dh), the past keys first;
+    the sites ``attn.q|k|v`` read (and may change) them on the way when ``site`` is given."""
     cfg = ctx.cfg
     H, Hkv, s = cfg.n_heads, cfg.n_kv_heads, ctx.start
     q, k, v = _split_heads(qkv, B, T, cfg)
-    q, k = _qk(ctx, q, k)
+    q, k, v = _head_sites(ctx, q, k, v, site) if site is not None else (*_qk(ctx, q, k), v)
     # Query heads h = j*g + i share key/value head j: (B, Hkv, g, T, dh) against (B, Hkv, 1, T, dh).
     q5 = q.reshape(B, Hkv, H // Hkv, T, cfg.head_dim)
     k5, v5 = k[:, :, None], v[:, :, None]

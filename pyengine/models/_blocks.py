@@ -233,7 +233,12 @@ def mlp(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | N
     B, T, d = a.shape
     a2, bias = a.reshape(B * T, d), cfg.bias
     shape = (B * T, w["mlp.w_in"].shape[1])
-    if cfg.activation in FUSED_ACTIVATIONS:  # bias and activation fused (models/_linear.py)
+    pre = ctx.hook is not None and getattr(ctx.hook, "wants", lambda n: False)("mlp.pre")
+    if pre:  # site mlp.pre (B, T, n_in): the pre-activations, read or changed
+        u = site(ctx, "mlp.pre", dense(a2, w["mlp.w_in"], w["mlp.b_in"] if bias else None).reshape(B, T, -1))
+        u = np.ascontiguousarray(u).reshape(B * T, -1)
+        z = _act(cfg.activation, u, cfg.d_mlp)
+    elif cfg.activation in FUSED_ACTIVATIONS:  # bias and activation fused (models/_linear.py)
         u = None if cache.get(DISCARD) else np.empty(shape, a.dtype)  # only a JVP reads u
         z = np.empty(shape, a.dtype) if ctx.hook is not None else workspace("mlp.z", shape, a.dtype)
         check(dense_act(a2, w["mlp.w_in"], w["mlp.b_in"] if bias else None, cfg.activation, u, z),

@@ -33,6 +33,11 @@ MODULES = (
     "pyengine.bench",
     "pyengine.corpus",
     "pyengine.provenance",
+    "pyengine.analysis.linear_model",
+    "pyengine.analysis.positions_model",
+    "pyengine.experiments.stability_descent",
+    "pyengine.models.tl_names",
+    "pyengine.models.activation_cache",
 )
 
 _MODULE_DIRECTIVE = re.compile(r"^\.\. (?:module|currentmodule|automodule)::\s*(\S+)\s*$")

@@ -24,7 +24,9 @@ class Recovery:
     S scales). ``fit_exact`` / ``fit_linear``: decay fits of the mean ``|projection|`` at
     the read-out (``read``) and the protocol scale. ``spectral``: per block passed,
     rho and sigma_max of the diagonal Jacobian block at each token of
-    ``spectral_tokens`` and ``|A 1 - 1|_inf``. ``linear_gap`` (S,): the largest, over the
+    ``spectral_tokens`` and ``|A 1 - 1|_inf``; ``spectra_how``: which path found them (arrays
+    ``rho_method``, ``sigma_method``: "dense", "lanczos", "power" or "arnoldi") and
+    whether it converged (``rho_converged``, ``sigma_converged``), each (n_blocks, R). ``linear_gap`` (S,): the largest, over the
     layers after the injection, of ``|delta_ex - delta_lin| / |delta_lin|`` at the read-out
     positions (summed over directions); ``linear_regime`` the longest run of scales
     where it stays within 10 %. ``gain_linear``: the gain along v of each block. ``no_residual``, ``eps_sweep``,
@@ -55,6 +57,7 @@ class Recovery:
     seconds: dict[str, float]
     tokens: list[str] | None = None  # the text of each token id (the model's detokenize, or the bytes)
     site: str | None = None  # the site name when injected at one (``layer`` is then its block)
+    spectra_how: dict[str, np.ndarray] | None = None  # method and converged per spectral value
 
     @property
     def scale_index(self) -> int:
@@ -96,9 +99,20 @@ class Recovery:
                 "sigma_max": float(self.sigma[i].max()) if i < self.sigma.shape[0] else float("nan"),
                 "adjacent_cosine": float(ex.base_adjacent_cosine[k - 1][m].mean()) if whole and k else float("nan"),
                 "step_norm": float(ex.base_step[k - 1][m].mean()) if whole and k else float("nan"),
+                **self._how(i),
             }
             rows.append(row)
         return rows
+
+    def _how(self, i: int) -> dict[str, Any]:
+        """Row i's spectral methods (distinct ones joined by "+") and whether all its tokens converged."""
+        how = self.spectra_how
+        if how is None or i >= self.rho.shape[0]:
+            return {"rho_method": None, "sigma_method": None, "rho_converged": None, "sigma_converged": None}
+        return {"rho_method": "+".join(sorted(set(how["rho_method"][i].tolist()))),
+                "sigma_method": "+".join(sorted(set(how["sigma_method"][i].tolist()))),
+                "rho_converged": bool(how["rho_converged"][i].all()),
+                "sigma_converged": bool(how["sigma_converged"][i].all())}
 
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: settings, table, fits, spectra, ablations, verdicts and both runs."""
@@ -110,7 +124,8 @@ class Recovery:
             "fit_exact": self.fit_exact.to_dict(), "fit_linear": self.fit_linear.to_dict(),
             "spectral": {"blocks": list(range(self.layer, self.layer + self.rho.shape[0])),
                          "tokens": self.spectral_tokens.tolist(), "rho": self.rho.tolist(),
-                         "sigma_max": self.sigma.tolist(), "ones_residual": self.ones_residual.tolist()},
+                         "sigma_max": self.sigma.tolist(), "ones_residual": self.ones_residual.tolist(),
+                         **{k: v.tolist() for k, v in (self.spectra_how or {}).items()}},
             "linear_gap": dict(zip(map(float, self.exact.scales), map(float, self.linear_gap))),
             "linear_regime": list(self.linear_regime) if self.linear_regime else None,
             "no_residual": self.no_residual.to_dict(),

@@ -8,3 +8,4 @@ from .stack_stability import stack_signal_propagation
 from .weight_spectra import WeightSpectra, weight_spectra
 from .propagate import Propagation, position_mask, propagate, resolve_positions
 from .site_spectra import SiteSpectra, norm_site_inputs, site_spectra
+from .token_spectra import TokenJacobian, TokenSpectra, token_jacobian_spectra

@@ -25,7 +25,9 @@ class Recovery:
     S scales). ``fit_exact`` / ``fit_linear``: decay fits of the mean ``|projection|`` at
     the read-out (``read``) and the protocol scale. ``spectral``: per block passed,
     rho and sigma_max of the diagonal Jacobian block at each token of
-    ``spectral_tokens`` and ``|A 1 - 1|_inf``. ``linear_gap`` (S,): the largest, over the
+    ``spectral_tokens`` and ``|A 1 - 1|_inf``; ``spectra_how``: which path found them (arrays
+    ``rho_method``, ``sigma_method``: "dense", "lanczos", "power" or "arnoldi") and
+    whether it converged (``rho_converged``, ``sigma_converged``), each (n_blocks, R). ``linear_gap`` (S,): the largest, over the
     layers after the injection, of ``|delta_ex - delta_lin| / |delta_lin|`` at the read-out
     positions (summed over directions); ``linear_regime`` the longest run of scales
     where it stays within 10 %. ``gain_linear``: the gain along v of each block. ``no_residual``, ``eps_sweep``,
@@ -67,6 +69,7 @@ class Recovery:
     uniform: dict[str, tuple[np.ndarray, np.ndarray]] | None = None
     seed: int = 0
     protocol: str = ""
+    spectra_how: dict[str, np.ndarray] | None = None  # method and converged per spectral value
 
     @property
     def scale_index(self) -> int:
@@ -109,6 +112,7 @@ class Recovery:
                 "adjacent_cosine": float(ex.base_adjacent_cosine[k - 1][m].mean()) if whole and k else float("nan"),
                 "step_norm": float(ex.base_step[k - 1][m].mean()) if whole and k else float("nan"),
                 **self._linear_model_row(i, whole),
+                **self._how(i),
             }
             rows.append(row)
         return rows
@@ -124,6 +128,16 @@ class Recovery:
                 "uniform": float(ex[0][i]) if i < len(ex[0]) else nan,
                 "nonuniform": float(ex[1][i]) if i < len(ex[1]) else nan}
 
+    def _how(self, i: int) -> dict[str, Any]:
+        """Row i's spectral methods (distinct ones joined by "+") and whether all its tokens converged."""
+        how = self.spectra_how
+        if how is None or i >= self.rho.shape[0]:
+            return {"rho_method": None, "sigma_method": None, "rho_converged": None, "sigma_converged": None}
+        return {"rho_method": "+".join(sorted(set(how["rho_method"][i].tolist()))),
+                "sigma_method": "+".join(sorted(set(how["sigma_method"][i].tolist()))),
+                "rho_converged": bool(how["rho_converged"][i].all()),
+                "sigma_converged": bool(how["sigma_converged"][i].all())}
+
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: settings, table, fits, spectra, ablations, verdicts and both runs."""
         return {
@@ -136,7 +150,8 @@ class Recovery:
                          "reason": "spectra skipped (--no-spectra)" if self.spectra_skipped else None,
                          "blocks": list(range(self.layer, self.layer + self.rho.shape[0])),
                          "tokens": self.spectral_tokens.tolist(), "rho": self.rho.tolist(),
-                         "sigma_max": self.sigma.tolist(), "ones_residual": self.ones_residual.tolist()},
+                         "sigma_max": self.sigma.tolist(), "ones_residual": self.ones_residual.tolist(),
+                         **{k: v.tolist() for k, v in (self.spectra_how or {}).items()}},
             "scaling_fit": None if self.scaling is None else self.scaling.to_dict(),
             "uniform_split": self._uniform_dict(),
             "linear_gap": dict(zip(map(float, self.exact.scales), map(float, self.linear_gap))),

@@ -131,6 +131,11 @@ def _spectra(r: Recovery) -> str:
     if not cfg.causal:
         bound += ("; attention is not causal here, so the full Jacobian is not block-triangular and these "
                   "per-token blocks do not carry its eigenvalues")
+    how = r.spectra_how
+    if how is not None and not (how["rho_converged"].all() and how["sigma_converged"].all()):
+        bound += (f"; NOT CONVERGED: rho at {int((~how['rho_converged']).sum())} and sigma_max at "
+                  f"{int((~how['sigma_converged']).sum())} of {how['rho_converged'].size} (block, token) pairs "
+                  f"(the solvers' last iterates, marked ? in the table, not exact)")
     tol = SPECTRA_ABS + SPECTRA_REL * abs(pred)
     if _solid(fit):
         head = decide(fit.rate_ci[0] - pred, fit.rate_ci[1] - pred, "=", tol)

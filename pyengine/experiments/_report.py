@@ -42,6 +42,28 @@ _COLS = [  # key, header, width, format
     ("sigma_max", "sig_max", 9, ".3f"),
     ("adjacent_cosine", "cos(h,h+)", 10, ".4f"),
 ]
+#: The column after _COLS: which solver gave rho / sig_max ("dense" for both: the formed matrix).
+_HOW_WIDTH = 18
+#: Appended to a rho or sig_max cell whose solver did not converge (a lower bound, not exact).
+UNCONVERGED = "?"
+_CONVERGED = {"rho": "rho_converged", "sigma_max": "sigma_converged"}
+
+
+def _how(row: dict[str, Any]) -> str:
+    r, s = row.get("rho_method"), row.get("sigma_method")
+    if r is None:
+        return f"{'-':>{_HOW_WIDTH}}"
+    return f"{r if r == s else f'{r}/{s}':>{_HOW_WIDTH}}"
+
+
+def _row(row: dict[str, Any]) -> str:
+    cells = []
+    for key, _, w, f in _COLS:
+        if key in _CONVERGED and row[_CONVERGED[key]] is False:
+            cells.append(f"{format(row[key], f) + UNCONVERGED:>{w}}")
+        else:
+            cells.append(_cell(w, f, row[key]))
+    return "".join(cells) + _how(row)
 
 
 def _cell(width: int, fmt: str, v: Any) -> str:
@@ -59,11 +81,12 @@ def format_table(rep: Recovery) -> str:
         f"{ex.positions.size} position(s); K = {ex.K} directions x S = {ex.S} scales; read-out: {rep.read} token(s); "
         f"table at scale {rep.protocol_scale:g}, mean over directions",
         "gain (v.A delta / v.delta, linearized) and cos(h,h+) = cos(h_k-1, h_k): the block arriving at k; "
-        "rho, sig_max: the diagonal Jacobian block (float64, dense) of the block leaving k",
-        "".join(f"{h:>{w}}" for _, h, w, _f in _COLS),
+        "rho, sig_max: the diagonal Jacobian block (float64) of the block leaving k; solver: rho's/sig_max's "
+        f"(dense: the formed matrix); {UNCONVERGED}: the solver did not converge (the last iterate, not exact)",
+        "".join(f"{h:>{w}}" for _, h, w, _f in _COLS) + f"{'solver':>{_HOW_WIDTH}}",
     ]
     for row in rep.layer_table():
-        lines.append("".join(_cell(w, f, row[key]) for key, _, w, f in _COLS))
+        lines.append(_row(row))
     fe, fl = rep.fit_exact, rep.fit_linear
     lines.append(f"decay of |projection| ({rep.read}; rate > 0 decays, < 0 grows): exact {fe.rate:+.4f}/layer "
                  f"{_ci(fe, 4)}, R^2 {fe.r2:.3f}, {fe.timescale()}; linearized {fl.rate:+.4f}/layer, "

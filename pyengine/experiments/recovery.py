@@ -41,12 +41,13 @@ import numpy as np
 
 from .. import _validate as _v
 from ..models import Stack, StackConfig, init_weights
-from ..analysis import DecayFit, Propagation, position_mask, resolve_positions, token_jacobians
+from ..analysis import DecayFit, Propagation, position_mask, resolve_positions
 from ..analysis.propagate import propagate  # noqa: F401  (a name test_reliability's work guard replaces)
 from ..analysis.propagate import propagate_request
 from ..analysis.linear_model import scaling_fit, uniform_split
 from ..analysis.propagate_inputs import resolve_injection
 from ..analysis.propagate_stages import Request
+from ..analysis.token_spectra import token_jacobian_spectra
 from ..models.site_blocks import site_width
 from ._recovery_result import Recovery, _linear_gap, _regime
 from ._recovery_verdicts import protocol as _protocol
@@ -233,10 +234,11 @@ def recovery(
              for run, p in (("exact", ex), ("linear", li))}  # (L,) each: protocol scale, mean over K and read-out
     cb = stages.start("block Jacobian spectra", 0.5, 0.7)
     if spectra:
-        rho, sig, one = stages.finish(_spectra(model, ids, block, toks, cb),
+        rho, sig, one, how = stages.finish(_spectra(model, ids, block, toks, cb),
                                       functools.partial(_spectra_record, block, toks))
     else:
         rho, sig, one = stages.finish(tuple(np.empty((0, toks.size)) for _ in range(3)), _skipped_record)
+        how = None
 
     fit = functools.partial(_fit, ids=ids, req=req._replace(S=sc[j:j + 1]), positions=positions, read=read)
     stages.start("ablation: no residual", 0.7, 0.75)
@@ -256,7 +258,7 @@ def recovery(
         protocol_scale=float(sc[j]), exact=dataclasses.replace(ex, deltas=None, delta_positions=None),
         linear=dataclasses.replace(li, deltas=None, delta_positions=None),
         fit_exact=ex.fit(read, j), fit_linear=li.fit(read, j),
-        spectral_tokens=toks, rho=rho, sigma=sig, ones_residual=one, linear_gap=gap,
+        spectral_tokens=toks, rho=rho, sigma=sig, ones_residual=one, spectra_how=how, linear_gap=gap,
         linear_regime=_regime(sc, gap), no_residual=no_res, eps_sweep=eps_sweep, gamma_sweep=gamma_sweep,
         verdicts=[], seconds=stages.seconds, tokens=tokens, site=ex.site, spectra_skipped=not spectra,
         scaling=scaling, uniform=split, seed=seed,
@@ -308,21 +310,23 @@ def _propagation_record(ids: np.ndarray | None, tokens: list[str] | None, read: 
 
 
 def _spectra(model: Stack, ids: np.ndarray, block: int, toks: np.ndarray, progress: Callable[[int, int], None]
-             ) -> tuple[np.ndarray, ...]:
+             ) -> tuple[Any, ...]:
     """(n_blocks, R) rho and sigma_max of the diagonal Jacobian blocks at ``toks`` (float64)
-    of every block from ``block`` on, and ``|A 1 - 1|_inf``."""
-    cfg = model.config
+    of every block from ``block`` on, ``|A 1 - 1|_inf``, and how each was found: a dict of
+    (n_blocks, R) arrays ``rho_method``, ``sigma_method`` (str), ``rho_converged`` and
+    ``sigma_converged`` (bool); see :func:`pyengine.analysis.token_jacobian_spectra`."""
     h = model.hidden_states(ids, dtype=np.float64)
-    n = cfg.n_layers - block
-    rho, sig, one = (np.empty((n, toks.size)) for _ in range(3))
-    for i, k in enumerate(range(block, cfg.n_layers)):
-        A = token_jacobians(model, h[k], k, toks)
-        for r in range(toks.size):
-            rho[i, r] = np.abs(np.linalg.eigvals(A[r])).max()
-            sig[i, r] = np.linalg.norm(A[r], 2)
-            one[i, r] = np.abs(A[r] @ np.ones(cfg.d_model) - 1.0).max()
+    parts = []
+    n = model.config.n_layers - block
+    for i, k in enumerate(range(block, model.config.n_layers)):
+        parts.append(token_jacobian_spectra(model, h[k], k, toks))
         progress(i + 1, n)
-    return rho, sig, one
+    how = {"rho_method": np.stack([p.radius.method for p in parts]),
+           "sigma_method": np.stack([p.norm.method for p in parts]),
+           "rho_converged": np.stack([p.radius.converged for p in parts]),
+           "sigma_converged": np.stack([p.norm.converged for p in parts])}
+    return (np.stack([p.rho for p in parts]), np.stack([p.sigma for p in parts]),
+            np.stack([p.ones_residual for p in parts]), how)
 
 
 def _scaling_record(out: Any) -> dict[str, Any]:
@@ -338,10 +342,11 @@ def _verdicts(r: Recovery) -> list[str]:
     return verdicts(r, LINEAR_TOL)
 
 
-def _spectra_record(block: int, toks: np.ndarray, out: tuple[np.ndarray, ...]) -> dict[str, Any]:
+def _spectra_record(block: int, toks: np.ndarray, out: tuple[Any, ...]) -> dict[str, Any]:
     n_layers = block + out[0].shape[0]
     return {"blocks": list(range(block + 1, n_layers + 1)), "tokens": toks.tolist(), "rho": out[0].tolist(),
-            "sigma_max": out[1].tolist(), "ones_residual": out[2].tolist()}
+            "sigma_max": out[1].tolist(), "ones_residual": out[2].tolist(),
+            **{key: v.tolist() for key, v in out[3].items()}}
 
 
 def _fit(m: Stack, *, ids: np.ndarray, req: Request, positions: Any, read: str) -> DecayFit:

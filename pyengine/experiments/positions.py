@@ -118,10 +118,12 @@ def _one(model: Stack, name: str, ids: np.ndarray, layers: np.ndarray, k: int, f
         return lambda f, s: stage(lo + (hi - lo) * (a + (b - a) * f), f"{name}: {s}")
 
     hs, mom = [], PatternMoments()
-    sites = [f"blocks.{b}.attn.pattern" for b in range(model.config.n_layers)]
+    L = model.config.n_layers
+    sites = [f"blocks.{b}.attn.pattern" for b in range(L)]
+    streams = [f"blocks.{b}.resid_pre" for b in range(L)] + [f"blocks.{L - 1}.resid_post"]  # hidden states 0..L
     for i in range(0, ids.shape[0], 64):  # one batched forward per chunk of contexts
-        hid, cache = model.run_with_cache(ids[i:i + 64], sites)
-        hs.append(hid)
+        _, cache = model.run_with_cache(ids[i:i + 64], sites + streams)
+        hs.append(np.stack([cache[s] for s in streams]))
         mom.add(np.stack([cache[s] for s in sites]))
         sub(0.0, 0.3)(min(i + 64, ids.shape[0]) / ids.shape[0], "forward")
     full = np.concatenate(hs, axis=1)  # (L + 1, C, T, d)

@@ -38,13 +38,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _families, _hf, _streaming
+from . import _families, _hf, _live, _streaming
 from ._hf import INSTALL_COMMAND
 from .config import StackConfig, _check_arrays
 from .stack import Stack
 from .tokenized import TokenizedText, Tokenizing, tokenizer_json
 
-__all__ = ["KNOWN_MODELS", "PretrainedModel", "TokenizedText", "load_pretrained", "locate_pretrained"]
+__all__ = ["KNOWN_MODELS", "PretrainedModel", "TokenizedText", "from_hf", "load_pretrained", "locate_pretrained"]
 
 
 #: name -> (distribution, path of the weights inside it, kind).
@@ -140,7 +140,10 @@ def locate_pretrained(name_or_path: str | os.PathLike[str]) -> tuple[str, str]:
     """The name of a pretrained model and the folder or ``.gguf`` file :func:`load_pretrained`
     reads it from, found without reading the weights; raises as :func:`load_pretrained` does
     for an unknown name, a missing package or a folder without a model."""
-    raw = os.fspath(name_or_path)
+    if _live.is_hf_model(name_or_path):
+        raise TypeError(f"name_or_path is a live {type(name_or_path).__name__}, which has no files; "
+                        "pass it to pyengine.load_pretrained or pyengine.from_hf")
+    raw = os.fspath(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else None
     if not isinstance(raw, str):
         raise TypeError(f"name_or_path must be a str or path; got {type(name_or_path).__name__}")
     if raw in KNOWN_MODELS or (_known(raw) and not os.path.exists(raw)):  # case-insensitive
@@ -165,7 +168,8 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
 
     Parameters
     ----------
-    name_or_path : str or path
+    name_or_path : str, path or transformers.PreTrainedModel
+        A live model object is read in memory, as by :func:`from_hf`. A name:
         ``"all-MiniLM-L6-v2"`` (BERT, 6 layers, d = 384) or ``"SmolLM2-135M-Instruct"``
         (Llama, 30 layers, d = 576; Q4_1 weights dequantized), read from the installed
         packages; or a folder holding ``config.json`` and ``model.safetensors`` (BERT or
@@ -197,11 +201,13 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
         Unknown name, unsupported architecture, or a damaged or inconsistent file
         (the message names the file and the tensor).
     """
-    dt = np.dtype(dtype)
-    if dt not in (np.float32, np.float64):
-        raise TypeError(f"dtype must be float32 or float64; got {dtype!r}")
+    dt = _storage_dtype(dtype)
     if weights not in ("load", "mmap"):
         raise ValueError(f"weights must be 'load' or 'mmap'; got {weights!r}")
+    if _live.is_hf_model(name_or_path):
+        if weights == "mmap":
+            raise ValueError("weights='mmap' streams files; a live model's weights are already in memory")
+        return from_hf(name_or_path, dt)
     name, path = locate_pretrained(name_or_path)
     if os.path.isfile(path) and weights == "mmap":
         raise ValueError("weights='mmap' streams HF safetensors folders; a .gguf file is dequantized whole")
@@ -215,12 +221,7 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
             hf = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"config file {cfg_path!r} is not readable JSON ({exc})") from None
-    supported = ("bert", *_families.FAMILIES)
-    if not isinstance(hf, dict) or hf.get("model_type") not in supported:
-        got = hf.get("model_type") if isinstance(hf, dict) else hf
-        raise ValueError(f"config file {cfg_path!r}: model_type {got!r} is not supported "
-                         f"(only {', '.join(map(repr, supported))})")
-    arch = hf["model_type"]
+    arch = _model_type(hf, f"config file {cfg_path!r}")
     if arch == "bert" and weights == "mmap":
         raise ValueError("weights='mmap' is available for the decoder families, not 'bert'")
     if arch == "bert":
@@ -243,6 +244,77 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
         _families.check_tensors(hf, shards, cfg_path, dt)
         cfg, weights = _families.read_family(hf, shards, cfg_path, dt)
     return _finish(cfg, weights, name, path, arch, tokenizer_json(path))
+
+
+def _storage_dtype(dtype: Any) -> np.dtype:
+    dt = np.dtype(dtype)
+    if dt not in (np.float32, np.float64):
+        raise TypeError(f"dtype must be float32 or float64; got {dtype!r}")
+    return dt
+
+
+def _model_type(hf: Any, where: str) -> str:
+    """The ``model_type`` of a parsed HF config, or ValueError if no reader maps it."""
+    supported = ("bert", *_families.FAMILIES)
+    if not isinstance(hf, dict) or hf.get("model_type") not in supported:
+        got = hf.get("model_type") if isinstance(hf, dict) else hf
+        raise ValueError(f"{where}: model_type {got!r} is not supported (only {', '.join(map(repr, supported))})")
+    return hf["model_type"]
+
+
+def from_hf(model: Any, dtype: Any = np.float32, *, tokenizer: Any = None) -> PretrainedModel:
+    """A live ``transformers`` model as a :class:`PretrainedModel`, read in memory.
+
+    The result equals ``load_pretrained(folder, dtype)`` after ``model.save_pretrained(folder)``
+    bit for bit: the same readers map ``model.config`` and ``model.state_dict()``. The model is
+    not modified and torch is not imported by pyengine (only the tensors' own methods are used).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A model of a family :func:`load_pretrained` reads (BERT, GPT-2, GPT-NeoX, Llama, Qwen2,
+        Gemma, ...), on any device, with float32, float64, float16 or bfloat16 parameters
+        (16-bit ones widened exactly).
+    dtype : float32 or float64
+        Storage dtype of the weights (BERT: always float32, as from a folder).
+    tokenizer : tokenizers.Tokenizer or a transformers fast tokenizer, optional
+        Kept as the model's tokenizer (padding and truncation off, on a copy); None: none.
+
+    Returns
+    -------
+    PretrainedModel
+        ``name`` is ``model.config.name_or_path`` (or the class name); ``source`` names the object.
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not a transformers model, or a bad ``dtype`` or ``tokenizer``.
+    ValueError
+        An unsupported ``model_type`` or configuration, or a tensor that is missing, has the wrong
+        shape, a non-float dtype or non-finite values (the message names it).
+    """
+    if not _live.is_hf_model(model):
+        raise TypeError(f"model must be a transformers PreTrainedModel; got {type(model).__name__}")
+    dt = _storage_dtype(dtype)
+    tok = _copy_tokenizer(tokenizer)
+    hf, st, where = _live.read(model, dt)
+    arch = _model_type(hf, where)
+    cfg, weights = _hf.bert(hf, st, where) if arch == "bert" else _families.read_family(hf, st, where, dt)
+    name = getattr(model.config, "name_or_path", "") or type(model).__name__
+    return _finish(cfg, weights, name, f"{type(model).__name__} object in memory", arch, tok)
+
+
+def _copy_tokenizer(tokenizer: Any) -> Any:
+    if tokenizer is None:
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)  # a transformers fast tokenizer wraps one
+    if not (hasattr(backend, "to_str") and hasattr(backend, "encode")):
+        raise TypeError(f"tokenizer must be a tokenizers.Tokenizer or a fast transformers tokenizer; "
+                        f"got {type(tokenizer).__name__}")
+    tok = _hf.need("tokenizers").Tokenizer.from_str(backend.to_str())
+    tok.no_padding()
+    tok.no_truncation()
+    return tok
 
 
 def _finish(cfg: StackConfig, weights: dict[str, np.ndarray], name: str, source: str, arch: str,

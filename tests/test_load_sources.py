@@ -166,3 +166,74 @@ def test_recovery_cli_runs_on_a_cached_hub_model(hub_cache, tmp_path, monkeypatc
     rep = json.loads((out / "recovery.json").read_text())
     assert rep["provenance"]["model"] == "tiny-org/tiny-gpt2"
     assert list(rep["provenance"]["weights_sha256"]) == ["model.safetensors"]
+
+
+# --------------------------------------------------------------------------- inputs
+
+
+def _stack(positions="rotary", **kw):
+    cfg = pe.StackConfig(d_model=16, n_heads=2, n_layers=2, d_mlp=24, max_seq_len=8, vocab_size=20,
+                         positions=positions, norm="rmsnorm", lm_head="tied", **kw)
+    return pe.init_weights(cfg, "xavier", seed=0, gamma_jitter=0.3)
+
+
+def test_torch_streams_of_any_float_dtype_and_with_grad():
+    torch = pytest.importorskip("torch")
+    s = _stack()
+    h = torch.randn(2, 5, 16, requires_grad=True)
+    got = s.hidden_states(h)
+    assert h.requires_grad and h.grad is None  # detached, not modified
+    assert np.array_equal(got, s.hidden_states(h.detach().numpy()))
+    for half in (torch.bfloat16, torch.float16):
+        x = h.detach().to(half).requires_grad_()
+        out = s.hidden_states(x)
+        assert out.dtype == np.float32
+        assert np.array_equal(out, s.hidden_states(x.detach().float().numpy()))
+        assert np.array_equal(s.logits(x[0, 0]), s.logits(x[0, 0].detach().float().numpy()))
+    h64 = h.detach().double()
+    assert s.hidden_states(h64).dtype == np.float64
+    assert np.array_equal(s.hidden_states(torch.tensor([1, 2, 3])), s.hidden_states(np.array([1, 2, 3])))
+
+
+def test_float_ids_are_refused_with_the_stream_spelling():
+    s = _stack()
+    for bad in (np.array([1.0, 2.0, 3.0]), np.ones((2, 3)), np.ones((2, 2, 3, 16))):
+        with pytest.raises(ValueError, match=r"input_ids must have shape \(T, 16\) or \(B, T, 16\) as a float "
+                                             r"residual stream \(passed as input_ids\), or be integer token ids"):
+            s.hidden_states(bad)
+    with pytest.raises(ValueError, match=r"shape \(\.\.\., 16\) as a float residual stream.*astype\(np.int64\)"):
+        s.logits(np.array([1.0, 2.0]))
+    assert s.hidden_states(np.ones((3, 16))).shape == (3, 3, 16)  # a stream stays a stream
+
+
+def test_too_many_positions():
+    ids = np.arange(10) % 20
+    with pytest.warns(UserWarning, match="T = 10 tokens, more than max_seq_len = 8"):
+        out = _stack().hidden_states(ids)
+    assert out.shape == (3, 10, 16)
+    with pytest.raises(ValueError, match="more than max_seq_len = 8 learned positions"):
+        _stack("learned").hidden_states(ids)
+    _stack("sinusoidal").hidden_states(ids)  # no limit, no warning (warnings are errors here)
+
+
+@pytest.mark.fidelity
+@pytest.mark.parametrize("family", ["gpt2", "llama3", "bert"])
+def test_final_norm_true_is_transformers_convention(family):
+    import torch
+
+    model = _model(family)
+    ours = pe.from_hf(model, "float64")
+    ids = np.array([3, 17, 5, 9, 2])
+    with torch.no_grad():
+        theirs = model(torch.tensor(ids)[None], output_hidden_states=True).hidden_states[-1][0].double().numpy()
+    plain, hf_like = ours.hidden_states(ids), ours.hidden_states(ids, final_norm=True)
+    assert np.array_equal(plain[:-1], hf_like[:-1])
+    assert np.linalg.norm(hf_like[-1] - theirs) <= 1e-5 * np.linalg.norm(theirs)
+    if ours.config.final_norm:
+        assert np.array_equal(hf_like[-1], ours.apply_final_norm(plain[-1]))
+        assert np.linalg.norm(plain[-1] - theirs) > 1e-2 * np.linalg.norm(theirs)
+    else:  # BERT: no final norm, the two conventions agree
+        assert np.array_equal(plain, hf_like)
+    with pytest.raises(TypeError, match="final_norm must be True or False"):
+        ours.hidden_states(ids, final_norm="yes")
+

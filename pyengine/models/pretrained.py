@@ -24,7 +24,8 @@ does not need.) Supported architectures and how they map onto a Stack:
   RMSNorm, tied or separate LM head. GGUF tensors are dequantized to float32 and
   llama.cpp's Q/K row permutation is undone.
 
-Weights are stored float32 (``model.astype(np.float64)`` or ``dtype=`` on each call
+The files behind the two known names are checked against SHA-256 hashes recorded in
+pyengine before they are read (once per process). Weights are stored float32 (``model.astype(np.float64)`` or ``dtype=`` on each call
 for float64). Nothing is cached between calls: each call reads the files again.
 Damaged files (truncated, a header that lies about sizes or offsets, missing
 tensors, wrong shapes, NaN/Inf values) raise ValueError naming the file and tensor.
@@ -40,7 +41,7 @@ from typing import Any
 
 import numpy as np
 
-from . import _families, _hf, _hub, _live, _streaming
+from . import _families, _hf, _hub, _integrity, _live, _streaming
 from ._hf import INSTALL_COMMAND
 from .config import StackConfig, _check_arrays
 from .stack import Stack
@@ -126,6 +127,7 @@ def _suggest(raw: str) -> str:
 
 
 def _locate(name: str) -> str:
+    """The installed files of built-in model ``name``, checked against their recorded SHA-256."""
     dist_name, rel, _ = KNOWN_MODELS[name]
     dists = list(importlib.metadata.distributions(name=dist_name, path=_search_path()))
     path = str(dists[0].locate_file(rel)) if dists else None
@@ -135,6 +137,7 @@ def _locate(name: str) -> str:
             f"pretrained model {name!r} needs the package {dist_name!r}, which {why}. "
             f"Install pyengine's model support with: {INSTALL_COMMAND}"
         )
+    _integrity.verify(name, str(dists[0].locate_file("")), INSTALL_COMMAND)
     return path
 
 

@@ -95,6 +95,9 @@ def test_live_model_keeps_a_tokenizer_copy():
     live = pe.from_hf(_model("gpt2"), tokenizer=tok)
     assert live.tokenizer is not tok and tok.padding is not None and live.tokenizer.padding is None
     assert live.tokenizer.encode("a b a").ids == [0, 1, 0]
+    tr = pytest.importorskip("transformers")
+    fast = pe.from_hf(_model("gpt2"), tokenizer=tr.PreTrainedTokenizerFast(tokenizer_object=tok))
+    assert fast.tokenizer.encode("b a").ids == [1, 0] and fast.tokenizer.padding is None
 
 
 # --------------------------------------------------------------------------- Hugging Face cache ids

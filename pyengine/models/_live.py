@@ -79,3 +79,17 @@ def saved_state_dict(model: Any) -> dict[str, Any]:
     if revert is not None:
         tensors = revert(model, tensors)
     return tensors
+
+
+def copy_tokenizer(tokenizer: Any) -> Any:
+    """A copy of a tokenizers.Tokenizer (or a fast transformers tokenizer's), padding and truncation off."""
+    if tokenizer is None:
+        return None
+    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)  # a transformers fast tokenizer wraps one
+    if not (hasattr(backend, "to_str") and hasattr(backend, "encode")):
+        raise TypeError(f"tokenizer must be a tokenizers.Tokenizer or a fast transformers tokenizer; "
+                        f"got {type(tokenizer).__name__}")
+    tok = _hf.need("tokenizers").Tokenizer.from_str(backend.to_str())
+    tok.no_padding()
+    tok.no_truncation()
+    return tok

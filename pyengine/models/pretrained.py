@@ -211,8 +211,11 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
     ImportError
         safetensors, gguf or tokenizers missing (the same command).
     ValueError
-        Unknown name, unsupported architecture, or a damaged or inconsistent file
-        (the message names the file and the tensor).
+        Unknown name (one not in the local Hugging Face cache either: the message says where it
+        looked), unsupported architecture, a damaged or inconsistent file (the message names the
+        file and the tensor), or a built-in model file whose SHA-256 is not the recorded one.
+    TypeError
+        ``name_or_path`` neither a str, a path nor a transformers model; a bad ``dtype``.
     """
     dt = _storage_dtype(dtype)
     if weights not in ("load", "mmap"):
@@ -309,25 +312,12 @@ def from_hf(model: Any, dtype: Any = np.float32, *, tokenizer: Any = None) -> Pr
     if not _live.is_hf_model(model):
         raise TypeError(f"model must be a transformers PreTrainedModel; got {type(model).__name__}")
     dt = _storage_dtype(dtype)
-    tok = _copy_tokenizer(tokenizer)
+    tok = _live.copy_tokenizer(tokenizer)
     hf, st, where = _live.read(model, dt)
     arch = _model_type(hf, where)
     cfg, weights = _hf.bert(hf, st, where) if arch == "bert" else _families.read_family(hf, st, where, dt)
     name = getattr(model.config, "name_or_path", "") or type(model).__name__
     return _finish(cfg, weights, name, f"{type(model).__name__} object in memory", arch, tok)
-
-
-def _copy_tokenizer(tokenizer: Any) -> Any:
-    if tokenizer is None:
-        return None
-    backend = getattr(tokenizer, "backend_tokenizer", tokenizer)  # a transformers fast tokenizer wraps one
-    if not (hasattr(backend, "to_str") and hasattr(backend, "encode")):
-        raise TypeError(f"tokenizer must be a tokenizers.Tokenizer or a fast transformers tokenizer; "
-                        f"got {type(tokenizer).__name__}")
-    tok = _hf.need("tokenizers").Tokenizer.from_str(backend.to_str())
-    tok.no_padding()
-    tok.no_truncation()
-    return tok
 
 
 def _finish(cfg: StackConfig, weights: dict[str, np.ndarray], name: str, source: str, arch: str,

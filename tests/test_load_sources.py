@@ -289,3 +289,22 @@ def test_a_modified_builtin_file_is_refused(tmp_path, monkeypatch):
     (model / "config.json").unlink()  # checked first
     with pytest.raises(ValueError, match=r"config\.json' cannot be read"):
         locate_pretrained("all-MiniLM-L6-v2")
+
+
+def test_no_torch_import_without_torch_objects(tmp_path):
+    import os
+    import subprocess
+    import sys
+
+    import pyengine
+
+    code = ("import sys, numpy as np, pyengine as pe\n"
+            "s = pe.init_weights(pe.StackConfig(d_model=16, n_heads=2, n_layers=1, vocab_size=10), 'xavier', seed=0)\n"
+            "s.hidden_states(np.array([1, 2])); s.hidden_states(np.ones((2, 16)))\n"
+            "try:\n    pe.load_pretrained('org/none')\nexcept ValueError:\n    pass\n"
+            "print(sorted(m for m in ('torch', 'transformers') if m in sys.modules))\n")
+    root = os.path.dirname(os.path.dirname(pyengine.__file__))
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, cwd=tmp_path,
+                          env={**os.environ, "PYTHONPATH": root, "HF_HUB_CACHE": str(tmp_path)})
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "[]"

@@ -38,7 +38,7 @@ from .linalg.results import SpectralRadiusResult, SpectralResult, WeightScan
 from .linalg.spectral import layer_norm_spectral_norm, rms_norm_spectral_norm, spectral_norm, spectral_radius
 from .linalg.weights import weight_scan
 from .linalg.steepest import steepest_descent
-from .models import PretrainedModel, Stack, StackConfig, init_weights, load_pretrained
+from .models import PretrainedModel, Stack, StackConfig, from_hf, init_weights, load_pretrained
 from .models import Intervention, TokenizedText, ablate_head  # sites and interventions
 from .analysis import BlockJacobian, DecayFit, Propagation, block_jacobian_norm, fit_decay, propagate
 from .distributed import scan  # pyengine.scan(job, grid, ...); pyengine.scan.load(out)
@@ -93,6 +93,7 @@ __all__ = [
     "available_backends",
     "block_jacobian_norm",
     "fit_decay",
+    "from_hf",
     "from_linear_operator",
     "get_include",
     "get_num_threads",

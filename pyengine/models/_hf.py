@@ -110,13 +110,7 @@ class Safetensors:
         F16 and BF16 are widened exactly (BF16: its 16 bits are the top half of a float32).
         """
         where = f"weights file {self.path!r}"
-        if name not in self.info:
-            raise ValueError(f"{where} lacks tensor {name!r}")
-        kind, have = self.info[name]
-        if have != tuple(shape):
-            raise ValueError(f"{where}: tensor {name!r} must have shape {tuple(shape)}; got {have}")
-        if kind not in ("F32", "F16", "F64", "BF16"):
-            raise ValueError(f"{where}: tensor {name!r} has dtype {kind}; only F32, F16, BF16 and F64 are read")
+        kind = float_kind(self.info, name, shape, where)
         try:
             if os.path.getsize(self.path) != self.size:
                 raise OSError(f"the file changed size since its header was checked ({self.size} bytes then)")
@@ -129,6 +123,18 @@ class Safetensors:
             raise ValueError(f"{where}: tensor {name!r} cannot be read ({type(exc).__name__}: {exc})") from None
         _v.finite(f"{where}: tensor {name!r}", a)
         return a
+
+
+def float_kind(info: dict[str, tuple[str, tuple[int, ...]]], name: str, shape: tuple[int, ...], where: str) -> str:
+    """The dtype name of tensor ``name`` in ``info``; ValueError if it is missing, not float or misshapen."""
+    if name not in info:
+        raise ValueError(f"{where} lacks tensor {name!r}")
+    kind, have = info[name]
+    if have != tuple(shape):
+        raise ValueError(f"{where}: tensor {name!r} must have shape {tuple(shape)}; got {have}")
+    if kind not in ("F32", "F16", "F64", "BF16"):
+        raise ValueError(f"{where}: tensor {name!r} has dtype {kind}; only F32, F16, BF16 and F64 are read")
+    return kind
 
 
 class Shards:

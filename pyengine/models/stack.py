@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import os
+import warnings
 from collections.abc import Mapping
 from typing import Any
 
@@ -37,7 +38,7 @@ from ..kernels.layernorm import layer_norm, rms_norm
 from .config import StackConfig, _check_arrays, expected_arrays
 from .linearization import BlockCache, Linearization
 from .reverse import ReverseMode
-from .sites import _Hooks, Sites, as_input, padded_context, padding
+from .sites import _Hooks, Sites, as_input, check_not_float_ids, padded_context, padding
 
 __all__ = ["BlockCache", "Stack"]
 
@@ -174,7 +175,7 @@ class Stack(Sites, Linearization, ReverseMode):
         return self._token_types(self._params(dt)[1]["embed.tokens"][ids], token_type_ids)
 
     def hidden_states(self, input_ids: Any, dtype: Any = None, *, attention_mask: Any = None,
-                      token_type_ids: Any = None) -> np.ndarray:
+                      token_type_ids: Any = None, final_norm: bool = False) -> np.ndarray:
         """The residual stream before and after every block.
 
         Parameters
@@ -182,7 +183,9 @@ class Stack(Sites, Linearization, ReverseMode):
         input_ids : array_like
             Integer token ids (T,) or (B, T) (needs vocab_size > 0; see :meth:`embed`),
             or a float residual-stream input (T, d_model) or (B, T, d_model) that
-            takes the place of the token embeddings.
+            takes the place of the token embeddings. Torch tensors are read without
+            importing torch: detached if they require grad, float16 and bfloat16
+            widened to float32 exactly.
         dtype : {None, float32, float64}
             Compute dtype; default the input's dtype (float input) or the stack's (ids).
             float64 means float64 arithmetic on the stored weights from the first sum.
@@ -191,6 +194,11 @@ class Stack(Sites, Linearization, ReverseMode):
             every real position equals a separate run of its sequence.
         token_type_ids : array_like of int, optional
             BERT segment ids (default 0), the shape of the ids.
+        final_norm : bool
+            False (default): every state is a residual stream; the last one is *before* the
+            final norm (apply it with :meth:`apply_final_norm`). True: the last state is
+            after the final norm, as transformers' ``output_hidden_states`` gives it (the
+            others are unchanged; a stack without a final norm is unchanged).
 
         Returns
         -------
@@ -198,15 +206,21 @@ class Stack(Sites, Linearization, ReverseMode):
             Index 0 is the input after learned/sinusoidal positions are added
             (and the embedding norm applied, if ``embed_norm``: BERT); index k
             the stream after block k (post-LN: after the block's last norm).
-            The final norm is not applied (see :meth:`apply_final_norm`).
+            The final norm is applied to the last state only with ``final_norm=True``.
 
         Raises
         ------
         TypeError, ValueError
             Wrong dtype or shape, NaN/Inf input, more tokens than max_seq_len
-            (learned positions), ids out of range.
+            (learned positions; rotary positions warn), ids out of range, float ids
+            that cannot be a residual stream.
         """
-        return self.forward(input_ids, dtype, attention_mask=attention_mask, token_type_ids=token_type_ids)[0]
+        if not isinstance(final_norm, (bool, np.bool_)):
+            raise TypeError(f"final_norm must be True or False; got {final_norm!r}")
+        out = self.forward(input_ids, dtype, attention_mask=attention_mask, token_type_ids=token_type_ids)[0]
+        if final_norm and self._config.final_norm:
+            out[-1] = self.apply_final_norm(out[-1])
+        return out
 
     def forward(self, input_ids: Any, dtype: Any = None, *, cache_from: int | None = None, attention_mask: Any = None,
                 token_type_ids: Any = None) -> tuple[np.ndarray, list[BlockCache]]:
@@ -298,6 +312,7 @@ class Stack(Sites, Linearization, ReverseMode):
             emb = self.embed(ids, dtype, token_type_ids)
             h, batched = (emb if emb.ndim == 3 else emb[None]), emb.ndim == 3
         else:
+            check_not_float_ids(np.asarray(x), self.config.d_model)
             h, batched = self.as_stream(x, "input_ids", dtype)
         if ids is None and token_type_ids is not None:
             raise ValueError("token_type_ids go with token ids, not with a float residual stream")
@@ -340,6 +355,10 @@ class Stack(Sites, Linearization, ReverseMode):
         if hk is not None:
             h = hk.at("embed", h)
         out = np.empty((cfg.n_layers + 1,) + h.shape, h.dtype)
+        if cfg.positions == "rotary" and T > cfg.max_seq_len:
+            warnings.warn(f"input_ids has T = {T} tokens, more than max_seq_len = {cfg.max_seq_len} positions the "
+                          "model was made for; rotary angles are computed for every position, but the model may "
+                          "not be reliable there", UserWarning, stacklevel=3)
         if cfg.positions in ("learned", "sinusoidal"):
             n = T if pos is None else int(pos.max()) + 1
             if cfg.positions == "learned" and n > cfg.max_seq_len:

@@ -110,10 +110,10 @@ FAR = {"arm": NEAR["arm"] + 0.2, "gd": NEAR["gd"]}
 
 
 @pytest.mark.parametrize("diff, reached, excess, want", [
-    ([-500, -480, -520, -510, -490], [True] * 5, NEAR, ("SUPPORTED", "faster")),
+    ([-500, -480, -520, -510, -490], [True] * 5, NEAR, ("SUPPORTED", "faster than gd; both near the floor")),
     ([300, 280, 320, 310, 290], [True] * 5, NEAR, ("CONTRADICTED", "more steps")),
     ([0, 0, 0, 0, 0], [False] * 5, NEAR, ("CONTRADICTED", "never reaches")),
-    ([-500, -480, -520, -510, -490], [True] * 5, FAR, ("CONTRADICTED", "arm stays far")),
+    ([-500, -480, -520, -510, -490], [True] * 5, FAR, ("CONTRADICTED", "faster than gd; arm stays far")),
     ([-500, 480, -520, 510, -490], [True] * 5, NEAR, ("NOT RESOLVED", "contains 0")),
     ([-500, -480, -520, -510, 0], [True] * 4 + [False], NEAR, ("NOT RESOLVED", "on 4/5 seeds")),
     ([-500, -480, -520, -510, -490], [True] * 5, {"arm": np.array([0.01, 0.05, 0.0, 0.04, 0.02]), "gd": NEAR["gd"]},

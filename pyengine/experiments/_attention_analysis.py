@@ -152,28 +152,32 @@ def claim_verdict(steps_diff: np.ndarray, reached: np.ndarray, excess: Mapping[s
     (verdict, reason): SUPPORTED when every seed reached, the step difference's 95 % interval
     lies below 0 and both arms' excess intervals lie below ``near_tol``; CONTRADICTED when no
     seed reached, the step interval lies above 0 (censored values only raise it), or an
-    excess interval lies above ``near_tol``; NOT RESOLVED otherwise.
+    excess interval lies above ``near_tol``; NOT RESOLVED otherwise. The reason states the
+    speed part, then the floor part.
     """
     iv = paired_interval(steps_diff)
+    if not np.any(reached):
+        speed = (1, "it never reaches gd's final held-out loss")
+    elif _sign(iv) > 0:
+        speed = (1, "it needs more steps than gd")
+    elif np.all(reached) and _sign(iv) < 0:
+        speed = (-1, "faster than gd")
+    elif not np.all(reached):
+        speed = (0, f"it reaches gd's final held-out loss on {int(np.sum(reached))}/{len(reached)} seeds")
+    else:
+        speed = (0, "the step interval contains 0")
     near = {k: _sign(paired_interval(np.asarray(v) - near_tol)) for k, v in excess.items()}
     far = [k for k, s in near.items() if s > 0]
-    if not np.any(reached):
-        return "CONTRADICTED", "it never reaches gd's final held-out loss"
-    if _sign(iv) > 0:
-        return "CONTRADICTED", "it needs more steps than gd"
-    if far:
-        return "CONTRADICTED", f"{' and '.join(far)} stay{'s' if len(far) == 1 else ''} far above the floor"
-    if np.all(reached) and _sign(iv) < 0 and all(s < 0 for s in near.values()):
-        return "SUPPORTED", "faster, and both near the floor"
-    why = []
-    if not np.all(reached):
-        why.append(f"it reaches gd's final held-out loss on {int(np.sum(reached))}/{len(reached)} seeds")
-    if _sign(iv) == 0:
-        why.append("the step interval contains 0")
     unsure = [k for k, s in near.items() if s == 0]
-    if unsure:
-        why.append(f"nearness to the floor unresolved for {' and '.join(unsure)}")
-    return "NOT RESOLVED", "; ".join(why)
+    if far:
+        floor = (1, f"{' and '.join(far)} stay{'s' if len(far) == 1 else ''} far above the floor")
+    elif unsure:
+        floor = (0, f"nearness to the floor unresolved for {' and '.join(unsure)}")
+    else:
+        floor = (-1, "both near the floor")
+    parts = (speed[0], floor[0])
+    verdict = "CONTRADICTED" if 1 in parts else "SUPPORTED" if parts == (-1, -1) else "NOT RESOLVED"
+    return verdict, f"{speed[1]}; {floor[1]}"
 
 
 @dataclasses.dataclass

@@ -164,6 +164,7 @@ def test_report_flags_an_arm_below_the_floor_and_writes_the_json_keys(tmp_path):
     assert len(flags) == 1 and flags[0].startswith("FLAG m_step") and "5/5 seeds" in flags[0]
     assert "fits the sample" in flags[0] and "population quantity" in flags[0]
     assert text.splitlines()[1].startswith("protocol: ") and "held-out" in text.splitlines()[1]
+    assert "m_step ridge 0: set by the caller" in text.splitlines()[1]
     assert "m_step: CONTRADICTED (it never reaches" in text and "no arm reaches a lower final held-out loss" in text
     write_attention_report(rep, str(tmp_path), plots=False)
     data = json.loads((tmp_path / "attention.json").read_text())

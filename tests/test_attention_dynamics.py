@@ -15,6 +15,7 @@ from pyengine import cli
 from pyengine.experiments import attention_dynamics, format_attention_table, write_attention_report
 from pyengine.experiments.attention_dynamics import (
     HELDOUT_OFFSET,
+    M_STEP_RIDGE,
     VALIDATION_OFFSET,
     EvalSet,
     Evaluator,
@@ -159,6 +160,7 @@ def test_report_has_every_metric_and_the_paired_comparison(small_report, tmp_pat
     text = format_attention_table(rep)
     assert "Bayes floor" in text and "m_step" in text and text.splitlines()[-1].startswith("verdict: ")
     assert "300 parameters" in text and "T = 80 tokens" in text
+    assert f"m_step ridge {M_STEP_RIDGE:g}: the default, chosen on the validation" in text
     paths = write_attention_report(rep, str(tmp_path), plots=True)
     assert {os.path.basename(p) for p in paths} == {"attention.json", "attention.csv", "attention_loss.png",
                                                     "attention_heatmaps.png", "attention_value_pca.png"}

@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 
 from ._attention_analysis import SETTLE_FRACTION
-from .attention_dynamics import D_IN, D_V, EVAL_DENSE, METRICS, AttentionDynamics
+from .attention_dynamics import D_IN, D_V, EVAL_DENSE, M_STEP_RIDGE, METRICS, AttentionDynamics
 
 __all__ = ["format_attention_table", "protocol_line", "verdict_line", "write_attention_report"]
 
@@ -28,12 +28,19 @@ def _mean(a: np.ndarray) -> float:
     return float(np.nanmean(a)) if np.isfinite(a).any() else float("nan")
 
 
+def _ridge_origin(rep: AttentionDynamics) -> str:
+    r = rep.config["m_step_ridge"]
+    if r == M_STEP_RIDGE:
+        return f"ridge {r:g}: the default, chosen on the validation sequences' loss ({rep.config['validation_seed']})"
+    return f"ridge {r:g}: set by the caller (the default {M_STEP_RIDGE:g} was chosen on validation loss)"
+
+
 def protocol_line(rep: AttentionDynamics) -> str:
     c = rep.config
     return (f"protocol: train on one sequence per seed (T = {c['T']}); report losses on {c['n_heldout']} held-out "
-            f"sequences per seed from the same chain and mu (seeds {c['heldout_seeds']}); m_step's ridge chosen on "
-            f"a validation sequence ({c['validation_seed']}); seeds {', '.join(map(str, rep.seeds))}; "
-            f"[lo, hi]: 95 % Student-t interval of the mean paired difference (arm - gd) over seeds")
+            f"sequences per seed from the same chain and mu (seeds {c['heldout_seeds']}); m_step {_ridge_origin(rep)}; "
+            f"seeds {', '.join(map(str, rep.seeds))}; [lo, hi]: 95 % Student-t interval of the mean paired difference "
+            f"(arm - gd) over seeds")
 
 
 def verdict_line(rep: AttentionDynamics) -> str:
@@ -101,8 +108,8 @@ def format_attention_table(rep: AttentionDynamics) -> str:
         best = rep.schedule[va.argmin(axis=1)]
         lines.append(f"m_step: Newton M-step on W_V: {D_IN * D_V} parameters ({D_IN} x {D_V}; as logit weights W_V W_O, "
                      f"{D_IN} x {c['n_symbols']} = {D_IN * c['n_symbols']}) fitted to T = {c['T']} tokens each step; "
-                     f"ridge {c['m_step_ridge']:g} / 2 |W_V|^2 (default chosen on the validation sequences' loss, "
-                     f"never the training loss); validation loss final {va[:, -1].mean():.4f}, lowest "
+                     f"penalty ridge / 2 |W_V|^2 ({_ridge_origin(rep)}, never on training loss); validation loss "
+                     f"final {va[:, -1].mean():.4f}, lowest "
                      f"{va.min(axis=1).mean():.4f} at step {_f(float(best.mean()), '.0f')} (mean over seeds)")
         if rep.m_step_skipped.size:
             lines.append(f"m_step: Newton steps skipped by the line search (no decrease): "

@@ -126,10 +126,9 @@ std::int64_t attention_score_grad(const T* p, const T* u, const T* v, index_t of
 /// The threads share out whole heads (at least as many heads as threads), else single
 /// (head, tile) pairs, one unit at a time (dynamic); each thread transposes a head's k, v
 /// into its own scratch when it reaches a head other than the one it holds, so there is no
-/// barrier per head. (Before, fewer than 4 heads per thread shared each head's transposes:
-/// two barriers per head, which dominated short heads: (6, 97, 97, 32) took 0.9 ms against
-/// 0.25 for Numba's BLAS forward; now 0.2. Issue 18.) Whole heads keep a head's transposes
-/// to one thread ((12, 128, 128, 64) as single tiles: 25 % slower). Each tile is computed
+/// barrier per head (two barriers per head dominated short heads; docs/design.md). Whole
+/// heads keep a head's transposes to one thread ((12, 128, 128, 64) as single tiles: 25 %
+/// slower). Each tile is computed
 /// the same way by one thread, so the results do not depend on the number of threads.
 template <class T>
 std::int64_t attention_forward(const T* q, const T* k, const T* v, index_t offset, double scale,

@@ -1,4 +1,4 @@
-// The attention backward kernels on head-sized problems as BLAS products (issue 11): the
+// The attention backward kernels on head-sized problems as BLAS products: the
 // per-head matrix products b = u v^T, s = q k^T, dp = d_o v^T, dv = p^T d_o, dq = g k and
 // dk = g^T q are CBLAS gemms of NumPy's own OpenBLAS (the pointers of linear.hpp's
 // LinearBlas, found at run time; each OpenMP thread calls it single-threaded through

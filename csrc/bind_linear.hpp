@@ -1,24 +1,28 @@
 // Bindings of the dense-layer kernels (linear.hpp): register_linear(m) defines one overload per
-// dtype of linear, linear_act and linear_mul, with the reference's argument names, and
+// dtype of linear, linear_act, linear_mul, linear_attention_jvp and linear_attention_forward,
+// with the reference's argument names, linear_epilogue (the epilogue alone), and set_blas /
 // linear_blas_info / linear_force_fallback (which path the products take).
 //
 // BLAS: MKL from the mkl package (its threading layer sequential) or NumPy's own OpenBLAS,
-// found at run time by pyengine.kernels._blas.find() (ctypes): the CBLAS sgemm/dgemm entry
-// points and the library's per-thread count setter. They are looked up once, on the first
-// call, with the GIL held; the libraries stay loaded, so the pointers stay valid. Without
-// them (NumPy on MKL or Accelerate, an OpenBLAS older than 0.3.27, or
-// linear_force_fallback(True)) the product is numpy.matmul's (called here, with the GIL)
-// and the epilogue a separate parallel pass.
+// found once in Python (pyengine.kernels._blas.find(), ctypes) and handed over by
+// pyengine.kernels._cpp through set_blas: the CBLAS sgemm/dgemm entry points and the
+// library's per-thread count setter. The libraries stay loaded, so the pointers stay valid.
+// Until set_blas is called every kernel that reads them raises. Without them (NumPy on MKL or
+// Accelerate, an OpenBLAS older than 0.3.27, or linear_force_fallback(True)) the kernels
+// return -1 and leave out untouched: the Python side then takes numpy.matmul and
+// linear_epilogue. Nothing here imports a Python module.
 #pragma once
 
 #include <pybind11/numpy.h>
 #include <pybind11/pybind11.h>
 #include <pybind11/stl.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <optional>
 #include <stdexcept>
 #include <string>
+#include <vector>
 
 #include "bind_util.hpp"
 #include "linear.hpp"
@@ -28,29 +32,31 @@ namespace pyengine::bind {
 
 struct LinearState {
     pyengine::LinearBlas blas;
-    bool looked_up = false;
+    bool set = false;
     bool forced = false;
     std::string info;
 };
 
-inline LinearState& linear_state() {
+inline LinearState& linear_state_unchecked() {
     static LinearState s;
-    if (!s.looked_up) {  // GIL held: every caller is a bound function
-        // find() raises on a bad PYENGINE_BLAS: then every call raises, none falls back silently.
-        py::tuple t = py::module_::import("pyengine.kernels._blas").attr("find")();
-        s.blas.sgemm = reinterpret_cast<void*>(t[0].cast<std::uintptr_t>());
-        s.blas.dgemm = reinterpret_cast<void*>(t[1].cast<std::uintptr_t>());
-        s.blas.set_threads_local = reinterpret_cast<pyengine::LinearBlas::local_t>(t[2].cast<std::uintptr_t>());
-        s.blas.ilp64 = t[3].cast<bool>();
-        s.info = t[4].cast<std::string>();
-        s.looked_up = true;
+    return s;
+}
+
+// The state the kernels read (GIL held: every caller is a bound function); raises until
+// set_blas has been called.
+inline LinearState& linear_state() {
+    LinearState& s = linear_state_unchecked();
+    if (!s.set) {
+        throw std::runtime_error(
+            "pyengine._core: no BLAS handed over yet (pyengine.kernels._cpp calls set_blas when it is imported)");
     }
     return s;
 }
 
-inline bool linear_fast(index_t k) {
+// Whether the products go to the BLAS handed over (else the kernels return -1).
+inline bool linear_fast() {
     const LinearState& s = linear_state();
-    return !s.forced && s.blas.ready() && k > 0;
+    return !s.forced && s.blas.ready();
 }
 
 inline pyengine::Act parse_act(const std::string& a) {
@@ -97,10 +103,13 @@ const T* ptr(const std::optional<carray<T>>& a) {
     return a ? a->data() : nullptr;
 }
 
-// numpy.matmul(x, w) into dst (GIL held): the fallback product.
+// x @ w with k = 0 is a product of zeros (what numpy.matmul gives): zeros, then the epilogue.
 template <class T>
-void matmul_into(const carray<T>& x, const carray<T>& w, carray<T>& dst) {
-    py::module_::import("numpy").attr("matmul")(x, w, py::arg("out") = dst);
+std::int64_t empty_product(index_t N, index_t n, T* p, const T* b, const T* r, pyengine::Act act, const T* coef,
+                           index_t M, T* out) {
+    std::fill_n(p, N * n, T(0));
+    py::gil_scoped_release release;
+    return pyengine::linear_epilogue<T>(p, b, r, act, coef, M, N, n, out);
 }
 
 template <class T>
@@ -113,23 +122,19 @@ std::int64_t linear(const carray<T>& x, const carray<T>& w, const std::optional<
         if (!inplace) no_overlap(out, "out", *r, "r (unless r is out itself)");
     }
     if (N == 0 || n == 0) return 0;
+    if (!linear_fast()) return -1;
     const T *xp = x.data(), *wp = w.data(), *bp = ptr(b), *rp = ptr(r);
     T* op = out.mutable_data();
-    if (linear_fast(k)) {
-        const pyengine::LinearBlas blas = linear_state().blas;
-        py::gil_scoped_release release;  // only raw buffers and BLAS from here on (see bind_util.hpp)
-        return pyengine::linear(blas, xp, wp, bp, rp, N, k, n, op);
+    if (k == 0) {
+        if (inplace) {  // the product (zeros) added to out
+            std::vector<T> zeros(static_cast<std::size_t>(N * n));
+            return empty_product<T>(N, n, zeros.data(), bp, op, pyengine::Act::none, nullptr, 1, op);
+        }
+        return empty_product<T>(N, n, op, bp, rp, pyengine::Act::none, nullptr, 1, op);
     }
-    if (inplace) {  // the product first, then added to out
-        carray<T> prod({N, n});
-        matmul_into(x, w, prod);
-        T* pp = prod.mutable_data();
-        py::gil_scoped_release release;
-        return pyengine::linear_epilogue<T>(pp, bp, op, pyengine::Act::none, nullptr, 1, N, n, op);
-    }
-    matmul_into(x, w, out);
-    py::gil_scoped_release release;
-    return pyengine::linear_epilogue<T>(op, bp, rp, pyengine::Act::none, nullptr, 1, N, n, op);
+    const pyengine::LinearBlas blas = linear_state().blas;
+    py::gil_scoped_release release;  // only raw buffers and BLAS from here on (see bind_util.hpp)
+    return pyengine::linear(blas, xp, wp, bp, rp, N, k, n, op);
 }
 
 template <class T>
@@ -145,18 +150,14 @@ std::int64_t linear_act(const carray<T>& x, const carray<T>& w, const std::optio
         if (b) no_overlap(*u, "u", *b, "b");
     }
     if (N == 0 || n == 0) return 0;
+    if (!linear_fast()) return -1;
     const T *xp = x.data(), *wp = w.data(), *bp = ptr(b);
     T* up = u ? u->mutable_data() : nullptr;
     T* op = out.mutable_data();
-    if (linear_fast(k)) {
-        const pyengine::LinearBlas blas = linear_state().blas;
-        py::gil_scoped_release release;
-        return pyengine::linear_act(blas, xp, wp, bp, act, N, k, n, up, op);
-    }
-    matmul_into(x, w, u ? *u : out);
-    T* pp = up != nullptr ? up : op;
+    if (k == 0) return empty_product<T>(N, n, up != nullptr ? up : op, bp, nullptr, act, nullptr, 1, op);
+    const pyengine::LinearBlas blas = linear_state().blas;
     py::gil_scoped_release release;
-    return pyengine::linear_epilogue<T>(pp, bp, nullptr, act, nullptr, 1, N, n, op);
+    return pyengine::linear_act(blas, xp, wp, bp, act, N, k, n, up, op);
 }
 
 template <class T>
@@ -169,16 +170,13 @@ std::int64_t linear_mul(const carray<T>& x, const carray<T>& w, const carray<T>&
     const index_t M = coef.shape(0);
     no_overlap(out, "out", coef, "coef");
     if (N == 0 || n == 0) return 0;
+    if (!linear_fast()) return -1;
     const T *xp = x.data(), *wp = w.data(), *cp = coef.data();
     T* op = out.mutable_data();
-    if (linear_fast(k)) {
-        const pyengine::LinearBlas blas = linear_state().blas;
-        py::gil_scoped_release release;
-        return pyengine::linear_mul(blas, xp, wp, cp, M, N, k, n, op);
-    }
-    matmul_into(x, w, out);
+    if (k == 0) return empty_product<T>(N, n, op, nullptr, nullptr, pyengine::Act::none, cp, M, op);
+    const pyengine::LinearBlas blas = linear_state().blas;
     py::gil_scoped_release release;
-    return pyengine::linear_epilogue<T>(op, nullptr, nullptr, pyengine::Act::none, cp, M, N, n, op);
+    return pyengine::linear_mul(blas, xp, wp, cp, M, N, k, n, op);
 }
 
 
@@ -207,8 +205,8 @@ std::int64_t linear_attention_jvp(const carray<T>& dqkv, const carray<T>& q, con
     no_overlap(out, "out", k, "k");
     no_overlap(out, "out", v, "v");
     no_overlap(out, "out", p, "p");
-    if (!linear_fast(dh)) return -1;
-    if (K == 0 || tq == 0 || H == 0) return 0;
+    if (!linear_fast()) return -1;
+    if (K == 0 || dh == 0 || tq == 0 || H == 0) return 0;
     const pyengine::LinearBlas blas = linear_state().blas;
     const T *dp = dqkv.data(), *qp = q.data(), *kp = k.data(), *vp = v.data(), *pp = p.data();
     T* op = out.mutable_data();
@@ -238,14 +236,43 @@ std::int64_t linear_attention_forward(const carray<T>& qkv, const carray<T>& kp,
     no_overlap(out, "out", qkv, "qkv");
     no_overlap(out, "out", kp, "kp");
     no_overlap(out, "out", vp, "vp");
-    if (!linear_fast(dh)) return -1;
-    if (B == 0 || tq == 0) return 0;
+    if (!linear_fast()) return -1;
+    if (B == 0 || dh == 0 || tq == 0) return 0;
     const pyengine::LinearBlas blas = linear_state().blas;
     const T *qp = qkv.data(), *kpp = kp.data(), *vpp = vp.data();
     T* op = out.mutable_data();
     py::gil_scoped_release release;
     return pyengine::linear_attention_forward<T>(blas, qp, kpp, vpp, B, tq, s, H, Hkv, dh, offset,
                                                  static_cast<T>(scale), op);
+}
+
+// The epilogue alone, for the Python side's numpy.matmul fallback: p (N, n) holds the product;
+// p += b, p += r, then out = activation(p), or p * coef (coef (M, n), row i uses coef[i % M]);
+// out may be p, and r may be out. Returns the rows of p with NaN/Inf.
+template <class T>
+std::int64_t linear_epilogue(carray<T>& p, const std::optional<carray<T>>& b, const std::optional<carray<T>>& r,
+                             const std::string& activation, const std::optional<carray<T>>& coef, carray<T>& out) {
+    if (p.ndim() != 2) throw std::invalid_argument("p must be 2-D (N, n), got shape " + shape_str(p));
+    const index_t N = p.shape(0), n = p.shape(1);
+    const pyengine::Act act = parse_act(activation);
+    if (b) expect_shape(*b, "b", {n});
+    if (r) expect_shape(*r, "r", {N, n});
+    expect_shape(out, "out", {N, n});
+    index_t M = 1;
+    if (coef) {
+        if (coef->ndim() != 2 || coef->shape(1) != n || (N > 0 && (coef->shape(0) == 0 || N % coef->shape(0) != 0))) {
+            throw std::invalid_argument("coef must have shape (M, " + std::to_string(n) + ") with M dividing N = " +
+                                        std::to_string(N) + ", got " + shape_str(*coef));
+        }
+        M = coef->shape(0);
+        if (act != pyengine::Act::none) throw std::invalid_argument("coef is applied with activation 'none' only");
+    }
+    if (N == 0 || n == 0) return 0;
+    T* pp = p.mutable_data();
+    const T *bp = ptr(b), *rp = ptr(r), *cp = ptr(coef);
+    T* op = out.mutable_data();
+    py::gil_scoped_release release;
+    return pyengine::linear_epilogue<T>(pp, bp, rp, act, cp, M, N, n, op);
 }
 
 template <class T>
@@ -270,11 +297,31 @@ void def_linear(py::module_& m) {
           py::arg("scale"), py::arg("out").noconvert(),
           "softmax(scale q k^T, keys j <= offset + t) v per sequence and head, the first kp.shape[1] keys and values "
           "shared (linear_attention.hpp); -1 when the BLAS path is off, else the bad rows.");
+    m.def("linear_epilogue", &linear_epilogue<T>, py::arg("p").noconvert(), py::arg("b").noconvert().none(true),
+          py::arg("r").noconvert().none(true), py::arg("activation"), py::arg("coef").noconvert().none(true),
+          py::arg("out").noconvert(),
+          "p += b, p += r, out = activation(p) or p * coef (the numpy.matmul fallback's epilogue); returns the rows "
+          "of p with NaN/Inf.");
 }
 
 inline void register_linear(py::module_& m) {
     def_linear<float>(m);
     def_linear<double>(m);
+    m.def(
+        "set_blas",
+        [](std::uintptr_t sgemm, std::uintptr_t dgemm, std::uintptr_t set_threads_local, bool ilp64,
+           const std::string& info) {
+            LinearState& s = linear_state_unchecked();
+            s.blas.sgemm = reinterpret_cast<void*>(sgemm);
+            s.blas.dgemm = reinterpret_cast<void*>(dgemm);
+            s.blas.set_threads_local = reinterpret_cast<pyengine::LinearBlas::local_t>(set_threads_local);
+            s.blas.ilp64 = ilp64;
+            s.info = info;
+            s.set = true;
+        },
+        py::arg("sgemm"), py::arg("dgemm"), py::arg("set_threads_local"), py::arg("ilp64"), py::arg("info"),
+        "Hand over the BLAS of the linear and attention kernels: the addresses of CBLAS sgemm, dgemm and the "
+        "library's per-thread count setter (0: none, the kernels return -1), ILP64 or LP64, and its description.");
     m.def(
         "linear_blas_info", [] {
             const LinearState& s = linear_state();
@@ -283,8 +330,11 @@ inline void register_linear(py::module_& m) {
         },
         "Which path the linear kernels' products take, in words.");
     m.def(
-        "linear_force_fallback", [](bool on) { linear_state().forced = on; }, py::arg("on"),
-        "Force (True) or release (False) the numpy.matmul fallback of the linear kernels (for tests).");
+        "linear_blas_ready", [] { return linear_fast(); },
+        "Whether the linear kernels' products take the BLAS handed over (found, and not forced off).");
+    m.def(
+        "linear_force_fallback", [](bool on) { linear_state_unchecked().forced = on; }, py::arg("on"),
+        "Make the linear kernels return -1, as without a BLAS (True), or release that (False) (for tests).");
 }
 
 }  // namespace pyengine::bind

@@ -161,12 +161,9 @@ PYENGINE_ALWAYS_INLINE bool bias_residual_row(T* p, index_t n, const T* b, const
 // The tiles of the (N, n) result. Large N: row tiles of the full width, at most 2048 rows.
 // Each row tile packs all of w once and each gemm call packs its own rows
 // of x, so tall, full-width tiles keep the packing small next to the flops; the epilogue
-// then runs on a tile that has left L2. Measured on a quiet 2-core AVX-512 host
-// (2026-12-03, `benchmarks/torch_compare.py`, K = 64, T = 128, GPT-2-small): the previous
-// 512 x 1024 tiles (the epilogue in cache) ran (8320, 768) @ (768, 3072) at 270-275 GFLOP/s
-// against numpy's threaded 324-337; full-width 1040-row tiles at 323-327, and exact propagation
-// went from 98.0 to 87.4 ms a sequence. Small N (a single sequence) splits the columns only, so
-// w is still packed once in all.
+// then runs on a tile that has left L2, which costs less than packing w per tile
+// (docs/design.md). Small N (a single sequence) splits the columns only, so w is still
+// packed once in all.
 //
 // Rounding: every element must be computed the same way whatever the number of threads. A
 // gemm's rounding can depend on where a column falls in its tile, and on the call's size
@@ -175,10 +172,8 @@ PYENGINE_ALWAYS_INLINE bool bias_residual_row(T* p, index_t n, const T* b, const
 // float32 and float64: tests/test_blas.py). So a large product (k * n >= 2^18: every tile of
 // 16 rows or more is far past the small-matrix paths) is cut into a multiple of the thread
 // count (at most 8) of row tiles, spread evenly at multiples of 16 rows: on two threads
-// each thread packs w once (the span of issue 18, 4096 rows) or three times (all positions,
-// 8320) instead of four; 6 alternated rounds on the 2-core Zen 4 host, medians: the span
-// 62.05 -> 61.15 ms a sequence, all positions 120.3 -> 117.85 (nineteenth session). Other
-// products take about 8 row tiles, by the shape alone.
+// each thread packs w once (4096 rows) or three times (8320 rows) instead of four
+// (docs/design.md). Other products take about 8 row tiles, by the shape alone.
 struct Tiling {
     index_t rows;    // row tile height (the last tile may be shorter); 0: `rtiles` even tiles
     index_t rtiles;  // row tiles

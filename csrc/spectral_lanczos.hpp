@@ -1,4 +1,4 @@
-// Fused per-token Lanczos for sigma_max of the LayerNorm / RMSNorm Jacobians (issue #18).
+// Fused per-token Lanczos for sigma_max of the LayerNorm / RMSNorm Jacobians.
 //
 // A single algorithm, longer than ~400 lines by exception. The contract and the mathematics are
 // those of pyengine/kernels/_numba/spectral_lanczos.py (its docstring, the specification,
@@ -320,6 +320,8 @@ Out lanczos_row(bool centre, const T* x, const T* gamma, double eps, bool frozen
         top = std::max(top, a);
     }
     if (!finite) return {true, kNaN, kNaN, 0};
+    // LayerNorm with eps = 0 and d = 2 (full mode): J = 0 exactly; sigma 0, residual 0, 0 iterations
+    if (centre && !frozen && eps == 0.0 && d == 2) return {false, 0.0, 0.0, 0};
     if (top == 0.0) return {false, 0.0, kInf, 0};
     for (index_t i = 0; i < d; ++i) Q[i] = v0[i] / top;
     const double qn = 1.0 / std::sqrt(dot(Q, Q, d));

@@ -3,36 +3,13 @@
 Every kernel exists three times behind one registry (:mod:`pyengine.backends`):
 in C++ (``"cpp"``), in Numba (``"numba"``) and as the NumPy reference
 (``"numpy"``). Public functions take ``backend="auto"`` (the fastest available).
-Importing pyengine loads neither Numba nor the extension; the first call does.
+Importing pyengine loads neither Numba nor the extension; the first call does, and it
+sets no environment variable (see :func:`pyengine.bench.tuned_environment`).
 """
 
 from __future__ import annotations
 
-import os as _os
-
-# The C++ kernels and Numba's "omp" threading layer share libgomp, whose idle threads
-# spin for GOMP_SPINCOUNT rounds (300000 by default, a few ms) before they sleep. On a
-# 2-core machine such a spinning team starved the other backend's: a 100-token LayerNorm
-# JVP took 8 ms instead of 0.08-0.14 ms (alternating cpp and numba calls). Not spinning
-# at all (OMP_WAIT_POLICY=PASSIVE, the setting before issue 18's fourth session) makes
-# every parallel region wake its threads through the kernel: 70-80 us per region on this
-# VM, more than the work of a 100-token LayerNorm JVP (C++ 94 us passive against 24 us
-# spinning; an empty Numba prange 76 us against 2 us). 10000 rounds (about 0.1 ms)
-# span the gap between back-to-back calls and stop before they cost a NumPy product
-# that follows (a kernel right after a 512 x 512 matmul: passive 76-120 us, 10000 rounds
-# 99-124, 30000 rounds 386-433, 100000 rounds 1.3 ms). libgomp reads it when it loads;
-# a user's OMP_WAIT_POLICY or GOMP_SPINCOUNT wins.
-if "OMP_WAIT_POLICY" not in _os.environ:
-    _os.environ.setdefault("GOMP_SPINCOUNT", "10000")
-# OpenBLAS's idle threads spin for 2^28 cycles (~0.1 s) after each threaded product before
-# they sleep, and a compiled kernel that starts meanwhile shares the cores with them: the
-# attention forward at (192, 128, 128, 64) float32 took 20-21 ms right after a NumPy matmul
-# instead of 9-10 (both backends; measured). 2^20 cycles (~0.4 ms) still spans back-to-back
-# products and gave the 10 ms back. OpenBLAS reads it when it loads, so it counts where
-# pyengine is imported before NumPy (the pyengine command, its benchmarks and their
-# workers, which inherit it); a user's setting wins.
-_os.environ.setdefault("OPENBLAS_THREAD_TIMEOUT", "20")
-
+from ._version import __version__
 from .kernels.activations import activation, activation_jvp_coef, softmax, softmax_jvp
 from .kernels.orthogonalize import orthogonalize
 from .kernels.attention import attention_backward, attention_forward, attention_score_grad
@@ -62,11 +39,9 @@ from .linalg.spectral import layer_norm_spectral_norm, rms_norm_spectral_norm, s
 from .linalg.weights import weight_scan
 from .linalg.steepest import steepest_descent
 from .models import PretrainedModel, Stack, StackConfig, init_weights, load_pretrained
-from .models import Intervention, TokenizedText, ablate_head  # issue 12: sites and interventions
+from .models import Intervention, TokenizedText, ablate_head  # sites and interventions
 from .analysis import BlockJacobian, DecayFit, Propagation, block_jacobian_norm, fit_decay, propagate
 from .distributed import scan  # pyengine.scan(job, grid, ...); pyengine.scan.load(out)
-
-__version__ = "0.1.0"
 
 
 def get_include() -> str:

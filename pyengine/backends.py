@@ -29,6 +29,7 @@ __all__ = [
     "KERNELS",
     "BackendInfo",
     "available_backends",
+    "backend_module",
     "get_num_threads",
     "num_threads",
     "one_blas_thread",
@@ -86,12 +87,15 @@ ATTENTION_KERNELS: tuple[str, ...] = (
 #: under the spectral norm): products in BLAS, everything else fused around them.
 ORTHOGONALIZE_KERNELS: tuple[str, ...] = ("newton_schulz",)
 #: Dense layers x @ w with a fused epilogue (bias, residual, activation, JVP coefficient):
-#: the block engine's GEMMs (issue 18).
+#: the block engine's GEMMs.
 LINEAR_KERNELS: tuple[str, ...] = ("linear", "linear_act", "linear_mul")
+#: The block engine's attention heads in its projections' layout (grouped queries, past keys,
+#: K tangents): forward and JVP, by per-head BLAS products next to the dense-layer kernels.
+LINEAR_ATTENTION_KERNELS: tuple[str, ...] = ("linear_attention_forward", "linear_attention_jvp")
 #: Every kernel id; each must have a ``numpy`` (reference) entry.
 KERNELS: tuple[str, ...] = (
     NORM_KERNELS + SPECTRAL_KERNELS + ACTIVATION_KERNELS + ATTENTION_KERNELS + ORTHOGONALIZE_KERNELS
-    + LINEAR_KERNELS
+    + LINEAR_KERNELS + LINEAR_ATTENTION_KERNELS
 )
 
 #: Backend name -> the module that registers its kernels when imported.
@@ -100,6 +104,7 @@ _MODULES: dict[str, str] = {
     "numba": "pyengine.kernels._numba",
     "numpy": "pyengine.kernels._reference",
 }
+#: The backend names, in registry order.
 BACKENDS: tuple[str, ...] = tuple(_MODULES)
 #: Preference order of ``backend="auto"``: fastest first.
 AUTO_ORDER: tuple[str, ...] = ("cpp", "numba", "numpy")
@@ -271,6 +276,13 @@ def auto_backend(kernel: str) -> str:
     return next(b for (k, b), f in _TABLE.items() if k == kernel and f is fn)
 
 
+def backend_module(backend: str) -> Any:
+    """The loaded module of ``backend`` (``"cpp"``: :mod:`pyengine.kernels._cpp`, whose public
+    functions are the extension's threads, copy probe and BLAS description), or None where the
+    backend does not load (:func:`available_backends` says why)."""
+    return importlib.import_module(_MODULES[backend]) if _load(backend) else None
+
+
 def available_backends() -> dict[str, BackendInfo]:
     """Load every backend and report which are available and, for the others, why.
 
@@ -303,10 +315,9 @@ def set_num_threads(n: int) -> None:
     """
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise ValueError(f"n must be a positive int; got {n!r}")
-    if _load("cpp"):
-        from . import _core
-
-        _core.set_num_threads(n)
+    cpp = backend_module("cpp")
+    if cpp is not None:
+        cpp.set_num_threads(n)
     if _load("numba"):
         import numba
 
@@ -347,10 +358,9 @@ def one_blas_thread() -> contextlib.AbstractContextManager[Any]:
 
 def get_num_threads() -> int:
     """Threads used by the compiled backends (the C++ pool's, else Numba's, else 1)."""
-    if _load("cpp"):
-        from . import _core
-
-        return int(_core.get_num_threads())
+    cpp = backend_module("cpp")
+    if cpp is not None:
+        return int(cpp.get_num_threads())
     if _load("numba"):
         import numba
 

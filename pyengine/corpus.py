@@ -23,6 +23,7 @@ from . import _validate as _v
 
 __all__ = ["CORPUS_LICENSE", "load_corpus", "tokenized_corpus"]
 
+#: The built-in corpus's license, as its file's header states it.
 CORPUS_LICENSE = "CC0 1.0 (public domain dedication); sentences written for pyengine"
 
 

@@ -111,8 +111,8 @@ def test_constant_row_rms_is_fine_with_eps_zero():
 
 
 def test_statistics_overflow(backend):
-    # Issue 13 item 5: a row of 1e300 is no longer refused (its statistics are taken of the
-    # row scaled by a power of two); a tangent whose sums overflow still is, naming both.
+    # A row of 1e300 is not refused (its statistics are taken of the row scaled by a power
+    # of two); a tangent whose sums overflow still is, naming both.
     x = np.array([[1e300, -1e300, 0.0, 5.0]])
     np.testing.assert_allclose(pe.layer_norm(x, eps=0, backend=backend),
                                pe.layer_norm(x * 2.0**-1000, eps=0, backend=backend), rtol=1e-15)

@@ -1,4 +1,4 @@
-"""The BLAS library under the C++ linear kernels, and NumPy's BLAS threads around them (issue 18).
+"""The BLAS library under the C++ linear kernels, and NumPy's BLAS threads around them.
 
 ``pyengine.kernels._blas.find``: NumPy's OpenBLAS, MKL from the ``mkl`` extra, the choice by
 ``PYENGINE_BLAS`` (a bad value fails every compiled call), the reasons it falls back; each
@@ -81,7 +81,7 @@ def test_the_finder_takes_mkl_when_installed(monkeypatch):
 
 @pytest.mark.parametrize("vendor", ["AuthenticAMD", ""])
 def test_the_finder_leaves_mkl_to_intel_cpus_unless_asked(monkeypatch, vendor):
-    # MKL's sgemm ran 63-78 GFLOP/s a core on an AMD Zen 4 host, OpenBLAS's 91-97 (issue 18):
+    # MKL's sgemm measured slower than OpenBLAS's on AMD Zen 4 (docs/design.md):
     # auto keeps OpenBLAS there (and where the vendor is unknown) and says why; mkl still takes it.
     if _blas._mkl_path() is None or not _numpy_has_openblas():
         pytest.skip("the mkl package (the mkl extra) is not installed, or NumPy's BLAS is not OpenBLAS")
@@ -112,11 +112,11 @@ def test_a_bad_choice_fails_every_compiled_call(tmp_path):
     require("cpp")
     code = """
 import numpy as np
-from pyengine import _core
+from pyengine import backends
 x = np.ones((4, 3), np.float32)
 for _ in range(2):
     try:
-        _core.linear(x, np.ones((3, 2), np.float32), None, None, np.empty((4, 2), np.float32))
+        backends.resolve("linear")(x, np.ones((3, 2), np.float32), None, None, np.empty((4, 2), np.float32))
     except ValueError as exc:
         assert "PYENGINE_BLAS must be" in str(exc), exc
     else:
@@ -137,8 +137,9 @@ def test_each_library_gives_the_references_products(choice, tmp_path):
         pytest.skip("the mkl package (the mkl extra) is not installed")
     code = """
 import numpy as np
-from pyengine import _core, backends
-info = _core.linear_blas_info()
+from pyengine import backends
+from pyengine.kernels.linear import blas_info
+info = blas_info()
 assert info.startswith({want!r}), info
 rng = np.random.default_rng(5)
 for dt, tol in ((np.float32, 2e-5), (np.float64, 1e-12)):
@@ -157,7 +158,7 @@ for dt, tol in ((np.float32, 2e-5), (np.float64, 1e-12)):
     for t in (1, 2, 3, 5, 8):
         outs.append(np.empty((1000, 640), dt))
         with backends.num_threads(t):
-            _core.linear(x, w, None, None, outs[-1])
+            backends.resolve("linear", "cpp")(x, w, None, None, outs[-1])
     assert all(np.array_equal(outs[0], o) for o in outs[1:]), dt
 print("ok", info)
 """.format(want="OpenBLAS" if choice == "openblas" else "MKL")

@@ -1,4 +1,4 @@
-"""The CLI's rough edges of issue #12, each through a subprocess (cwd outside the repo) where
+"""The CLI's edge cases, each through a subprocess (cwd outside the repo) where
 it is about the command: help text, ``--positions -3:``, ``--directions FILE.npy``, Ctrl-C,
 reads without the last token, model names, ``spectral`` on (L, T, d), token strings in the
 outputs; plus Propagation's summary and signed view, the figure, and the README's snippets."""
@@ -235,12 +235,13 @@ def test_token_strings_in_json_and_csv_and_the_figure(tmp_path, small):
     assert rep.model in title and "Caf" in title and "positions 0-2" in title
     for a in fig.axes:
         assert a.get_ylabel() and a.get_xlabel()
-    layer_axes = [a for a in fig.axes if a.get_xlabel() == "hidden state k"]
+    layer_axes = [a for a in fig.axes if a.get_xlabel() == "hidden state $k$"]
     assert len(layer_axes) == 5
     assert all(float(t).is_integer() for a in layer_axes for t in a.get_xticks())
-    legend = fig.axes[0].get_legend()
-    assert "rate > 0 decays" in legend.get_title().get_text()
-    assert any("off the log axis" in t.get_text() for t in legend.get_texts())  # hidden state 1 at the last token
+    assert not any(a.get_legend() for a in fig.axes)  # one legend for the figure, below the panels
+    texts = [t.get_text() for t in fig.legends[0].get_texts()]
+    assert any("> 0 decays" in t for t in texts)
+    assert any("off the log axis" in t for t in texts)  # hidden state 1 at the last token
 
 
 def test_token_strings_of_a_pretrained_model():

@@ -1,4 +1,4 @@
-"""Ctrl-C in every long subcommand (issue 12): the stages already finished are in the output
+"""Ctrl-C in every long subcommand: the stages already finished are in the output
 folder, then one line on stderr and exit status 130, no traceback.
 
 Deterministic: with PYENGINE_TEST_HOLD=<file> the command creates <file> at its first hold

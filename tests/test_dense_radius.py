@@ -47,7 +47,7 @@ def test_complex_pair_goes_dense_and_is_exact():
 
 @pytest.mark.slow
 def test_random_pre_ln_block_at_d768_is_exact():
-    """The issue-18 case: I + W J_LN, random W, d = 768 (ARPACK needed ~1000 products)."""
+    """A random pre-LN block: I + W J_LN, random W, d = 768 (ARPACK needed ~1000 products)."""
     op, dense = block(768, 2, seed=1)
     res = pe.spectral_radius(op, tol=1e-8)
     exact = np.abs(np.linalg.eigvals(dense)).max(-1)

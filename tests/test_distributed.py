@@ -14,7 +14,6 @@ import numpy as np
 import pytest
 
 import pyengine
-import pyengine.cli.scan  # noqa: F401  (registers the jobs "attention" and "stability")
 from pyengine.distributed import Store, get_job, scan
 
 NORMS = {"seeds": list(range(12)), "scales": [1.0, 3.0], "tokens": 32, "d": 48, "method": "power"}
@@ -136,7 +135,7 @@ def test_a_failing_point_is_reported_and_the_rest_complete(tmp_path):
     ok = scan("norms", {**NORMS, "scales": [1.0]})
     assert np.array_equal(sigma[:, 0], ok.metrics["sigma"][:, 0])
     saved = json.loads((tmp_path / "s" / "errors.json").read_text())
-    assert [e["index"] for e in saved] == bad
+    assert [e["index"] for e in saved["errors"]] == bad and saved["provenance"]["version"] == pyengine.__version__
     assert len(pyengine.scan.load(tmp_path / "s").errors) == len(bad)
 
 
@@ -203,6 +202,15 @@ def test_cli_bad_input_is_one_line(tmp_path):
     assert r.returncode == 2 and "prompts file not found" in r.stderr and "Traceback" not in r.stderr
     r = _cli(tmp_path, "spectral", "--model", "tiny", "--corpus", "missing.txt", "--workers", "0")
     assert r.returncode == 2 and "corpus file not found" in r.stderr
+
+
+def test_every_job_is_registered_by_import_pyengine_without_the_cli():
+    code = ("import sys, pyengine; jobs = set(pyengine.distributed.JOBS); "
+            "assert jobs >= {'norms', 'spectral', 'recovery', 'attention', 'stability'}, jobs; "
+            "assert 'pyengine.cli' not in sys.modules; "
+            "assert 'pyengine.experiments' not in sys.modules")  # the jobs import their experiment lazily
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_attention_and_stability_jobs_match_the_experiments():

@@ -72,9 +72,10 @@ def _tiny(family):
     common = dict(vocab_size=64, max_position_embeddings=32)
     if family == "gpt2":
         return tr.GPT2Config(n_embd=16, n_head=2, n_layer=2, n_positions=32, vocab_size=64), tr.GPT2LMHeadModel
-    if family == "gpt_neox":
+    if family.startswith("gpt_neox"):  # partial rotary; rotary_pct = 0: no rotation; 1: the whole head
+        pct = {"gpt_neox": 0.5, "gpt_neox_norope": 0.0, "gpt_neox_fullrope": 1.0}[family]
         return tr.GPTNeoXConfig(hidden_size=16, num_attention_heads=2, num_hidden_layers=2, intermediate_size=40,
-                                rotary_pct=0.5, tie_word_embeddings=False, **common), tr.GPTNeoXForCausalLM
+                                rotary_pct=pct, tie_word_embeddings=False, **common), tr.GPTNeoXForCausalLM
     kw = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
               intermediate_size=24, **common)
     if family == "llama3":
@@ -122,7 +123,8 @@ def _rotary_modules(model):
 
 
 @pytest.mark.fidelity
-@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "llama3", "qwen2", "gemma"])
+@pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "gpt_neox_norope", "gpt_neox_fullrope", "llama3", "qwen2",
+                                    "gemma"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_matches_transformers(tmp_path, monkeypatch, family, dtype):
     torch = pytest.importorskip("torch")

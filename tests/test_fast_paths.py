@@ -1,4 +1,4 @@
-"""Issue 18's float32 fast paths of the block engine (models/_fast.py) against the generic path.
+"""The float32 fast paths of the block engine (models/_fast.py) against the generic path.
 
 The fused attention head (forward) and the head-major GEMMs (JVP) must compute what the
 batched products compute, to float32 rounding, on every attention variant they serve:
@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 
 import pyengine as pe
-import pyengine.models._attention as attention_module
+import pyengine.models._fast as fast_module
+from pyengine.models._blocks import make_context
 
 CONFIGS = [
     dict(),
@@ -27,7 +28,7 @@ def _stack(kw):
 
 
 def _generic(monkeypatch):
-    monkeypatch.setattr(attention_module, "fused_dtype", lambda dtype: False)
+    monkeypatch.setattr(fast_module, "fused_dtype", lambda dtype: False)
 
 
 def _close(a, b):  # float32 rounding of the last bits, relative to the largest entry
@@ -44,9 +45,12 @@ def test_forward_and_jvp_match_the_generic_path(kw, monkeypatch):
     out, cache = st.block_forward(1, h, return_cache=True)
     fast = st.block_forward(1, hb), st.block_jvp(1, h, t, cache=cache)
     np.testing.assert_array_equal(st.block_forward(1, h), out)  # the cache-less forward: same function
-    assert attention_module.fused_dtype(np.dtype(np.float32))  # the fast path was the one taken
+    f32 = np.dtype(np.float32)
+    ctx = make_context(st.config, 20, f32)
+    assert fast_module.forward_path(ctx, f32, False) != "unfused" and fast_module.jvp_path(ctx, f32) != "generic"
     with monkeypatch.context() as m:
         _generic(m)
+        assert fast_module.forward_path(ctx, f32, False) == "unfused" and fast_module.jvp_path(ctx, f32) == "generic"
         _, cache_g = st.block_forward(1, h, return_cache=True)
         slow = st.block_forward(1, hb), st.block_jvp(1, h, t, cache=cache_g)
     for a, b in zip(fast, slow):

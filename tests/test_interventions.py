@@ -17,11 +17,22 @@ def s():
 IDS = np.array([3, 1, 4, 1, 5, 9, 2, 6])
 
 
+def states(m, ids, interventions, check=True):
+    """The hidden states (L+1, [B,] T, d) of a run with interventions, from the cached resid sites
+    (resid_pre as changed at that site); ``check``: run() returns their logits."""
+    L = m.config.n_layers
+    _, c = m.run_with_cache(ids, ["blocks.*.resid_pre", f"blocks.{L - 1}.resid_post"], interventions=interventions)
+    h = np.stack([c[f"blocks.{k}.resid_pre"] for k in range(L)] + [c[f"blocks.{L - 1}.resid_post"]])
+    if check:
+        np.testing.assert_array_equal(m.run(ids, interventions), m.logits(h[-1]))
+    return h
+
+
 def test_add_at_resid_pre_equals_block_forward(s):
     rng = np.random.default_rng(0)
     delta = rng.normal(size=16)
     h0 = s.hidden_states(IDS)
-    h = s.run(IDS, [Intervention("blocks.1.resid_pre", "add", delta, positions=[2, 3])])
+    h = states(s, IDS, [Intervention("blocks.1.resid_pre", "add", delta, positions=[2, 3])])
     np.testing.assert_array_equal(h[:1], h0[:1])
     x = h0[1].copy()
     x[2:4] += delta
@@ -33,14 +44,18 @@ def test_add_at_resid_pre_equals_block_forward(s):
 
 
 def test_replace_scale_zero_and_callable(s):
-    h0, c0 = s.run_with_cache(IDS, "blocks.0.resid_mid")
+    out0, c0 = s.run_with_cache(IDS, "blocks.0.resid_mid")
     mid = c0["blocks.0.resid_mid"]
+    h0 = s.hidden_states(IDS)
+    np.testing.assert_array_equal(out0, s.logits(IDS))  # a stack with an LM head: (logits, cache)
     # replace with itself: nothing changes; scale by 1: nothing changes
-    np.testing.assert_array_equal(s.run(IDS, [Intervention("blocks.0.resid_mid", "replace", mid)]), h0)
-    np.testing.assert_array_equal(s.run(IDS, [Intervention("blocks.0.resid_mid", "scale", 1.0)]), h0)
+    np.testing.assert_array_equal(states(s, IDS, [Intervention("blocks.0.resid_mid", "replace", mid)]), h0)
+    np.testing.assert_array_equal(states(s, IDS, [Intervention("blocks.0.resid_mid", "scale", 1.0)]), h0)
     # zero the MLP output of block 2: resid_post = resid_mid there
-    h, c = s.run_with_cache(IDS, "blocks.2.resid_mid", interventions=[Intervention("blocks.2.mlp.out", "zero")])
-    np.testing.assert_array_equal(h[3], c["blocks.2.resid_mid"])
+    out, c = s.run_with_cache(IDS, ["blocks.2.resid_mid", "blocks.2.resid_post"],
+                              interventions=[Intervention("blocks.2.mlp.out", "zero")])
+    np.testing.assert_array_equal(c["blocks.2.resid_post"], c["blocks.2.resid_mid"])
+    np.testing.assert_array_equal(out, s.logits(c["blocks.2.resid_post"]))
     # a callable doubling mlp.hidden equals scale 2
     dbl = s.run(IDS, {"blocks.1.mlp.hidden": lambda x, site: 2 * x})
     np.testing.assert_array_equal(dbl, s.run(IDS, [Intervention("blocks.1.mlp.hidden", "scale", 2.0)]))
@@ -53,12 +68,12 @@ def test_replace_scale_zero_and_callable(s):
 
 
 def test_head_ablation_one_line(s):
-    h, c = s.run_with_cache(IDS, "blocks.1.attn.*", interventions=[ablate_head(1, 2)])
+    out, c = s.run_with_cache(IDS, "blocks.1.attn.*", interventions=[ablate_head(1, 2)])
     ho = c["blocks.1.attn.head_out"]
     assert (ho[:, 2] == 0).all() and (ho[:, [0, 1, 3]] != 0).any()
     w = s.block_weights(1)
     np.testing.assert_allclose(ho.reshape(8, -1) @ w["attn.w_o"], c["blocks.1.attn.out"], atol=1e-13)
-    assert not np.allclose(h, s.hidden_states(IDS))
+    assert not np.allclose(out, s.logits(IDS))
     # zeroing every head = zeroing attn.out
     np.testing.assert_allclose(s.run(IDS, [ablate_head(1, [0, 1, 2, 3])]),
                                s.run(IDS, [Intervention("blocks.1.attn.out", "zero")]), atol=1e-13)
@@ -69,9 +84,9 @@ def test_batched_directions_like_propagate(s):
     rng = np.random.default_rng(1)
     deltas = rng.normal(size=(K, 16))
     ids = np.broadcast_to(IDS, (K, IDS.size))
-    hb = s.run(ids, [Intervention("blocks.2.resid_pre", "add", deltas[:, None, :], positions=slice(4, 6))])
+    hb = states(s, ids, [Intervention("blocks.2.resid_pre", "add", deltas[:, None, :], positions=slice(4, 6))])
     for i in range(K):
-        h1 = s.run(IDS, [Intervention("blocks.2.resid_pre", "add", deltas[i], positions=slice(4, 6))])
+        h1 = states(s, IDS, [Intervention("blocks.2.resid_pre", "add", deltas[i], positions=slice(4, 6))])
         np.testing.assert_allclose(hb[:, i], h1, rtol=1e-12, atol=1e-12)
 
 
@@ -214,17 +229,17 @@ def test_published_protocol_smollm2(smollm):
     u = v / np.linalg.norm(v, axis=1, keepdims=True)
     deltas = (u[:, None, :] * np.array([1.0, 6.0])[None, :, None]).reshape(4, 1, -1)
     T = len(tt)
-    h = smollm.run(np.broadcast_to(tt.ids, (4, T)), [pe.Intervention("blocks.2.resid_pre", "add", deltas,
-                                                                     positions=span)])
+    h = states(smollm, np.broadcast_to(tt.ids, (4, T)), [pe.Intervention("blocks.2.resid_pre", "add", deltas,
+                                                                          positions=span)], check=False)
     base = smollm.hidden_states(tt.ids)
     proj = np.einsum("lnd,nd->ln", (h[2:, :, -1] - base[2:, None, -1]).astype(np.float64),
                      np.repeat(u, 2, axis=0))
     np.testing.assert_allclose(r.projection[:, :, -1], proj, rtol=2e-3, atol=2e-3 * np.abs(proj).max())
     np.testing.assert_allclose(last, np.abs(proj), rtol=2e-3, atol=2e-3 * np.abs(proj).max())
-    # the mid-block site (issue 12): propagate equals the intervention there
+    # the mid-block site: propagate equals the intervention there
     rm = pe.propagate(smollm, tt.ids, v, [1.0, 6.0], layer="blocks.2.resid_mid", positions=span)
-    h = smollm.run(np.broadcast_to(tt.ids, (4, T)), [pe.Intervention("blocks.2.resid_mid", "add", deltas,
-                                                                     positions=span)])
+    h = states(smollm, np.broadcast_to(tt.ids, (4, T)), [pe.Intervention("blocks.2.resid_mid", "add", deltas,
+                                                                          positions=span)], check=False)
     proj = np.einsum("lnd,nd->ln", (h[3:, :, -1] - base[3:, None, -1]).astype(np.float64),
                      np.repeat(u, 2, axis=0))
     assert rm.layer == 2 and rm.layers[0] == 2.5 and rm.projection.shape[0] == smollm.config.n_layers - 1

@@ -70,7 +70,7 @@ def test_kernel_awkward_scales(backend, dtype, kernel, loc, scale):
 
 @pytest.mark.parametrize("norm", ["layer_norm", "rms_norm"])
 def test_robust_variance_float32(backend, norm):
-    """Rows with mean 1e4 and std 1, and with one entry 1e5 times the others (issue #2)."""
+    """Rows with mean 1e4 and std 1, and with one entry 1e5 times the others."""
     rng = np.random.default_rng(0)
     d = 4096
     rows = np.stack([1e4 + rng.standard_normal(d), np.r_[1e5, np.ones(d - 1)] * rng.uniform(1, 2, d)])

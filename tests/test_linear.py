@@ -1,4 +1,4 @@
-"""The dense-layer kernels linear, linear_act, linear_mul (issue 18) against the reference.
+"""The dense-layer kernels linear, linear_act, linear_mul against the reference.
 
 Every backend and dtype over awkward shapes (one row, rows not a multiple of the tile, odd
 k and n, k = 0), the epilogues (bias, residual in place, activations, a coefficient shared
@@ -162,6 +162,8 @@ def test_nonfinite_rows_are_counted(backend):
 
 
 def test_fallback_path_forced(dtype):
+    """Without its BLAS a compiled kernel returns -1 and leaves out alone; the registered "cpp"
+    kernel then takes numpy.matmul and the compiled epilogue."""
     require("cpp")
     from pyengine import _core
 
@@ -172,15 +174,17 @@ def test_fallback_path_forced(dtype):
     try:
         assert _core.linear_blas_info().startswith("numpy matmul")
         assert L.blas_info().startswith("numpy matmul")
+        untouched = np.full((300, 90), 7.0, dtype)
+        assert _core.linear(x, w, b, None, untouched) == -1 and (untouched == 7).all()
         slow = L.linear(x, w, b, activation="gelu_tanh", backend="cpp")
         slow_r = L.linear(x, w, b, residual=r, backend="cpp")
         out = r.copy()
-        _core.linear(x, w, b, out, out)
+        L.kernel("linear", "cpp")(x, w, b, out, out)
         u, z = np.empty((300, 90), dtype), np.empty((300, 90), dtype)
-        _core.linear_act(x, w, b, "relu", u, z)
+        L.kernel("linear_act", "cpp")(x, w, b, "relu", u, z)
         coef = r[:100].copy()
         m = np.empty((300, 90), dtype)
-        _core.linear_mul(x, w, coef, m)
+        L.kernel("linear_mul", "cpp")(x, w, coef, m)
     finally:
         _core.linear_force_fallback(False)
     assert not _core.linear_blas_info().startswith("numpy matmul") or "forced" not in _core.linear_blas_info()

@@ -1,11 +1,13 @@
-"""The compiled attention-JVP head products ``linear_attention_jvp`` (issue 18) and their use.
+"""The block engine's attention heads ``linear_attention_forward`` and ``linear_attention_jvp``.
 
-The kernel against the formula in float64 NumPy (float32 and float64, grouped-query heads,
-odd sizes, a causal span from ``start``, more tangents than one task's chunk, row blocks of
-more than 16 query rows over the keys they see), bad
-input naming the argument, -1 on the forced numpy.matmul fallback, and the block JVP
-through it against the block JVP through the numpy products (learned and rotary
-positions, whole sequences and spans), float64 unchanged bit for bit.
+The reference (:mod:`pyengine.kernels._reference.linear_attention`) against the fused head
+per head and against finite differences of the forward; every backend against the
+reference (float32 and float64, grouped-query heads, one token, odd sizes, past keys and
+a causal span from ``start``, more tangents than one task's chunk, row blocks of more than
+16 query rows over the keys they see), bad rows; the compiled kernels' bad input naming the
+argument and -1 on the forced numpy.matmul fallback; and the block JVP and forward through
+them against the numpy products (learned and rotary positions, whole sequences and spans),
+float64 unchanged bit for bit.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import pytest
 
 from conftest import require
 from helpers import assert_close
+from pyengine import backends
 from pyengine.kernels import linear as L
 
 
@@ -44,33 +47,77 @@ def _case(K, tq, start, Hkv, g, dh, dtype, seed=0):
     return dqkv, q, k, v, p
 
 
-def _reference(dqkv, q, k, v, p, start, scale):
-    """The formula of the kernel's docstring, in float64."""
-    dqkv, q, k, v, p = (a.astype(np.float64) for a in (dqkv, q, k, v, p))
-    K, tq, _, dh = dqkv.shape
-    Hkv, g = q.shape[:2]
+def _run(backend, name, *args):
+    """The kernel's bad-row count; a compiled kernel whose BLAS path is off fails the test."""
+    nbad = backends.resolve(name, backend)(*args)
+    if nbad < 0:
+        pytest.fail(f"{backend} {name}: the BLAS path is off: {L.blas_info()}")
+    return nbad
+
+
+def _forward_case(B, tq, s, Hkv, g, dh, dtype, seed=2):
+    rng = np.random.default_rng(seed)
+    qkv = rng.standard_normal((B, tq, Hkv * g + 2 * Hkv, dh)).astype(dtype)
+    kp, vp = (rng.standard_normal((Hkv, s, dh)).astype(dtype) for _ in range(2))
+    return qkv, kp, vp
+
+
+FORWARD_DIMS = [(1, 1, 0, 1, 1, 1), (3, 5, 0, 2, 3, 8), (5, 7, 4, 1, 2, 5), (2, 9, 3, 2, 1, 4), (2, 130, 0, 1, 2, 16),
+                (2, 40, 6, 2, 2, 8), (3, 17, 0, 1, 1, 4), (2, 33, 11, 1, 2, 8), (1, 1, 5, 1, 3, 8)]
+JVP_DIMS = [(1, 1, 0, 1, 1, 1), (3, 5, 0, 2, 3, 8), (5, 7, 4, 1, 2, 5), (70, 9, 3, 2, 1, 4), (2, 130, 0, 1, 2, 16),
+            (4, 40, 7, 2, 2, 8), (3, 17, 2, 1, 1, 4), (2, 1, 6, 1, 2, 8)]
+
+
+def test_the_forward_reference_is_the_fused_head_per_head():
+    """Each (sequence, head) of the reference is the fused head's reference on the past keys then the new ones."""
+    B, tq, s, Hkv, g, dh = 2, 7, 3, 2, 2, 5
     H = Hkv * g
-    out = np.empty((K, tq, H, dh))
-    for r in range(K):
+    qkv, kp, vp = _forward_case(B, tq, s, Hkv, g, dh, np.float64)
+    out = np.empty((B, tq, H, dh))
+    assert backends.resolve("linear_attention_forward", "numpy")(qkv, kp, vp, H, s, 0.4, out) == 0
+    head = backends.resolve("attention_forward", "numpy")
+    for b in range(B):
         for h in range(H):
             j = h // g
-            dq, dk, dv = dqkv[r, :, h], dqkv[r, :, H + j], dqkv[r, :, H + Hkv + j]
-            ph = p[j, h % g]
-            ds = scale * dq @ k[j].T
-            ds[:, start:] += q[j, h % g] @ dk.T
-            dp = ph * (ds - (ph * ds).sum(axis=1, keepdims=True))
-            out[r, :, h] = dp @ v[j] + ph[:, start:] @ dv
-    return out
+            k = np.concatenate([kp[j], qkv[b, :, H + j]])[None]
+            v = np.concatenate([vp[j], qkv[b, :, H + Hkv + j]])[None]
+            want, lse, ent = np.empty((1, tq, dh)), np.empty((1, tq)), np.empty((1, tq))
+            head(np.ascontiguousarray(qkv[b, :, h])[None], k, v, s, 0.4, want, lse, ent)
+            np.testing.assert_allclose(out[b, :, h], want[0], rtol=1e-13, atol=1e-14)
 
 
-@pytest.mark.parametrize("dims", [(1, 1, 0, 1, 1, 1), (3, 5, 0, 2, 3, 8), (5, 7, 4, 1, 2, 5), (70, 9, 3, 2, 1, 4),
-                                  (2, 130, 0, 1, 2, 16), (4, 40, 7, 2, 2, 8), (3, 17, 2, 1, 1, 4)],
-                         ids=lambda d: "K%d-tq%d-s%d-Hkv%d-g%d-dh%d" % d)
+@pytest.mark.parametrize("start", [0, 4])
+def test_the_jvp_reference_is_the_derivative_of_the_forward(start):
+    """Central differences of the forward (past keys fixed, the tangent moving the tq new rows)."""
+    tq, Hkv, g, dh, K = 6, 2, 2, 4, 2
+    H, scale = Hkv * g, 1.0 / np.sqrt(dh)
+    rng = np.random.default_rng(7)
+    x = rng.standard_normal((1, start + tq, H + 2 * Hkv, dh))
+    dx = rng.standard_normal((K, tq, H + 2 * Hkv, dh))
+    kp, vp = (np.ascontiguousarray(x[0, :start, H + o : H + o + Hkv].transpose(1, 0, 2)) for o in (0, Hkv))
+    fwd = backends.resolve("linear_attention_forward", "numpy")
+
+    def f(qkv):
+        out = np.empty((qkv.shape[0], tq, H, dh))
+        assert fwd(qkv, kp, vp, H, start, scale, out) == 0
+        return out
+
+    base = x[:, start:]
+    eps = 1e-6
+    want = (f(base + eps * dx) - f(base - eps * dx)) / (2 * eps)
+    q = np.ascontiguousarray(scale * base[0, :, :H].transpose(1, 0, 2)).reshape(Hkv, g, tq, dh)
+    k, v = (np.ascontiguousarray(x[0, :, H + o : H + o + Hkv].transpose(1, 0, 2)) for o in (0, Hkv))
+    p = _softmax_rows(np.einsum("jgtd,jsd->jgts", q, k), start)
+    got = np.empty((K, tq, H, dh))
+    assert backends.resolve("linear_attention_jvp", "numpy")(dx, q, k, v, p, start, scale, got) == 0
+    np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+
+
+@pytest.mark.parametrize("dims", JVP_DIMS, ids=lambda d: "K%d-tq%d-s%d-Hkv%d-g%d-dh%d" % d)
 @pytest.mark.parametrize("mask", ["causal", "none", "zeros"])
-def test_linear_attention_jvp_matches_the_formula(dtype, dims, mask):
+def test_linear_attention_jvp_matches_the_reference(backend, dtype, dims, mask):
     """Row blocks (tq > 16) multiply only the keys with P != 0 in some row of the block: causal
     probabilities, probabilities without a zero, and zeros where a key is visible (underflow)."""
-    core = _core()
     K, tq, start, Hkv, g, dh = dims
     dqkv, q, k, v, p = _case(K, tq, start, Hkv, g, dh, dtype)
     if mask == "none":
@@ -81,23 +128,20 @@ def test_linear_attention_jvp_matches_the_formula(dtype, dims, mask):
     before = [a.copy() for a in (dqkv, q, k, v, p)]
     out = np.full((K, tq, Hkv * g, dh), np.nan, dtype)
     scale = 1.0 / np.sqrt(dh)
-    nbad = core.linear_attention_jvp(dqkv, q, k, v, p, start, scale, out)
-    if nbad < 0:
-        pytest.fail(f"the BLAS path is off: {core.linear_blas_info()}")
-    assert nbad == 0
-    ref = _reference(dqkv, q, k, v, p, start, scale)
+    assert _run(backend, "linear_attention_jvp", dqkv, q, k, v, p, start, scale, out) == 0
+    ref = np.empty((K, tq, Hkv * g, dh))
+    backends.resolve("linear_attention_jvp", "numpy")(*before, start, scale, ref)
     assert_close(out, ref, dtype)
     for a, b in zip((dqkv, q, k, v, p), before):  # inputs untouched
         np.testing.assert_array_equal(a, b)
 
 
 @pytest.mark.parametrize("tq", [4, 40])
-def test_linear_attention_jvp_counts_bad_rows(tq):
-    core = _core()
+def test_linear_attention_jvp_counts_bad_rows(backend, tq):
     dqkv, q, k, v, p = _case(3, tq, 0, 1, 2, 8, np.float32)
     dqkv[1, 2, 0, 3] = np.nan  # query head 0 of tangent 1, row 2: one bad row
     out = np.empty((3, tq, 2, 8), np.float32)
-    assert core.linear_attention_jvp(dqkv, q, k, v, p, 0, 1.0, out) == 1
+    assert _run(backend, "linear_attention_jvp", dqkv, q, k, v, p, 0, 1.0, out) == 1
     assert np.isnan(out[1, 2, 0]).all() and np.isfinite(np.delete(out[1, :, 0], 2, axis=0)).all()
 
 
@@ -132,6 +176,7 @@ def test_linear_attention_jvp_off_on_the_fallback():
     core.linear_force_fallback(True)
     try:
         assert core.linear_attention_jvp(dqkv, q, k, v, p, 0, 1.0, out) == -1
+        assert L.attention_jvp_kernel() is None and L.attention_forward_kernel() is None  # the block engine's numpy path
     finally:
         core.linear_force_fallback(False)
     assert L.attention_jvp_kernel() is core.linear_attention_jvp
@@ -186,61 +231,41 @@ def test_block_jvp_through_the_kernel_matches_the_numpy_products(positions, star
             assert_close(got, want, dtype)
 
 
-def _forward_reference(qkv, kp, vp, H, offset, scale):
-    """softmax(scale q k^T, keys j <= offset + t) v in float64, past keys first."""
-    qkv, kp, vp = (a.astype(np.float64) for a in (qkv, kp, vp))
-    B, tq, _, dh = qkv.shape
-    Hkv, s = kp.shape[:2]
-    g = H // Hkv
-    out = np.empty((B, tq, H, dh))
-    for b in range(B):
-        for h in range(H):
-            j = h // g
-            kk = np.concatenate([kp[j], qkv[b, :, H + j]])
-            vv = np.concatenate([vp[j], qkv[b, :, H + Hkv + j]])
-            sc = scale * qkv[b, :, h] @ kk.T
-            sc[np.arange(s + tq)[None, :] > offset + np.arange(tq)[:, None]] = -np.inf
-            e = np.exp(sc - sc.max(axis=1, keepdims=True))
-            out[b, :, h] = (e / e.sum(axis=1, keepdims=True)) @ vv
-    return out
-
-
-@pytest.mark.parametrize("dims", [(1, 1, 0, 1, 1, 1), (3, 5, 0, 2, 3, 8), (5, 7, 4, 1, 2, 5), (2, 9, 3, 2, 1, 4),
-                                  (2, 130, 0, 1, 2, 16), (2, 40, 6, 2, 2, 8), (3, 17, 0, 1, 1, 4),
-                                  (2, 33, 11, 1, 2, 8)],
-                         ids=lambda d: "B%d-tq%d-s%d-Hkv%d-g%d-dh%d" % d)
+@pytest.mark.parametrize("dims", FORWARD_DIMS, ids=lambda d: "B%d-tq%d-s%d-Hkv%d-g%d-dh%d" % d)
 @pytest.mark.parametrize("causal", [True, False])
-def test_linear_attention_forward_matches_the_formula(dtype, dims, causal):
-    core = _core()
+def test_linear_attention_forward_matches_the_reference(backend, dtype, dims, causal):
     B, tq, s, Hkv, g, dh = dims
-    rng = np.random.default_rng(2)
     H = Hkv * g
-    qkv = rng.standard_normal((B, tq, H + 2 * Hkv, dh)).astype(dtype)
-    kp, vp = (rng.standard_normal((Hkv, s, dh)).astype(dtype) for _ in range(2))
+    qkv, kp, vp = _forward_case(B, tq, s, Hkv, g, dh, dtype)
     before = [a.copy() for a in (qkv, kp, vp)]
     offset = s if causal else s + tq - 1
     out = np.full((B, tq, H, dh), np.nan, dtype)
-    nbad = core.linear_attention_forward(qkv, kp, vp, H, offset, 1.0 / np.sqrt(dh), out)
-    if nbad < 0:
-        pytest.fail(f"the BLAS path is off: {core.linear_blas_info()}")
-    assert nbad == 0
-    assert_close(out, _forward_reference(qkv, kp, vp, H, offset, 1.0 / np.sqrt(dh)), dtype)
+    assert _run(backend, "linear_attention_forward", qkv, kp, vp, H, offset, 1.0 / np.sqrt(dh), out) == 0
+    ref = np.empty((B, tq, H, dh))
+    backends.resolve("linear_attention_forward", "numpy")(*before, H, offset, 1.0 / np.sqrt(dh), ref)
+    assert_close(out, ref, dtype)
     for a, b in zip((qkv, kp, vp), before):
         np.testing.assert_array_equal(a, b)
     # a sequence's result does not depend on the others in the batch
     one = np.empty((1, tq, H, dh), dtype)
-    core.linear_attention_forward(qkv[-1:].copy(), kp, vp, H, offset, 1.0 / np.sqrt(dh), one)
+    _run(backend, "linear_attention_forward", qkv[-1:].copy(), kp, vp, H, offset, 1.0 / np.sqrt(dh), one)
     np.testing.assert_array_equal(one[0], out[-1])
 
 
-def test_linear_attention_forward_bad_rows_and_input():
+def test_linear_attention_forward_counts_bad_rows(backend):
+    qkv = np.random.default_rng(3).standard_normal((2, 4, 4, 8)).astype(np.float32)  # H = 2, Hkv = 1
+    kp = vp = np.zeros((1, 0, 8), np.float32)
+    out = np.empty((2, 4, 2, 8), np.float32)
+    qkv[1, 2, 0, 0] = np.inf  # query head 0 of sequence 1, row 2
+    assert _run(backend, "linear_attention_forward", qkv, kp, vp, 2, 0, 1.0, out) == 1
+    assert np.isnan(out[1, 2, 0]).all() and np.isfinite(np.delete(out[1, :, 0], 2, axis=0)).all()
+
+
+def test_linear_attention_forward_bad_input_names_the_argument():
     core = _core()
     qkv = np.random.default_rng(3).standard_normal((2, 4, 4, 8)).astype(np.float32)  # H = 2, Hkv = 1
     kp = vp = np.zeros((1, 0, 8), np.float32)
     out = np.empty((2, 4, 2, 8), np.float32)
-    bad = qkv.copy()
-    bad[1, 2, 0, 0] = np.inf  # query head 0 of sequence 1, row 2
-    assert core.linear_attention_forward(bad, kp, vp, 2, 0, 1.0, out) == 1
     with pytest.raises(ValueError, match="n_heads"):
         core.linear_attention_forward(qkv, kp, vp, 0, 0, 1.0, out)
     with pytest.raises(ValueError, match="qkv"):
@@ -262,14 +287,13 @@ def test_linear_attention_forward_bad_rows_and_input():
 
 
 @pytest.mark.parametrize("offset", [0, 39], ids=["causal", "all-keys"])
-def test_linear_attention_forward_row_blocks_count_bad_rows(offset):
+def test_linear_attention_forward_row_blocks_count_bad_rows(backend, offset):
     """40 query rows (row blocks of 16): an Inf query makes its own row bad and NaN, no other."""
-    core = _core()
     qkv = np.random.default_rng(4).standard_normal((2, 40, 4, 8)).astype(np.float32)  # H = 2, Hkv = 1
     kp = vp = np.zeros((1, 0, 8), np.float32)
     qkv[1, 20, 0, 0] = np.inf  # query head 0 of sequence 1, row 20 (the second block)
     out = np.empty((2, 40, 2, 8), np.float32)
-    assert core.linear_attention_forward(qkv, kp, vp, 2, offset, 1.0, out) == 1
+    assert _run(backend, "linear_attention_forward", qkv, kp, vp, 2, offset, 1.0, out) == 1
     assert np.isnan(out[1, 20, 0]).all()
     assert np.isfinite(np.delete(out[1, :, 0], 20, axis=0)).all() and np.isfinite(out[0]).all()
 
@@ -304,3 +328,28 @@ def test_forward_through_the_kernel_matches_the_streaming_head(causal, T, monkey
     assert calls
     for a, b in zip(got, want):
         assert_close(a, b, np.float32)
+
+
+def test_forced_fallback_takes_the_gemm_path_once(monkeypatch):
+    """Without the BLAS path the rotary JVP is the head-major GEMMs' result exactly: the tangents
+    are rotated once (the path is chosen before any kernel writes the workspace)."""
+    core = _core()
+    import pyengine as pe
+    from pyengine.models import _fast
+
+    cfg = pe.StackConfig(d_model=32, n_heads=4, n_kv_heads=2, d_mlp=64, n_layers=2, vocab_size=50,
+                         activation="gelu_tanh", positions="rotary", max_seq_len=12)
+    stack = pe.init_weights(cfg, "gpt2", seed=0, dtype=np.float32, bias_std=0.02)
+    rng = np.random.default_rng(1)
+    h1 = stack.hidden_states(rng.integers(0, 50, 12))[1]
+    tang = rng.standard_normal((3, 12, 32)).astype(np.float32)
+    _, cache = stack.block_forward(1, h1, return_cache=True)
+    core.linear_force_fallback(True)
+    try:
+        got = stack.block_jvp(1, h1, tang, cache=cache)
+        with monkeypatch.context() as m:
+            m.setattr(_fast, "attention_jvp_kernel", lambda: None)
+            want = stack.block_jvp(1, h1, tang, cache=cache)
+    finally:
+        core.linear_force_fallback(False)
+    np.testing.assert_array_equal(got, want)

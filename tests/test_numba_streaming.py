@@ -1,4 +1,4 @@
-"""The Numba kernels' non-temporal stores (issue 18). The dense Jacobians: an output over
+"""The Numba kernels' non-temporal stores. The dense Jacobians: an output over
 ``layernorm.STREAM_MIN_BYTES`` is written by ``_intrinsics.stream_affine``. The norm kernels: long rows
 of large outputs (``layernorm._stream_rows``) are streamed out from the registers by
 ``_formula.block_writer``. Their values must be bit for bit those of the plain path, whatever the

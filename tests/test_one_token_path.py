@@ -1,4 +1,4 @@
-"""Issue 18's one-token fast paths: gamma/beta passed through without a copy when they
+"""The one-token fast paths: gamma/beta passed through without a copy when they
 already are what the kernel takes, and the C++ row pipeline run without a parallel
 region when one thread does the call; neither may change a result or skip a check."""
 

@@ -126,6 +126,18 @@ def test_positional_propagation_through_identity_blocks_keeps_the_projection():
     pp = positional_propagation(s, np.arange(8), v, [0.5, 2.0])
     assert pp.projection == pytest.approx(np.tile([0.5, 2.0], (4, 1)), rel=1e-10)
     assert pp.projection_linearized == pytest.approx(pp.projection, rel=1e-10)
+    assert pp.projection_median == pytest.approx(pp.projection, rel=1e-10)
+
+
+def test_positional_propagation_median_over_positions():
+    s = _seeded(n_layers=2)
+    v = np.eye(32)[:1]
+    pp = positional_propagation(s, np.arange(8), v, [0.5])
+    p = pyengine.propagate(s, np.arange(8), v[0], 0.5, 0, "all")
+    per = np.abs(p.view("projection", "all", reduce=None)[:, 0])  # (L', T)
+    assert pp.projection_median[:, 0] == pytest.approx(np.median(per, axis=-1), rel=1e-12)
+    assert pp.projection[:, 0] == pytest.approx(per.mean(axis=-1), rel=1e-12)
+    assert not np.allclose(pp.projection_median[1:], pp.projection[1:])  # a real stack: not every position alike
 
 
 def test_bad_inputs_name_the_argument():

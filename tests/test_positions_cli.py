@@ -26,6 +26,19 @@ def test_cli_default_synthetic_pair(tmp_path):
     assert pre["placement_profile"]["norm"][-1] > 2 * pre["placement_profile"]["norm"][1]
     for f in ("positions.csv", "positions_depth.png", "positions_angles.png", "placement.png"):
         assert (tmp_path / "o" / f).stat().st_size > 0
+    assert r.stdout.count("protocol: uniform random ids (seed 0): 24 contexts x 8 tokens") == 2
+    assert "WARNING" not in r.stdout and "no position dominates" in r.stdout and "position-only run" in r.stdout
+    assert pre["dominant_position"] == [None] * 13 and pre["variants"]["without_first"]["exclude_first"] == 1
+    assert pre["variants"]["all"]["rel_norm"] == pre["decomposition"]["rel_norm"]
+    assert pre["attention_distance"]["contexts"] == 24 and pre["position_only"]["k"] == 4
+
+
+def test_cli_exclude_first(tmp_path):
+    r = _run(tmp_path, "--contexts", "8", "--length", "6", "--ablation-contexts", "2", "--exclude-first", "2",
+             "--out", "o")
+    assert r.returncode == 0, r.stderr
+    pre = json.loads((tmp_path / "o" / "positions.json").read_text())["models"][0]
+    assert pre["variants"]["without_first"]["exclude_first"] == 2 and "share t>=2" in r.stdout
 
 
 def test_cli_bad_arguments(tmp_path):
@@ -35,6 +48,10 @@ def test_cli_bad_arguments(tmp_path):
     assert r.returncode == 2 and "missing.txt" in r.stderr
     r = _run(tmp_path, "--layers", "0,99", "--contexts", "8")
     assert r.returncode == 2 and "layers" in r.stderr
+    r = _run(tmp_path, "--exclude-first", "7", "--length", "8")
+    assert r.returncode == 2 and "--exclude-first" in r.stderr and "Traceback" not in r.stderr
+    r = _run(tmp_path, "--exclude-first", "-1")
+    assert r.returncode == 2 and "--exclude-first" in r.stderr
 
 
 @pytest.mark.slow

@@ -1,5 +1,5 @@
 """pyengine.load_pretrained on bad input: damaged or lying safetensors and GGUF files (tiny
-files written by test_pretrained.py's writers), unknown names, missing packages and libraries,
+files written by pretrained_files.py's writers), unknown names, missing packages and libraries,
 bad paths, and an import of pyengine that loads no model library."""
 
 from __future__ import annotations
@@ -13,8 +13,8 @@ import pytest
 
 import pyengine as pe
 from pyengine.models import pretrained
-from test_pretrained import (INSTALL, MINILM_DIST, SMOL_DIST, need_libs, rewrite_header, tiny_bert_tensors,
-                             tiny_llama_tensors, write_bert, write_llama_gguf)
+from pretrained_files import (INSTALL, MINILM_DIST, SMOL_DIST, need_libs, rewrite_header, tiny_bert_tensors,
+                              tiny_llama_tensors, write_bert, write_llama_gguf)
 
 
 @pytest.fixture(scope="module")

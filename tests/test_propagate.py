@@ -218,7 +218,7 @@ def test_bad_arguments_get_clear_errors():
         pe.propagate("gpt2", IDS, v, 1.0, 0)
     with pytest.raises(ValueError, match="one sequence"):
         pe.propagate(st, np.stack([IDS, IDS]), v, 1.0, 0)
-    assert pe.propagate(st, input_ids=IDS, direction=v, scale=1.0, layer=0).T == 10  # the names
+    assert pe.propagate(st, input_ids=IDS, direction=v, scale=1.0, layer=0).T == 10  # the keyword names
     with pytest.raises(TypeError, match="direction must be a float32 or float64"):
         pe.propagate(st, IDS, np.ones(16, int), 1.0, 0)
 

@@ -49,8 +49,10 @@ def test_site_injection_equals_an_intervention_run_and_its_linearization(kw):
         delta = (sc[None, :, None] * Vn[:, None, :]).reshape(4, 1, w)
         if site == "attn.head_out":
             delta = delta.reshape(4, 1, st.config.n_heads, st.config.head_dim)
-        ref = st.run(np.broadcast_to(IDS, (4, IDS.size)), [pe.Intervention(name, "add", delta, positions=POS)])
-        np.testing.assert_allclose(r.deltas[1:], ref[2:] - h[2:, None], rtol=0, atol=1e-12, err_msg=site)
+        _, c = st.run_with_cache(np.broadcast_to(IDS, (4, IDS.size)), "blocks.*.resid_post",
+                                 interventions=[pe.Intervention(name, "add", delta, positions=POS)])
+        ref = c.stack("blocks.*.resid_post")  # hidden states 1 .. L
+        np.testing.assert_allclose(r.deltas[1:], ref[1:] - h[2:, None], rtol=0, atol=1e-12, err_msg=site)
         # row 0 is the site itself: delta there is exactly scale * v at the injected positions
         proj0 = np.zeros((4, IDS.size))
         proj0[:, POS] = np.repeat(sc[None], 2, axis=0).reshape(4, 1)

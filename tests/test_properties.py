@@ -58,7 +58,7 @@ def test_layer_norm_is_scale_invariant_without_eps(backend, case, c):
     )
 
 
-# -- issue 13: the classes behind the reliability reproducers -----------------------------
+# -- the classes behind the reliability cases of test_reliability.py ----------------------
 
 NORM_CALLS = {
     "layer_norm": lambda x, v, b: pe.layer_norm(x, eps=0.0, backend=b),

@@ -110,40 +110,55 @@ def test_recovery_on_rmsnorm_states_the_bound_as_measured():
     assert "no structural eigenvalue 1" in rep.verdicts[0]
 
 
-def test_verdict_logic():
-    """Each verdict's head follows its numbers: consistent/contradicted, inconclusive fits."""
-    import dataclasses
+def test_recovery_without_spectra_says_so_and_keeps_the_linear_model(tmp_path):
+    """spectra=False skips the stage (a record says so), verdict (1) reads NOT RESOLVED, and the
+    linear model and the uniform split are in the report, its JSON and its figure."""
+    from pyengine.analysis.linear_model import scaling_fit, uniform_split
+    from pyengine.experiments import write_report
 
-    from pyengine.experiments.recovery import _verdicts
+    st = _stack(n_layers=4)
+    ids = np.arange(40, 50)
+    records = []
+    rep = recovery(st, ids=ids, layer=1, scales=[0.5], n_directions=2, eps_values=[1e-5], gamma_values=[1.0],
+                   spectra=False, dtype=np.float64, on_stage=lambda s, rec: records.append((s, rec)))
+    assert rep.spectra_skipped and rep.rho.shape == (0, 1)
+    assert rep.verdicts[0].startswith("(1) spectra: NOT RESOLVED (spectra skipped)")
+    assert dict(records)["block Jacobian spectra"]["skipped"] is True
+    want = scaling_fit(st, ids, 1, -1, n_probes=64, dtype=np.float64)  # d = 16 <= 64 probes: exact
+    np.testing.assert_allclose(rep.scaling.alpha, want.alpha, rtol=1e-12)
+    deltas = pe.propagate(st, ids, rep.exact.directions, rep.exact.scales, 1, return_deltas="last").deltas
+    u, r = (x.mean(axis=(1, 2)) for x in uniform_split(deltas[:, rep.scale_index::rep.exact.S]))
+    np.testing.assert_allclose(rep.uniform["exact"][0], u, rtol=1e-10)
+    np.testing.assert_allclose(rep.uniform["exact"][1], r, rtol=1e-10)
+    assert rep.scaling.ones_drift.max() < 1e-12  # pre-LN: J_k 1 = 1, a uniform delta passes every branch unseen
+    write_report(rep, str(tmp_path))
+    doc = json.loads((tmp_path / "recovery.json").read_text())
+    assert doc["spectral"]["skipped"] is True and doc["spectral"]["reason"].startswith("spectra skipped")
+    sf = doc["scaling_fit"]
+    assert sf["layers"] == [1, 2, 3, 4] and sf["n_probes"] == 0
+    assert len(sf["alpha"]) == len(sf["beta"]) == len(sf["unexplained"]) == 4
+    us = doc["uniform_split"]
+    assert len(us["uniform"]) == len(us["nonuniform"]) == len(us["uniform_linear"]) == 4
+    assert doc["protocol"].startswith("protocol: ") and doc["table"][1]["alpha"] == pytest.approx(want.alpha[1])
+    assert (tmp_path / "recovery_linear_model.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    text = pe.experiments.format_table(rep)
+    assert "block Jacobian spectra: skipped" in text and "linear model: J_k = d h_k / d h_1" in text
+    assert text.splitlines()[-1] == rep.protocol
 
-    st = _stack(n_layers=6)
-    rep = recovery(st, ids=np.arange(20, 32), layer=0, scales=[0.1], n_directions=2, eps_values=[1e-5, 1e-3],
-                   gamma_values=[0.5, 1.0])
 
-    def fit(rate, half=0.01, n=6):
-        return pe.DecayFit(rate, (rate - half, rate + half), 0.99, math.inf, 0.0, n)
-
-    pred = float(-np.log(rep.rho.max(axis=1)).mean())
-    heads = {}
-    for name, changes in {
-        "match": dict(fit_exact=fit(pred)),
-        "miss": dict(fit_exact=fit(pred + 1.0)),
-        "wide": dict(fit_exact=fit(pred, half=0.5)),
-        "short": dict(fit_exact=fit(pred, n=2)),
-        "res_sep": dict(fit_exact=fit(0.0), no_residual=fit(0.5)),
-        "res_same": dict(fit_exact=fit(0.0), no_residual=fit(0.005)),
-        "eps": dict(eps_sweep=[(1.0, fit(0.0)), (2.0, fit(0.3))], gamma_sweep=[(1.0, fit(0.0)), (2.0, fit(0.01))]),
-        "nan": dict(no_residual=pe.DecayFit(math.nan, (math.nan, math.nan), math.nan, math.nan, math.nan, 1)),
-    }.items():
-        heads[name] = _verdicts(dataclasses.replace(rep, **changes))
-    assert "CONSISTENT" in heads["match"][0] and "INCONCLUSIVE" not in heads["match"][0]
-    assert "CONTRADICTED" in heads["miss"][0]
-    assert heads["wide"][0].startswith("(1) spectra: INCONCLUSIVE (the rate's 95 % interval is +-0.50 wide)")
-    assert heads["short"][0].startswith("(1) spectra: INCONCLUSIVE")
-    assert "CHANGES THE RATE" in heads["res_sep"][1] and "NO MEASURABLE EFFECT" in heads["res_same"][1]
-    assert "CHANGES THE RATE" in heads["eps"][2] and "NO MEASURABLE EFFECT" in heads["eps"][3]
-    assert heads["nan"][1].startswith("(2) residual: INCONCLUSIVE")
-    assert "gain along v" in heads["match"][0] and "sigma_max" in heads["match"][0]
+def test_cli_recovery_no_spectra(tmp_path, capsys):
+    path = tmp_path / "stack.npz"
+    _stack(n_layers=3, dtype=np.float32, d_model=32, n_heads=4).save(path)
+    out = tmp_path / "out"
+    assert main(["recovery", "--model", str(path), "--text", "short", "--scales", "1", "--directions", "1",
+                 "--no-spectra", "--probes", "8", "--no-plots", "--out", str(out), "--progress", "never"]) == 0
+    text = capsys.readouterr().out
+    assert "(1) spectra: NOT RESOLVED (spectra skipped)" in text and "8 Rademacher probes" in text
+    doc = json.loads((out / "recovery.json").read_text())
+    assert doc["spectral"]["skipped"] is True and doc["scaling_fit"]["n_probes"] == 8
+    assert all(v > 0 for v in doc["scaling_fit"]["alpha_se"][1:])
+    stage = json.loads((out / "stages" / "04-block-jacobian-spectra.json").read_text())
+    assert stage["skipped"] is True
 
 
 def test_linear_gap_uses_the_whole_delta():
@@ -195,6 +210,9 @@ def test_cli_recovery_writes_json_csv_png(tmp_path, capsys):
     metrics = list(csv.DictReader((out / "metrics.csv").read_text().splitlines()))
     assert len(metrics) == 2 * 3 * (2 * 3) * 11  # runs x layers x (K x S) x T
     assert (out / "recovery.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (out / "recovery_linear_model.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "linear model: J_k" in text and text.rstrip().splitlines()[-2].startswith("protocol: ")
+    assert doc["scaling_fit"]["layers"] == [1, 2, 3] and not doc["spectral"]["skipped"]
 
 
 def test_cli_missing_model_library_is_one_line(monkeypatch, capsys):
@@ -226,3 +244,32 @@ def test_default_model_and_byte_tokens():
     assert m.dtype == np.float32
     assert np.array_equal(byte_ids("Ab"), [65, 98])
     assert np.array_equal(m.weights["blocks.0.attn.w_o"], pe.experiments.default_model().weights["blocks.0.attn.w_o"])
+
+
+def test_stages_report_progress_and_records_in_order():
+    """progress rises from 0 to 1 through the seven stages; on_stage gets each one's record as it
+    finishes; the propagations equal pyengine.propagate with the unit directions recovery made."""
+    st = _stack(dtype=np.float32)
+    calls, records = [], []
+    D = np.random.default_rng(5).standard_normal((2, 16)) * [[1e-3], [40.0]]
+    r = recovery(st, ids=np.arange(3, 15), layer=1, directions=D, scales=(0.5, 2.0), eps_values=[1e-5],
+                 gamma_values=[1.0], progress=lambda f, s: calls.append((f, s)),
+                 on_stage=lambda s, rec: records.append((s, rec)))
+    names = ["exact propagation", "linearized propagation", "linear model", "block Jacobian spectra",
+             "ablation: no residual", "sweep: norm eps", "sweep: gamma scale"]
+    assert [s for s, _ in records] == names and list(r.seconds) == names + ["total"]
+    assert [s for s in dict.fromkeys(s for _, s in calls)] == names + ["done"]
+    fracs = [f for f, _ in calls]
+    assert fracs[0] == 0.0 and fracs[-1] == 1.0 and all(a <= b for a, b in zip(fracs, fracs[1:]))
+    last = {s: f for f, s in calls}  # the work of a stage with progress ends at its share
+    assert last["exact propagation"] == pytest.approx(0.35) and last["block Jacobian spectra"] == pytest.approx(0.7)
+    assert all(rec["stage"] == s and rec["seconds"] >= 0 for s, rec in records)
+    assert records[0][1]["propagation"]["cosine"] == r.exact.to_dict()["cosine"]
+    assert records[3][1]["blocks"] == [2, 3, 4] and records[5][1]["sweep"][0]["eps"] == 1e-5
+    assert records[2][1]["scaling_fit"]["layers"] == [1, 2, 3, 4]
+    unit = D / np.linalg.norm(D, axis=1)[:, None]  # to rounding: recovery's own unit rows
+    again = pe.propagate(st, np.arange(3, 15), pe._validate.unit_rows("d", D, 16), r.exact.scales, 1,
+                         dtype=np.float32)
+    np.testing.assert_array_equal(again.directions, r.exact.directions)
+    np.testing.assert_array_equal(again.projection, r.exact.projection)
+    np.testing.assert_allclose(r.exact.directions, unit, rtol=1e-15)

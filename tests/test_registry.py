@@ -87,21 +87,53 @@ def test_import_is_lazy():
     assert out.stdout.split() == ["False", "False"]
 
 
+THREAD_ENV = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT")
+
+
+def _clean_env(**user: str) -> dict[str, str]:
+    """This environment without the thread-pool variables, plus ``user``'s."""
+    import os
+
+    return {k: v for k, v in os.environ.items() if k not in THREAD_ENV} | user
+
+
+def test_import_sets_no_environment_variable():
+    """`import pyengine` in a bare environment (only the path to the package) leaves it unchanged."""
+    root = str(pathlib.Path(backends.__file__).resolve().parents[1])
+    code = "import os; before = dict(os.environ); import pyengine; print(dict(os.environ) == before)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env={"PYTHONPATH": root})
+    assert out.stdout.split() == ["True"]
+
+
 @pytest.mark.parametrize(
     ("user", "want"),
     [
-        ({}, ("10000", None, "20")),  # pyengine's defaults
-        ({"OMP_WAIT_POLICY": "PASSIVE"}, (None, "PASSIVE", "20")),  # a user's wait policy: no spin count added
-        ({"GOMP_SPINCOUNT": "0", "OPENBLAS_THREAD_TIMEOUT": "4"}, ("0", None, "4")),  # a user's settings win
+        ({}, "10000"),  # the command's default
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, None),  # a user's wait policy: no spin count added
+        ({"GOMP_SPINCOUNT": "0"}, "0"),  # a user's setting wins
     ],
 )
-def test_thread_pool_environment_defaults(user, want):
-    """`import pyengine` sets libgomp's spin count (issue 18: passive waiting cost 70-80 us per
-    parallel region) and OpenBLAS's idle timeout only where the user set neither."""
-    import os
+def test_the_command_sets_the_spin_count_before_libgomp_loads(user, want):
+    """`pyengine ...` sets libgomp's spin count (tuned_environment) while neither the extension
+    nor Numba, which load libgomp, is loaded; OPENBLAS_THREAD_TIMEOUT is left to the user."""
+    code = ("import os, sys; from pyengine import cli; loaded = 'pyengine._core' in sys.modules or 'numba' in "
+            "sys.modules; cli.main(['backends']); print(loaded, os.environ.get('GOMP_SPINCOUNT'), "
+            "os.environ.get('OPENBLAS_THREAD_TIMEOUT'))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True,
+                         env=_clean_env(**user))
+    assert out.stdout.splitlines()[-1].split() == ["False", str(want), "None"]
 
-    keys = ("GOMP_SPINCOUNT", "OMP_WAIT_POLICY", "OPENBLAS_THREAD_TIMEOUT")
-    env = {k: v for k, v in os.environ.items() if k not in keys} | user
-    code = "import os, pyengine; print([os.environ.get(k) for k in %r])" % (keys,)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, env=env)
-    assert out.stdout.strip() == str(list(want))
+
+@pytest.mark.parametrize(
+    ("user", "want"),
+    [
+        ({}, {"GOMP_SPINCOUNT": "10000", "OPENBLAS_THREAD_TIMEOUT": "20"}),
+        ({"OMP_WAIT_POLICY": "PASSIVE"}, {"OPENBLAS_THREAD_TIMEOUT": "20"}),
+        ({"GOMP_SPINCOUNT": "0", "OPENBLAS_THREAD_TIMEOUT": "4"}, {}),
+    ],
+)
+def test_tuned_environment_leaves_out_what_the_user_set(user, want):
+    from pyengine.bench import tuned_environment
+
+    assert tuned_environment(user) == want

@@ -1,5 +1,5 @@
-"""Issue 13, reliability: each reproducer of the issue as a test (it failed before the fix),
-plus the classes behind them (property tests with hypothesis live in test_properties.py).
+"""Reliability at the edges: argument checks, wrong-answer cases of the solvers and norms,
+and extreme magnitudes (property tests with hypothesis live in test_properties.py).
 
 Arguments: every public argument is checked with a message that names it, before any
 heavy work; numbers are never NaN where a range is asked for; booleans are booleans and
@@ -17,10 +17,10 @@ import pyengine as pe
 from pyengine import _validate as _v
 from pyengine import bench, cli
 
-# -- item 9, 10: array and budget arguments -------------------------------------------
+# -- array and budget arguments -------------------------------------------
 
 
-def test_item9_max_bytes_nan_is_refused():
+def test_jacobian_max_bytes_refuses_bad_values():
     x = np.random.default_rng(0).standard_normal((2, 4))
     for bad in (float("nan"), 0, -1.0, "1e9", True):
         with pytest.raises((ValueError, TypeError), match="max_bytes"):
@@ -31,7 +31,7 @@ def test_item9_max_bytes_nan_is_refused():
 
 
 @pytest.mark.parametrize("fn", [pe.layer_norm, pe.rms_norm])
-def test_item10_ragged_x_names_x(fn):
+def test_ragged_arrays_name_the_argument(fn):
     with pytest.raises(ValueError, match="^x must be an array of numbers"):
         fn([[1.0, 2.0], [3.0]])
     with pytest.raises(ValueError, match="^v must be an array of numbers"):
@@ -49,7 +49,7 @@ def test_real_refuses_nan_in_every_range():
     assert _v.real("t", np.float32(0.5), low=0, high=1) == 0.5
 
 
-# -- items 17, 18, 19: pyengine bench checks its arguments and its baseline first ------
+# -- pyengine bench checks its arguments and its baseline first ------
 
 
 def _never_run(monkeypatch):
@@ -66,7 +66,7 @@ def _good_report():
 
 
 @pytest.mark.parametrize("threshold", ["-1", "nan", "inf", "1", "1.5", "x"])
-def test_item17_bench_threshold_is_a_fraction(threshold, tmp_path, monkeypatch, capsys):
+def test_bench_threshold_is_a_fraction(threshold, tmp_path, monkeypatch, capsys):
     _never_run(monkeypatch)
     base = tmp_path / "base.json"
     base.write_text(json.dumps(_good_report()))
@@ -88,7 +88,7 @@ def test_item17_bench_threshold_is_a_fraction(threshold, tmp_path, monkeypatch, 
     [{**_good_report()["results"][0], "fraction": "fast"}],
     [{**_good_report()["results"][0], "spread": float("nan")}],
 ])
-def test_item18_bench_baseline_rows_are_checked_before_the_run(results, tmp_path, monkeypatch, capsys):
+def test_bench_baseline_rows_are_checked_before_the_run(results, tmp_path, monkeypatch, capsys):
     _never_run(monkeypatch)
     base = tmp_path / "rows.json"
     base.write_text(json.dumps({"machine": {}, "results": results}))
@@ -99,7 +99,7 @@ def test_item18_bench_baseline_rows_are_checked_before_the_run(results, tmp_path
         bench.compare(_good_report(), {"results": results})
 
 
-def test_item19_bench_binary_baseline_names_the_file(tmp_path, monkeypatch, capsys):
+def test_bench_binary_baseline_names_the_file(tmp_path, monkeypatch, capsys):
     _never_run(monkeypatch)
     npy = tmp_path / "good.npy"
     np.save(npy, np.random.default_rng(0).standard_normal(100))
@@ -113,7 +113,7 @@ def test_bench_good_baseline_still_compares():
     assert bench.load_baseline  # public
 
 
-# -- items 13 (CLI side), 20: the CLI refuses bad numbers and ignored options ----------
+# -- the CLI refuses bad numbers and ignored options ----------
 
 
 @pytest.mark.parametrize("argv", [
@@ -126,7 +126,7 @@ def test_bench_good_baseline_still_compares():
     ["spectral", "--eps", "-1"],
     ["spectral", "--tol", "inf"],
 ])
-def test_item13_item20_cli_numbers_are_refused_by_the_parser(argv, capsys):
+def test_cli_numbers_are_refused_by_the_parser(argv, capsys):
     with pytest.raises(SystemExit) as exc:
         cli.main(argv)
     assert exc.value.code == 2
@@ -134,7 +134,7 @@ def test_item13_item20_cli_numbers_are_refused_by_the_parser(argv, capsys):
     assert "RuntimeWarning" not in err and f"argument {argv[1]}" in err
 
 
-def test_item20_spectral_key_with_npy_is_refused(tmp_path, capsys):
+def test_spectral_key_with_npy_is_refused(tmp_path, capsys):
     npy = tmp_path / "good.npy"
     np.save(npy, np.random.default_rng(0).standard_normal((4, 8)))
     assert cli.main(["spectral", "--input", str(npy), "--key", "a", "--progress", "never"]) == 2
@@ -142,40 +142,40 @@ def test_item20_spectral_key_with_npy_is_refused(tmp_path, capsys):
     assert err.startswith("pyengine: error: --key a") and str(npy) in err and err.count("\n") == 1
 
 
-# -- items 1, 2, 5, 6, 7, 8, 11: wrong answers and solver contracts -------------------------
-# (RuntimeWarnings are errors in this test suite, so every test here also checks item 8.)
+# -- wrong answers and solver contracts -------------------------
+# (RuntimeWarnings are errors in this test suite, so every test here also checks that none is raised.)
 
 
 @pytest.mark.parametrize("method", ["exact", "power", "lanczos"])
-def test_item1_d2_eps0_is_zero_and_converged(backend, method):
+def test_sigma_max_d2_eps0_is_zero_and_converged(backend, method):
     r = pe.layer_norm_spectral_norm(np.tile([[1.0, 2.0]], (8, 1)), eps=0.0, method=method, backend=backend)
     assert (r.sigma == 0).all() and (r.upper == 0).all() and r.converged.all() and (r.residual == 0).all()
 
 
 @pytest.mark.parametrize("fn", [pe.rms_norm_spectral_norm, pe.layer_norm_spectral_norm])
 @pytest.mark.parametrize("method", ["power", "lanczos"])
-def test_item2_float32_tiny_rows_have_a_finite_residual(fn, method):
+def test_sigma_max_float32_tiny_rows_have_a_finite_residual(fn, method):
     x = (np.random.default_rng(0).standard_normal((2, 64)) * 1e-20).astype(np.float32)
     r = fn(x, eps=0.0, method=method)
     assert np.isfinite(r.residual).all() and r.converged.all()
     np.testing.assert_allclose(r.sigma, fn(x, eps=0.0, method="exact").sigma, rtol=1e-6)
 
 
-def test_item5_eps0_tiny_rows_keep_full_precision(backend):
+def test_norms_eps0_extreme_rows_keep_full_precision(backend):
     x = np.random.default_rng(0).standard_normal((1, 64))
     for scale in (1e-160, 1e-300, 1e200, 1e300):
         assert abs(pe.rms_norm(x * scale, eps=0, backend=backend) - pe.rms_norm(x, eps=0, backend=backend)).max() < 1e-14
         assert abs(pe.layer_norm(x * scale, eps=0, backend=backend) - pe.layer_norm(x, eps=0, backend=backend)).max() < 1e-14
 
 
-def test_item5_eps_is_scaled_with_the_row(backend):
+def test_layer_norm_tiny_row_with_eps_keeps_full_precision(backend):
     """eps > 0 on a tiny row: s = sqrt(var + eps), var negligible; x / s keeps full precision."""
     x = np.random.default_rng(1).standard_normal((2, 16)) * 1e-170
     y = pe.layer_norm(x, eps=1e-5, backend=backend)
     np.testing.assert_allclose(y, (x - x.mean(1, keepdims=True)) / np.sqrt(1e-5), rtol=1e-14)
 
 
-def test_item6_iterations_never_exceed_max_iter():
+def test_lanczos_iterations_never_exceed_max_iter():
     rng = np.random.default_rng(2)
     x = rng.standard_normal((8, 64)).astype(np.float32)
     g = rng.lognormal(0, 0.5, 64).astype(np.float32)
@@ -184,19 +184,19 @@ def test_item6_iterations_never_exceed_max_iter():
     assert (r.converged == (r.residual <= 1e-10)).all()
 
 
-def test_item7_converged_agrees_with_the_residual(backend):
+def test_lanczos_converged_agrees_with_the_residual(backend):
     r = pe.layer_norm_spectral_norm(np.array([[0.3, -1.2]]), eps=0.0, method="lanczos", max_iter=5, backend=backend)
     assert (r.converged == (r.residual <= r.tol)).all() and r.converged.all()
 
 
-def test_item11_spectral_radius_huge_v0():
+def test_spectral_radius_extreme_v0():
     a = np.random.default_rng(1).standard_normal((3, 8, 8))
     r = pe.spectral_radius(a, v0=np.full((3, 8), 1e300))
     np.testing.assert_allclose(r.rho, np.abs(np.linalg.eigvals(a)).max(axis=1), rtol=1e-6)
     np.testing.assert_allclose(pe.spectral_radius(a, v0=np.full((3, 8), 1e-300)).rho, r.rho, rtol=1e-6)
 
 
-# -- items 3, 4, 12-16: propagate and recovery ----------------------------------------------
+# -- propagate and recovery ----------------------------------------------
 
 
 @pytest.fixture(scope="module")
@@ -209,7 +209,7 @@ V2 = np.random.default_rng(0).standard_normal((2, 64))
 
 
 @pytest.mark.parametrize("size", [1e300, 1e-160, 1e-300, 1.7e308])
-def test_items3_4_directions_of_extreme_norm(stack, size):
+def test_propagate_directions_of_extreme_norm(stack, size):
     p = pe.propagate(stack, IDS, np.full(64, size), 1.0, 1)
     np.testing.assert_allclose(p.delta_norm[0].max(), 1.0, rtol=1e-15)
 
@@ -236,7 +236,7 @@ def _no_heavy_work(monkeypatch):
     ({"batch_size": 0}, "batch_size"),
     ({"dtype": np.int32}, "dtype"),
 ])
-def test_items14_15_16_propagate_checks_before_work(stack, monkeypatch, kwargs, name):
+def test_propagate_checks_arguments_before_work(stack, monkeypatch, kwargs, name):
     if name not in ("positions",):  # positions need T, known only from the baseline's input
         _no_heavy_work(monkeypatch)
     with pytest.raises((ValueError, TypeError), match=f"^{name}"):
@@ -258,8 +258,10 @@ def test_items14_15_16_propagate_checks_before_work(stack, monkeypatch, kwargs, 
     ({"n_directions": 0}, "n_directions"),
     ({"read": "first"}, "read"),
     ({"spectral_tokens": slice(0, 2, 0)}, "positions"),
+    ({"n_probes": 0}, "n_probes"),
+    ({"spectra": "no"}, "spectra"),
 ])
-def test_items12_13_recovery_checks_before_work(stack, monkeypatch, kwargs, name):
+def test_recovery_checks_arguments_before_work(stack, monkeypatch, kwargs, name):
     from pyengine.experiments import recovery
 
     _no_heavy_work(monkeypatch)

@@ -1,4 +1,4 @@
-"""Sites in the scans (issue 12): recovery at a site (Python and --site), the norm-input
+"""Sites in the scans: recovery at a site (Python and --site), the norm-input
 spectra of a model's sites (Python and ``pyengine scan spectral --sites``)."""
 
 import json

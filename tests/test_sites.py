@@ -33,8 +33,9 @@ def test_sites_equal_forward(name):
     cfg = s.config
     ids = np.array([3, 1, 4, 1, 5, 9, 2, 6])
     T, H, dh = ids.size, cfg.n_heads, cfg.head_dim
-    h, c = s.run_with_cache(ids)
-    np.testing.assert_array_equal(h, s.hidden_states(ids))
+    out, c = s.run_with_cache(ids)
+    h = s.hidden_states(ids)
+    np.testing.assert_array_equal(out, h[-1])  # no LM head: the last hidden state
     assert set(c) == set(s.site_names())
     for k in range(cfg.n_layers):
         g = lambda n: c[f"blocks.{k}.{n}"]  # noqa: E731
@@ -83,11 +84,11 @@ def test_sites_equal_forward(name):
 def test_only_asked_sites_globs_and_batches():
     s = make("pre_ln_rope", np.float32)
     ids = np.array([[1, 2, 3, 4], [5, 6, 7, 8]])
-    h, c = s.run_with_cache(ids, ["blocks.*.attn.pattern", "blocks.1.resid_mid"])
+    out, c = s.run_with_cache(ids, ["blocks.*.attn.pattern", "blocks.1.resid_mid"])
     assert list(c) == ["blocks.0.attn.pattern", "blocks.1.attn.pattern", "blocks.1.resid_mid",
                        "blocks.2.attn.pattern"]
     assert c["blocks.0.attn.pattern"].shape == (2, 4, 4, 4) and c["blocks.1.resid_mid"].dtype == np.float32
-    np.testing.assert_array_equal(h, s.hidden_states(ids))
+    np.testing.assert_array_equal(out, s.hidden_states(ids)[-1])
     for i in range(2):  # a batch row equals the single run
         _, c1 = s.run_with_cache(ids[i], "blocks.1.resid_mid")
         np.testing.assert_allclose(c1["blocks.1.resid_mid"], c["blocks.1.resid_mid"][i], rtol=1e-5, atol=1e-6)
@@ -115,7 +116,8 @@ def test_cache_is_a_copy_and_input_untouched():
     s = make("post_ln")
     x = s.embed(np.arange(6))
     x0 = x.copy()
-    h, c = s.run_with_cache(x, "blocks.*.resid_*")
+    _, c = s.run_with_cache(x, "blocks.*.resid_*")
     np.testing.assert_array_equal(x, x0)
     c["blocks.0.resid_post"][:] = 0
-    np.testing.assert_array_equal(h[1], s.hidden_states(x0)[1])
+    np.testing.assert_array_equal(s.run_with_cache(x, "blocks.0.resid_post")[1]["blocks.0.resid_post"],
+                                  s.hidden_states(x0)[1])

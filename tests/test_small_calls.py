@@ -1,4 +1,4 @@
-"""The per-call fast paths of the public layer (issue 18): cached resolution, cached
+"""The per-call fast paths of the public layer: cached resolution, cached
 default parameters, the quick finiteness test of gamma/beta. Each must keep the checks
 and their messages of the slow path."""
 

@@ -1,4 +1,4 @@
-"""The fused per-token Lanczos kernels (``*_lanczos``, issue #18) and their dispatch.
+"""The fused per-token Lanczos kernels (``*_lanczos``) and their dispatch.
 
 Kernel level (through the registry): every backend against the exact sigma_max, the
 compiled ones against the NumPy reference; the result contract (sigma a lower bound,

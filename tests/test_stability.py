@@ -220,3 +220,29 @@ def test_one_blas_thread_limits_every_blas_library_and_restores():
     after = {i["filepath"]: i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas"}
     assert set(inside) == set(before) and all(n == 1 for n in inside.values())
     assert after == before
+
+
+@pytest.mark.parametrize("bad", [2, 0])
+def test_stack_backward_checks_once_and_names_the_block(monkeypatch, bad):
+    """The block VJPs run unchecked (the cotangent is checked once); NaN from block ``bad``'s
+    VJP, a middle one (the next kernel refuses it) or the last one run (found by the
+    check at the end), is one error naming that block."""
+    from pyengine.analysis import stack_signal_propagation
+    from pyengine.models import Stack
+
+    st = pe.init_weights(pe.StackConfig(d_model=16, n_heads=4, n_layers=4, d_mlp=24), seed=1, dtype=np.float64)
+
+    def refuse(*a, **k):
+        raise AssertionError("a cotangent was checked again")
+
+    monkeypatch.setattr(Stack, "_linearize", refuse)
+    assert np.isfinite(stack_signal_propagation(st, 6).backward_rms).all()
+    real = Stack.vjp_rows
+
+    def spoiled(self, c, *args):
+        out = real(self, c, *args)
+        return out * np.nan if c.block == bad else out
+
+    monkeypatch.setattr(Stack, "vjp_rows", spoiled)
+    with pytest.raises(ValueError, match=rf"first in dL/dh_{bad} \(the VJP of block {bad}, 0-based\)"):
+        stack_signal_propagation(st, 6)

@@ -1,4 +1,4 @@
-"""The fast paths of the stability report give the straightforward results (issue 14 speed work)."""
+"""The fast paths of the stability report give the straightforward results."""
 
 import numpy as np
 import pytest
@@ -129,3 +129,32 @@ def test_signal_propagations_rejects_bad_norms():
         signal_propagations("kaiming_normal", 2, 8, 4, norms=("none", "batchnorm"))
     with pytest.raises(ValueError, match="norms"):
         signal_propagations("kaiming_normal", 2, 8, 4, norms=())
+
+
+def test_report_draws_one_schemes_stack_at_a_time_with_the_shared_draws_numbers(monkeypatch):
+    """The report holds one scheme's weights at a time (memory), and its runs are those of the
+    schemes' shared draw (mlp_stacks of all schemes at once), bit for bit."""
+    import importlib
+
+    es = importlib.import_module("pyengine.experiments.stability")  # the module, not the function
+
+    schemes = ("kaiming_normal", "xavier_normal", "orthogonal", "torch_default")
+    calls = []
+    real = es.mlp_stacks
+    monkeypatch.setattr(es, "mlp_stacks", lambda *a, **k: calls.append(tuple(a[2])) or real(*a, **k))
+    rep = es.stability(schemes, 3, 32, 8, demo=False, gelu_check=True)
+    assert sorted(calls) == sorted([(s,) for s in schemes] * 2)  # plain and residual, one scheme per call
+    for residual in (False, True):
+        shared = real(3, 32, schemes, residual=residual, dtype=np.float32)
+        for s in schemes:
+            ref = signal_propagations(s, 3, 32, 8, norms=("none", "layernorm"), residual=residual, dtype=np.float32,
+                                      layers=shared[s])
+            got = [r for r in rep.runs if r.scheme == s and r.residual == residual]
+            assert [r.norm for r in got] == ["none", "layernorm"]
+            for a, b in zip(got, ref):
+                np.testing.assert_array_equal(a.forward_rms, b.forward_rms)
+                np.testing.assert_array_equal(a.backward_rms, b.backward_rms)
+    gelu = signal_propagation("kaiming_normal", 3, 32, 8, activation="gelu", dtype=np.float32,
+                              layers=real(3, 32, schemes, dtype=np.float32)["kaiming_normal"])
+    assert len(rep.gelu_runs) == 1
+    np.testing.assert_array_equal(rep.gelu_runs[0].forward_rms, gelu.forward_rms)

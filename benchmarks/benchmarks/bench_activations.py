@@ -2,7 +2,7 @@
 
 ``time_<kernel>`` times one call of the public function with ``out=`` preallocated
 (the activation JVP coefficients allocate theirs: ``activation_jvp_coef`` takes no
-``out``). Shapes use the vocabulary of issue #4's speed target, a GPT-2-small batch
+``out``). Shapes use the vocabulary of the propagation speed targets, a GPT-2-small batch
 of K = 64 sequences of T = 128 tokens: the causal softmax sees (K, heads, T, T) scores
 and its JVP K tangents of one sequence's (heads, T, T) probabilities; the MLP
 activations see (K * T, d_mlp) pre-activations (for silu_gated, [gate | up] of that
@@ -18,7 +18,7 @@ import numpy as np
 
 import pyengine as pa
 
-from .common import BACKENDS, DTYPES, copy_bandwidth, median_time, require_backend
+from .common import BACKENDS, DTYPES, KernelBenchmark, copy_bandwidth, median_time
 
 #: sequences x heads x T of the attention kernels.
 ATTENTION_SHAPES = ["64x12x128", "4x12x1024"]
@@ -35,22 +35,18 @@ def _dims(shape: str) -> tuple[int, ...]:
     return tuple(int(s) for s in shape.split("x"))
 
 
-class _Kernel:
-    """Base: builds seeded data and the call in ``setup``, with one warm-up call."""
+class _Kernel(KernelBenchmark):
+    """Base: a call built by :meth:`arrays` on seeded data (common.KernelBenchmark)."""
 
     params = [BACKENDS, DTYPES, MLP_SHAPES]
-    param_names = ["backend", "dtype", "shape"]
-    timeout = 600
 
-    def make(self, rng, dtype, shape):
+    def arrays(self, rng, dtype, shape):
         """(call(backend), bytes moved by one call)."""
         raise NotImplementedError
 
-    def setup(self, backend, dtype, shape):
-        require_backend(backend)
-        make, self.bytes = self.make(np.random.default_rng(0), np.dtype(dtype), _dims(shape))
-        self.call = functools.partial(make, backend)
-        self.call()  # warm-up: JIT compilation and first-touch page faults are not timed
+    def make(self, rng, backend, dtype, shape):
+        call, self.bytes = self.arrays(rng, np.dtype(dtype), _dims(shape))
+        return functools.partial(call, backend)
 
     def track_bandwidth_fraction(self, backend, dtype, shape):
         t = median_time(self.call, 3 if backend == "numpy" else 10)
@@ -66,7 +62,7 @@ class _Attention(_Kernel):
 class Softmax(_Attention):
     """Causal softmax of (K, heads, T, T) scores, in place as a transformer block runs it."""
 
-    def make(self, rng, dtype, shape):
+    def arrays(self, rng, dtype, shape):
         k, h, t = shape
         x = (3.0 * rng.standard_normal((k, h, t, t))).astype(dtype)
         out = np.empty_like(x)
@@ -80,7 +76,7 @@ class Softmax(_Attention):
 class SoftmaxJvp(_Attention):
     """K tangents (K, heads, T, T) through one sequence's softmax (1, heads, T, T)."""
 
-    def make(self, rng, dtype, shape):
+    def arrays(self, rng, dtype, shape):
         k, h, t = shape
         p = pa.softmax((3.0 * rng.standard_normal((1, h, t, t))).astype(dtype), offset=0)
         dx = rng.standard_normal((k, h, t, t)).astype(dtype)
@@ -95,7 +91,7 @@ class _Activation(_Kernel):
     name = ""
     grad = False
 
-    def make(self, rng, dtype, shape):
+    def arrays(self, rng, dtype, shape):
         n, width = shape
         x = (2.0 * rng.standard_normal((n, width))).astype(dtype)
         n_out = width // 2 if self.name == "silu_gated" else width

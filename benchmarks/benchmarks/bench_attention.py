@@ -1,8 +1,8 @@
 """asv suites for the attention backward kernels and the fused head: one class per kernel id.
 
 ``time_<kernel>`` times one kernel call (``pyengine.backends.resolve``, preallocated
-outputs, the arrays built by ``pyengine.bench``). Shapes: ``12x128x128x64`` is the
-issue's (12 heads, 128, 128) score-gradient target with GPT-2's head width 64;
+outputs, seeded arrays). Shapes: ``12x128x128x64`` is the (12 heads, 128, 128)
+score-gradient target with GPT-2's head width 64;
 ``1x2000x2000x10`` the attention-dynamics experiment's head (T = 2000, dk = 10,
 dv = 15), where the fused kernels run every training step. All causal.
 """
@@ -13,7 +13,7 @@ import numpy as np
 
 from pyengine import backends
 
-from .common import BACKENDS, DTYPES, require_backend
+from .common import BACKENDS, DTYPES, KernelBenchmark, require_backend
 
 #: heads x Tq x Tk x head width.
 SHAPES = ["12x128x128x64", "1x2000x2000x10"]
@@ -41,19 +41,16 @@ def _arrays(kernel: str, dtype: str, shape: str) -> list:
             ent]
 
 
-class _Attention:
+class _Attention(KernelBenchmark):
     kernel = ""
     params = [BACKENDS, DTYPES, SHAPES]
-    param_names = ["backend", "dtype", "shape"]
-    timeout = 600
 
-    def setup(self, backend, dtype, shape):
-        require_backend(backend)
+    def make(self, rng, backend, dtype, shape):
         if backend == "numpy" and shape.startswith("1x2000") and self.kernel.endswith("backward"):
             raise NotImplementedError("the materialized reference backward at T = 2000 takes minutes")
         self.fn = backends.resolve(self.kernel, backend)
         self.args = _arrays(self.kernel, dtype, shape)
-        self.fn(*self.args)  # warm-up: JIT compilation and first-touch page faults are not timed
+        return lambda: self.fn(*self.args)
 
 
 class AttentionScoreGrad(_Attention):
@@ -84,29 +81,27 @@ class AttentionBackward(_Attention):
         self.fn(*self.args)
 
 
-class AttentionTrainingStep:
+class AttentionTrainingStep(KernelBenchmark):
     """One full-batch training step of the attention-dynamics model (T = 2000, float32):
     ``Model.step`` as the experiment runs it (single-threaded BLAS; the kernels' threads).
-    The comparison with torch autograd is ``benchmarks/attention_step_compare.py``."""
+    The comparison with torch autograd is ``benchmarks/scripts/attention_step.py``."""
 
     params = [[b for b in BACKENDS if b != "numpy"]]
     param_names = ["backend"]
-    timeout = 600
+    seed = 42  # the data and weights; the symbols' means from seed 0
 
-    def setup(self, backend):
+    def make(self, rng, backend):
         import importlib
 
         from threadpoolctl import threadpool_limits
 
-        require_backend(backend)
         ad = importlib.import_module("pyengine.experiments.attention_dynamics")
         mu = np.random.default_rng(0).standard_normal((8, ad.D_IN))
-        rng = np.random.default_rng(42)
         X, y = ad.make_data(ad.markov_chain(), 2000, mu, rng)
         self.model = ad.Model(X.astype(np.float32), y, 8, backend)
         self.W = ad.init_params(rng, 8, "float32")
         self.limit = threadpool_limits(1)  # kept for the process: asv runs each benchmark in its own
-        self.model.step(self.W)  # warm-up: JIT compilation is not timed
+        return lambda: self.model.step(self.W)
 
     def time_training_step(self, backend):
         self.model.step(self.W)

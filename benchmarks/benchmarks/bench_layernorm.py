@@ -4,7 +4,7 @@
 scan; a fresh output would mostly time page faults). ``track_bandwidth_fraction``
 reports the kernel's bytes moved per second as a fraction of the machine's
 all-threads streaming copy bandwidth, both measured in the same process: this is
-the figure that issue #2's speed targets are stated in, and it travels across
+the figure the speed targets of the norm kernels are stated in, and it travels across
 machines better than seconds.
 """
 
@@ -16,7 +16,7 @@ import numpy as np
 
 import pyengine as pe
 
-from .common import BACKENDS, DTYPES, SHAPES, copy_bandwidth, median_time, require_backend, shape_of
+from .common import BACKENDS, DTYPES, SHAPES, KernelBenchmark, copy_bandwidth, median_time, shape_of
 
 #: tokens x d for the dense Jacobians (d x d per token: the streaming sizes would need terabytes).
 JAC_SHAPES = ["512x128", "64x768", "2x4096"]
@@ -27,18 +27,14 @@ def _copy_bandwidth(nbytes: int) -> float:
     return copy_bandwidth(nbytes)
 
 
-class _Norm:
-    """Base: builds seeded data and the call in ``setup``, with one warm-up call."""
+class _Norm(KernelBenchmark):
+    """Base: the kernel ``kernel`` with ``out=`` on seeded rows (common.KernelBenchmark)."""
 
     kernel = ""
     params = [BACKENDS, DTYPES, SHAPES]
-    param_names = ["backend", "dtype", "shape"]
-    timeout = 600
 
-    def setup(self, backend, dtype, shape):
-        require_backend(backend)
+    def make(self, rng, backend, dtype, shape):
         tokens, d = shape_of(shape)
-        rng = np.random.default_rng(0)
         x = (1.0 + rng.standard_normal((tokens, d))).astype(dtype)
         w = rng.standard_normal((tokens, d)).astype(dtype)
         gamma = rng.uniform(0.5, 1.5, d).astype(dtype)
@@ -54,10 +50,8 @@ class _Norm:
         else:
             args, streams = (x, gamma), 2
         out = np.empty((tokens, d, d) if kind == "jacobian" else (tokens, d), dtype=dtype)
-        self.call = functools.partial(fn, *args, backend=backend, out=out)
         self.bytes = streams * x.nbytes
-        self.backend = backend
-        self.call()  # warm-up: JIT compilation and first-touch page faults are not timed
+        return functools.partial(fn, *args, backend=backend, out=out)
 
     def track_bandwidth_fraction(self, backend, dtype, shape):
         t = median_time(self.call, 3 if backend == "numpy" else 10)

@@ -1,9 +1,9 @@
 """asv suites for transformer stacks (pyengine.models.stack), GPT-2-small shaped, float32.
 
-Issue 4's targets are ratios measured in one process: a batched forward costs at
+The stack's speed targets are ratios measured in one process: a batched forward costs at
 most 1.3x its own matrix products executed alone with NumPy/BLAS, as the stack calls
 it, into reused outputs (``track_forward_over_gemms``, :func:`gemms_alone`), and a block JVP over K tangents at most 1.5x the
-block forward of K sequences (``track_jvp_over_forward``); issue 11: a block VJP over K
+block forward of K sequences (``track_jvp_over_forward``); a block VJP over K
 cotangents at most 1.5x that forward (``track_vjp_over_forward``). The targets' K = 64 and
 12 layers are cut to K = 8 and 2 layers here to keep a run short; the ratios are
 per layer and barely depend on either.
@@ -58,7 +58,7 @@ def gemms_alone(ops: list[tuple[np.ndarray, np.ndarray]]):
     The weight products through pyengine's ``linear`` kernel (NumPy's OpenBLAS,
     single-threaded per row tile in pyengine's threads, as the block engine calls it), the
     batched attention products by ``numpy.matmul``; every output allocated once here and
-    reused (issue 18). ``np.matmul(a, b)`` with a fresh (K*T, n) output each time measured up
+    reused. ``np.matmul(a, b)`` with a fresh (K*T, n) output each time measured up
     to 2x slower than this, and up to 3.7x right after a pyengine kernel: its page faults
     on fresh memory, and NumPy's BLAS threads competing with pyengine's still-spinning
     OpenMP threads; neither is a cost of the stack's own products.
@@ -137,7 +137,7 @@ class BlockJvp:
 class BlockVjp:
     """block_vjp of SEQUENCES cotangents at one sequence vs block_forward of SEQUENCES sequences.
 
-    Issue 11's target: ``track_vjp_over_forward`` <= 1.5 (K = 64 there; cut to K = 8 here,
+    Target: ``track_vjp_over_forward`` <= 1.5 (K = 64 there; cut to K = 8 here,
     as for BlockJvp). ``time_block_vjp_weights`` adds the block's weight gradients.
     """
 

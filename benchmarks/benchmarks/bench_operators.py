@@ -1,9 +1,9 @@
-"""asv suites for the public spectral API on batched operators (issue #3).
+"""asv suites for the public spectral API on batched operators.
 
 * ``SpectralNormPower``: power iteration on per-token LayerNorm Jacobians through
   :func:`pyengine.layer_norm_spectral_norm` (the fused kernel of each backend), a
   fixed 50 iterations per token (``tol`` unreachable), so the time is the cost of
-  50 iterations; ``track_speedup_vs_numpy_batched`` is the issue's figure: seconds
+  50 iterations; ``track_speedup_vs_numpy_batched`` is the target's figure: seconds
   per token-iteration of the NumPy reference (a power iteration batched over
   tokens in NumPy) over the backend's fused kernel's.
 * ``SpectralNormLanczos``: ``method="lanczos"`` to 1e-10 on LayerNorm Jacobians
@@ -20,7 +20,7 @@ import numpy as np
 
 import pyengine as pe
 
-from .common import BACKENDS, DTYPES, median_time, require_backend, shape_of
+from .common import BACKENDS, DTYPES, KernelBenchmark, median_time, shape_of
 
 #: Fixed work for the power-iteration timings: tol is unreachable, every token runs MAX_ITER.
 POWER_ITERS = 50
@@ -33,17 +33,13 @@ def _tokens(tokens: int, d: int, dtype: str, seed: int = 0):
     return x, gamma
 
 
-class SpectralNormPower:
+class SpectralNormPower(KernelBenchmark):
     params = [BACKENDS, DTYPES, ["1024x768", "128x4096"]]
-    param_names = ["backend", "dtype", "shape"]
-    timeout = 600
 
-    def setup(self, backend, dtype, shape):
-        require_backend(backend)
+    def make(self, rng, backend, dtype, shape):
         tokens, d = shape_of(shape)
         self.x, self.gamma = _tokens(tokens, d, dtype)
-        self.backend = backend
-        self.run()  # warm-up: Numba compilation is not timed
+        return self.run
 
     def run(self):
         return pe.layer_norm_spectral_norm(self.x, self.gamma, method="power", tol=1e-15,
@@ -63,17 +59,14 @@ class SpectralNormPower:
     track_speedup_vs_numpy_batched.unit = "x (per iteration)"
 
 
-class SpectralNormLanczos:
+class SpectralNormLanczos(KernelBenchmark):
     params = [["numpy", "numba", "cpp"], ["256x768", "32x4096"]]
     param_names = ["backend", "shape"]
-    timeout = 600
 
-    def setup(self, backend, shape):
-        require_backend(backend)
+    def make(self, rng, backend, shape):
         tokens, d = shape_of(shape)
         self.x, self.gamma = _tokens(tokens, d, "float64")
-        self.backend = backend
-        self.run()
+        return self.run
 
     def run(self):
         return pe.layer_norm_spectral_norm(self.x, self.gamma, method="lanczos", tol=1e-10,

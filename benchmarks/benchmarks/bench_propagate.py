@@ -1,13 +1,13 @@
 """asv suites for perturbation propagation (pyengine.propagate) and `pyengine recovery`.
 
-Issue 5's targets are ratios measured in one process, GPT-2-small shaped, float32:
+The propagation targets are ratios measured in one process, GPT-2-small shaped, float32:
 exact propagation costs at most 1.3x its own matrix products executed alone
 (``track_exact_over_gemms``), linearized at most 1.3x exact
 (``track_linearized_over_exact``), and injecting on a span that starts mid-sequence
 skips the rows before it (``track_span_speedup``: all positions / span). The
 target's K = 64 perturbations and 12 layers are cut to K = 16 and 4 layers to keep
 a run short; the ratios are per layer and barely depend on either. The comparison
-with PyTorch (which is not a dependency) is ``benchmarks/torch_compare.py``.
+with PyTorch (which is not a dependency) is ``benchmarks/scripts/torch_compare.py``.
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class Propagate:
 
 
 class Recovery:
-    """`pyengine recovery` on its built-in default model (issue 5: under 60 s)."""
+    """`pyengine recovery` on its built-in default model (target: under 60 s)."""
 
     timeout = 900
     number, repeat, rounds, warmup_time = 1, 1, 1, 0.0

@@ -1,11 +1,11 @@
-"""asv suite for issue 18: pyengine propagation against PyTorch, as ratios measured in one process.
+"""asv suite of pyengine propagation against PyTorch, as ratios measured in one process.
 
-The shapes of ``benchmarks/torch_compare.py`` (GPT-2-small blocks, T = 128, float32),
+The shapes of ``benchmarks/scripts/torch_compare.py`` (GPT-2-small blocks, T = 128, float32),
 cut to K = 16 directions and 4 blocks to keep a run short (the ratios are per block
 and barely depend on either), with both libraries at their default thread settings:
 
 - ``track_torch_over_exact_all``: PyTorch's batched forward (SDPA) of the K + 1
-  sequences over ``pe.propagate`` exact at all positions (issue 18: >= 1.15);
+  sequences over ``pe.propagate`` exact at all positions (>= 1.15);
 - ``track_torch_over_exact_span``: the same over exact propagation from T/2 (>= 2.5);
 - ``track_vmap_jvp_over_linearized``: ``torch.func`` vmap(jvp) over linearized (>= 1.6);
 - ``track_exact_over_gemms``: exact over its own matrix products executed alone (<= 1.1).
@@ -14,7 +14,7 @@ Each ratio is the quotient of the two sides' median times over ``ROUNDS`` rounds
 they are called in turn (``common.interleaved_ratio``).
 
 PyTorch is optional (the ``test`` extra has it): without it the suite is skipped.
-:func:`torch_stack` is also what ``benchmarks/torch_compare.py`` runs.
+:func:`torch_stack` is also what ``benchmarks/scripts/torch_compare.py`` runs.
 """
 
 from __future__ import annotations
@@ -114,7 +114,7 @@ class PropagateVsTorch:
         for a, b in self.ops:
             np.matmul(a, b)
 
-    # Ratios of calls made in turn (common.interleaved_ratio), as benchmarks/torch_compare.py
+    # Ratios of calls made in turn (common.interleaved_ratio), as benchmarks/scripts/torch_compare.py
     # gives them: the shared machine's slow spells fall on both sides.
     def track_torch_over_exact_all(self):
         return interleaved_ratio(self._torch_forward, self._exact, ROUNDS)

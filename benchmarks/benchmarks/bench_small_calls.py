@@ -1,4 +1,4 @@
-"""asv suites for issue 18's per-call targets, each a figure measured in one process.
+"""asv suites for the per-call targets, each a figure measured in one process.
 
 ``SmallCall.track_us_per_call``: a public kernel on one token of d = 768 (float32,
 ``backend="auto"``, allocating its result), microseconds per call; the target is <= 8.
@@ -82,7 +82,7 @@ class LayerNormVsTorch:
 
 
 class NumbaVsCpp:
-    """Numba's time over C++'s (issue 18: within 1.5x on every kernel). The norm kernels at
+    """Numba's time over C++'s (target: within 1.5x on every kernel). The norm kernels at
     (8192, d) float32; their exact sigma_max at (256, d); the attention softmax and its JVP on a
     GPT-2 small batch of causal scores, (64 sequences x 12 heads, 128, 128) float32 (d = 4096
     only: they have no d)."""

@@ -1,8 +1,8 @@
-"""asv suites for the spectral kernels (issue #3): one class per kernel id, backend x dtype x shape.
+"""asv suites for the spectral kernels: one class per kernel id, backend x dtype x shape.
 
 The kernels are called through the registry with preallocated outputs (the steady state
 of a scan). ``time_<kernel>`` times one call over the batch; the ``track_*`` figures are
-the ones the issue's speed targets are stated in, measured in the same process:
+the ones the speed targets are stated in, measured in the same process:
 
 * exact sigma_max: microseconds per token (targets, float32 on 2 cores: <= 5 at
   d = 768, <= 20 at d = 4096);
@@ -21,7 +21,7 @@ import numpy as np
 
 from pyengine import backends
 
-from .common import BACKENDS, DTYPES, median_time, require_backend, shape_of
+from .common import BACKENDS, DTYPES, KernelBenchmark, median_time, shape_of
 
 #: tokens x d_model: a long sequence at GPT-2 width, and a shorter one at 4096.
 SPECTRAL_SHAPES = ["8192x768", "1024x4096"]
@@ -30,31 +30,26 @@ ITERS = 10
 EPS = 1e-5
 
 
-def _data(tokens: int, d: int, dtype: str):
-    rng = np.random.default_rng(0)
+def _data(rng: np.random.Generator, tokens: int, d: int, dtype: str):
     x = (1.0 + rng.standard_normal((tokens, d))).astype(dtype)
     gamma = rng.uniform(0.5, 1.5, d).astype(dtype)
     v0 = rng.standard_normal((tokens, d)).astype(dtype)
     return x, gamma, v0
 
 
-class _SigmaMax:
+class _SigmaMax(KernelBenchmark):
     """Base: exact sigma_max of every token, full linearization."""
 
     kernel = ""
     params = [BACKENDS, DTYPES, SPECTRAL_SHAPES]
-    param_names = ["backend", "dtype", "shape"]
-    timeout = 600
 
-    def setup(self, backend, dtype, shape):
-        require_backend(backend)
+    def make(self, rng, backend, dtype, shape):
         tokens, d = shape_of(shape)
-        x, gamma, _ = _data(tokens, d, dtype)
+        x, gamma, _ = _data(rng, tokens, d, dtype)
         out = np.empty(tokens)
         fn = backends.resolve(self.kernel, backend)
-        self.call = lambda: fn(x, gamma, EPS, False, out)
         self.tokens = tokens
-        self.call()  # warm-up: Numba compilation and first-touch page faults are not timed
+        return lambda: fn(x, gamma, EPS, False, out)
 
     def track_us_per_token(self, backend, dtype, shape):
         return median_time(self.call, 3 if backend == "numpy" else 10) / self.tokens * 1e6
@@ -62,24 +57,20 @@ class _SigmaMax:
     track_us_per_token.unit = "us/token"
 
 
-class _PowerIteration:
+class _PowerIteration(KernelBenchmark):
     """Base: ITERS products J^T J per token (tol < 0: no token stops early)."""
 
     kernel = ""
     params = [BACKENDS, DTYPES, SPECTRAL_SHAPES]
-    param_names = ["backend", "dtype", "shape"]
-    timeout = 600
 
-    def setup(self, backend, dtype, shape):
-        require_backend(backend)
+    def make(self, rng, backend, dtype, shape):
         tokens, d = shape_of(shape)
-        x, gamma, v0 = _data(tokens, d, dtype)
+        x, gamma, v0 = _data(rng, tokens, d, dtype)
         sigma, residual = np.empty(tokens), np.empty(tokens)
         iterations = np.empty(tokens, dtype=np.int64)
         fn = backends.resolve(self.kernel, backend)
-        self.call = lambda: fn(x, gamma, EPS, False, v0, -1.0, ITERS, sigma, residual, iterations)
         self.tokens = tokens
-        self.call()  # warm-up
+        return lambda: fn(x, gamma, EPS, False, v0, -1.0, ITERS, sigma, residual, iterations)
 
     def track_us_per_token_iteration(self, backend, dtype, shape):
         t = median_time(self.call, 3 if backend == "numpy" else 10)
@@ -116,8 +107,8 @@ class RmsNormPowerIteration(_PowerIteration):
         self.call()
 
 
-class _Lanczos:
-    """Base: the fused per-token Lanczos (issue #18) to tol = 1e-6 at d = 768 over 256 tokens:
+class _Lanczos(KernelBenchmark):
+    """Base: the fused per-token Lanczos to tol = 1e-6 at d = 768 over 256 tokens:
     milliseconds per token (target <= 1 on 2 cores, float32), and the products it took. The
     NumPy reference loops over tokens in Python; ``track_ms_per_token`` of ``numpy`` is the
     generic batched solver that backend="numpy" runs instead."""
@@ -126,16 +117,13 @@ class _Lanczos:
     norm = ""
     params = [BACKENDS, DTYPES]
     param_names = ["backend", "dtype"]
-    timeout = 600
 
-    def setup(self, backend, dtype):
-        require_backend(backend)
+    def make(self, rng, backend, dtype):
         import pyengine as pe
 
-        x, gamma, _ = _data(256, 768, dtype)
+        x, gamma, _ = _data(rng, 256, 768, dtype)
         fn = getattr(pe, self.norm + "_spectral_norm")
-        self.call = lambda: fn(x, gamma, method="lanczos", tol=1e-6, backend=backend)
-        self.result = self.call()  # warm-up
+        return lambda: fn(x, gamma, method="lanczos", tol=1e-6, backend=backend)
 
     def track_ms_per_token(self, backend, dtype):
         return median_time(self.call, 1 if backend == "numpy" else 3) / 256 * 1e3

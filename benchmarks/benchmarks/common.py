@@ -1,4 +1,5 @@
-"""Shared asv machinery: the backend/dtype grid, seeded data, warm-up, timing helpers."""
+"""Shared asv machinery: the backend/dtype grid, the base class of the kernel suites (seeded
+data, warm-up, unavailable backends skipped) and timing helpers."""
 
 from __future__ import annotations
 
@@ -10,7 +11,7 @@ from pyengine import backends
 
 BACKENDS = list(backends.BACKENDS)
 DTYPES = ["float32", "float64"]
-#: tokens x d_model of the streaming kernels (issue #2).
+#: tokens x d_model of the streaming kernels.
 SHAPES = ["8192x768", "8192x4096", "512x16384"]
 
 
@@ -34,14 +35,39 @@ def median_time(fn, repeat: int = 10) -> float:
 
 def interleaved_ratio(num, den, rounds: int = 30) -> float:
     """median time of ``num`` / median time of ``den``, the two called alternately
-    (``pyengine.bench.time_alternated``). For short calls whose ratio is a target: timed in
-    blocks (``median_time`` of one, then of the other), the Numba/C++ (8192, 768)
-    ``layer_norm`` row read 1.1-1.5 in ten blocks in a row, and 1.94 in one run of
-    ``benchmarks/issue18_fg.py``, where 200 alternated calls gave 1.18-1.20 (2026-12-05)."""
+    (``pyengine.bench.time_alternated``), so that a slow spell of the machine falls on both. For
+    short calls whose ratio is a target: timed in blocks (``median_time`` of one, then of the
+    other), the same ratio spread several times wider."""
     from pyengine.bench import time_alternated
 
     ts = time_alternated({"num": num, "den": den}, rounds)
     return float(np.median(ts["num"]) / np.median(ts["den"]))
+
+
+class KernelBenchmark:
+    """Base of the suites whose first parameter is the backend (then, mostly, dtype and size).
+
+    A subclass sets ``params`` / ``param_names`` (these defaults: backend x dtype x
+    :data:`SHAPES`) and implements :meth:`make`. ``setup`` skips a backend that cannot load
+    (asv: ``NotImplementedError``), builds the data from ``default_rng(seed)`` through
+    :meth:`make`, which returns the call to time, and makes one warm-up call (kept as
+    ``self.result``), so that JIT compilation and first-touch page faults are not timed.
+    """
+
+    params = [BACKENDS, DTYPES, SHAPES]
+    param_names = ["backend", "dtype", "shape"]
+    timeout = 600
+    seed = 0
+
+    def make(self, rng: np.random.Generator, backend: str, *params):
+        """The call to time, without arguments; may raise ``NotImplementedError`` to skip a case."""
+        raise NotImplementedError
+
+    def setup(self, backend, *params):
+        require_backend(backend)
+        self.backend = backend
+        self.call = self.make(np.random.default_rng(self.seed), backend, *params)
+        self.result = self.call()  # warm-up: JIT compilation and first-touch page faults are not timed
 
 
 def copy_bandwidth(nbytes: int, repeat: int = 10) -> float:

@@ -22,7 +22,7 @@ import sys
 import tempfile
 from typing import Any
 
-from pyengine._progress import Progress
+from .._progress import Progress
 
 from . import cases as _cases
 from . import measure as _m

@@ -28,6 +28,7 @@ _ATTENTION = frozenset(getattr(backends, "ATTENTION_KERNELS", ()))
 _ORTHOGONALIZE = frozenset(getattr(backends, "ORTHOGONALIZE_KERNELS", ()))
 _ACTIVATION = frozenset(getattr(backends, "ACTIVATION_KERNELS", ()))
 _LINEAR = frozenset(getattr(backends, "LINEAR_KERNELS", ()))
+_LINEAR_ATTENTION = frozenset(getattr(backends, "LINEAR_ATTENTION_KERNELS", ()))
 
 
 def _provides(kernel: str, backend: str) -> bool:
@@ -184,7 +185,7 @@ def _newton_schulz_case(kernel: str) -> Case:
 
 
 def _linear_case(kernel: str) -> Case:
-    """An MLP's first product (tokens, d) @ (d, MLP_RATIO d) with the kernel's epilogue (issue 18)."""
+    """An MLP's first product (tokens, d) @ (d, MLP_RATIO d) with the kernel's epilogue."""
     def setup(backend: str, dtype: str, size: tuple[int, int]):
         (n, d), fn, rng = size, backends.resolve(kernel, backend), np.random.default_rng(0)
         m = MLP_RATIO * d
@@ -197,9 +198,32 @@ def _linear_case(kernel: str) -> Case:
                 backends=tuple(b for b in backends.BACKENDS if _provides(kernel, b)))
 
 
+def _linear_attention_case(kernel: str) -> Case:
+    """A block's causal attention heads (see _attention_shape; B sequences, or B tangents of one)."""
+    def setup(backend: str, dtype: str, size: tuple[int, int]):
+        (b, h, t), fn, rng = _attention_shape(size), backends.resolve(kernel, backend), np.random.default_rng(0)
+        rand = lambda *shape: rng.standard_normal(shape).astype(dtype)  # noqa: E731
+        qkv, out, scale = rand(b, t, 3 * h, HEAD_DIM), np.empty((b, t, h, HEAD_DIM), dtype), HEAD_DIM**-0.5
+        if kernel == "linear_attention_forward":
+            past = np.empty((h, 0, HEAD_DIM), dtype)
+            return (lambda: fn(qkv, past, past, h, 0, scale, out)), qkv.nbytes + out.nbytes, 4.0 * b * h * t * t * HEAD_DIM
+        q, k, v, p = rand(h, 1, t, HEAD_DIM), rand(h, t, HEAD_DIM), rand(h, t, HEAD_DIM), np.empty((h, 1, t, t), dtype)
+        backends.resolve("softmax", "numpy")(rand(h, t, t), 0, p.reshape(h, t, t))
+        return (lambda: fn(qkv, q, k, v, p, 0, scale, out)), qkv.nbytes + out.nbytes, 8.0 * b * h * t * t * HEAD_DIM
+
+    def label(size: tuple[int, int]) -> str:
+        b, h, t = _attention_shape(size)
+        return f"{b}x{t}x{h}x{HEAD_DIM}"
+
+    return Case(kernel, setup, limit="none", label=label,
+                backends=tuple(b for b in backends.BACKENDS if _provides(kernel, b)))
+
+
 def _kernel_case(kernel: str) -> Case:
     if kernel in _LINEAR:
         return _linear_case(kernel)
+    if kernel in _LINEAR_ATTENTION:
+        return _linear_attention_case(kernel)
     if kernel in _ATTENTION:
         return _attention_case(kernel)
     if kernel in _ORTHOGONALIZE:

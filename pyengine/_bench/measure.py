@@ -9,6 +9,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import fractions
+import importlib
 import math
 import os
 import time
@@ -168,6 +169,15 @@ def sample(call: Callable[[], Any], loops: int, n: int) -> list[float]:
     return out
 
 
+def _cpp_backend() -> Any:
+    """The "cpp" backend's module (its ``stream_copy``), or None. An older build under A/B has no
+    ``backends.backend_module``: its backend module is then imported by name, as the registry does."""
+    find = getattr(backends, "backend_module", None)
+    if find is not None:
+        return find("cpp")
+    return importlib.import_module("pyengine.kernels._cpp") if backends.available_backends()["cpp"].available else None
+
+
 def limit_probe(limit: str, dtype: str, quick: bool) -> Callable[[], float] | None:
     """A short measurement of the machine limit a case is normalized by, to run right next to
     it (``limit`` = "bandwidth": copy bytes/s; "gemm": flop/s in ``dtype``; "none": None).
@@ -175,10 +185,8 @@ def limit_probe(limit: str, dtype: str, quick: bool) -> Callable[[], float] | No
     if limit == "bandwidth":
         src = np.ones((16 if quick else 64) << 20, np.uint8)
         dst = np.zeros_like(src)
-        core = None
-        if backends.available_backends()["cpp"].available:
-            from pyengine import _core as core
-        copy = (lambda: core.stream_copy(src, dst)) if core is not None else (lambda: np.copyto(dst, src))
+        cpp = _cpp_backend()
+        copy = (lambda: cpp.stream_copy(src, dst)) if cpp is not None else (lambda: np.copyto(dst, src))
         work = 2.0 * src.nbytes
     elif limit == "gemm":
         k = 384 if quick else 768

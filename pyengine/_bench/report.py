@@ -9,7 +9,7 @@ from typing import Any
 
 import numpy as np
 
-from pyengine import _validate as _v
+from .. import _validate as _v
 
 from . import stats as _stats
 from .cases import THRESHOLD

@@ -14,8 +14,8 @@ from typing import Any
 
 import numpy as np
 
-from pyengine import backends
-from pyengine._progress import Progress
+from .. import backends
+from .._progress import Progress
 
 from . import cases as _cases
 from . import measure as _m

@@ -370,11 +370,18 @@ def unit_rows(name: str, a: Any, d: int) -> np.ndarray:
     if v.ndim not in (1, 2) or v.shape[-1] != d or v.size == 0:
         raise ValueError(f"{name} must have shape ({d},) or (K, {d}) with K >= 1; got {v.shape}")
     v = finite(name, np.atleast_2d(v).astype(np.float64))
-    # Divided by its largest |entry| before the norm is taken, so that the norm of a
-    # direction of 1e300 does not overflow (nor that of 1e-160 underflow): exact unit rows.
     top = np.abs(v).max(axis=1)
     if (top == 0).any():
         raise ValueError(f"{name} {int(np.argmin(top))} is the zero vector: it has no direction")
+    return normalized_rows(v, top)
+
+
+def normalized_rows(v: np.ndarray, top: np.ndarray | None = None) -> np.ndarray:
+    """The rows of ``v`` (K, d), float64, finite, none zero (not checked: see :func:`unit_rows`),
+    scaled to unit length; ``top`` (K,) their largest |entry| (computed when not given)."""
+    # Divided by its largest |entry| before the norm is taken, so that the norm of a
+    # direction of 1e300 does not overflow (nor that of 1e-160 underflow): exact unit rows.
+    top = np.abs(v).max(axis=1) if top is None else top
     v = v / top[:, None]
     return v / np.linalg.norm(v, axis=1)[:, None]
 

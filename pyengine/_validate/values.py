@@ -159,6 +159,22 @@ def indices(name: str, value: Any, size: int) -> np.ndarray:
         raise IndexError(f"{name} must lie in [0, {size}); got values in [{arr.min()}, {arr.max()}]")
     return arr.astype(np.intp, copy=False)
 
+def token_ids(name: str, value: Any, vocab_size: int) -> np.ndarray:
+    """Token ids (T,) or (B, T), T >= 1, each in [0, vocab_size), as given (not copied).
+
+    TypeError for a non-integer dtype; ValueError for a wrong shape or an id out of range
+    (the message shows the first such id).
+    """
+    ids = np.asarray(value)
+    if ids.dtype.kind not in "iu":
+        raise TypeError(f"{name} must be an integer array; got dtype {ids.dtype}")
+    if ids.ndim not in (1, 2) or ids.shape[-1] < 1:
+        raise ValueError(f"{name} must have shape (T,) or (B, T) with T >= 1; got {ids.shape}")
+    if ids.size and (ids.min() < 0 or ids.max() >= vocab_size):
+        bad = ids[(ids < 0) | (ids >= vocab_size)].flat[0]
+        raise ValueError(f"{name} must lie in [0, vocab_size = {vocab_size}); got {bad}")
+    return ids
+
 def index_of(name: str, value: Any, size: int, what: str, *, negative: bool = False) -> int:
     """:func:`index` with what it indexes in the message; ``negative``: [-size, 0) counts from the end.
 

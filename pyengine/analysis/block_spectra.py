@@ -56,8 +56,10 @@ class BlockJacobian(BatchedOperator):
     def _apply(self, method: str, V: np.ndarray, out: np.ndarray | None) -> np.ndarray:
         T, d = self.caches[0].h.shape
         res = np.empty(V.shape, self.dtype) if out is None else out
-        for b, c in enumerate(self.caches):
-            res[b] = getattr(self.stack, method)(self.block, c.h, V[b].reshape(T, d), self.mode, c).reshape(-1)
+        shared = len(self.caches) != V.shape[0]  # batch 1: one Jacobian applied to each of the k rows
+        for r in range(V.shape[0]):
+            c = self.caches[0 if shared else r]
+            res[r] = getattr(self.stack, method)(self.block, c.h, V[r].reshape(T, d), self.mode, c).reshape(-1)
         return res
 
     def _matvec(self, V: np.ndarray, out: np.ndarray | None) -> np.ndarray:

@@ -18,15 +18,15 @@ __all__ = ["DecayFit", "fit_decay"]
 
 @dataclasses.dataclass(frozen=True)
 class DecayFit:
-    """Exponential fit |p_k| ~ exp(intercept - rate k) by least squares on log |p_k|.
+    """Exponential fit ``|p_k| ~ exp(intercept - rate k)`` by least squares on ``log |p_k|``.
 
     ``rate`` > 0 is decay, < 0 growth. ``rate_ci`` is the 95 % interval of the
     slope (Student t, n - 2 degrees of freedom; NaN with fewer than 3 points);
     ``half_life`` = ln 2 / rate layers (inf when the rate is <= 0: see :attr:`doubling`
     and :meth:`timescale` for growth); ``intercept``
-    log |p| extrapolated to layer 0 (absolute index); ``r2`` the
+    ``log |p|`` extrapolated to layer 0 (absolute index); ``r2`` the
     coefficient of determination of the log-linear fit; ``n_points`` the layers used
-    (those with |p_k| > 0 and finite).
+    (those with ``|p_k| > 0`` and finite).
     """
 
     rate: float

@@ -6,7 +6,11 @@ For hidden states h_0 .. h_L (:meth:`Stack.hidden_states`, batched over contexts
   grows with depth: Xiong et al. 2020);
 - ``cosine`` = mean over tokens of cos(h_l, h_{l+1}) (block l+1's "Block Influence" is
   1 - cosine, ShortGPT arXiv 2403.03853);
-- ``step_ratio`` = mean over tokens of |h_{l+1} - h_l| / |h_l|.
+- ``step_ratio`` = mean over tokens of |h_{l+1} - h_l| / |h_l|;
+- ``norm_median`` = median over tokens of |h_l| / sqrt(d), the companion of ``norm`` that one
+  token cannot decide (a causal LM's first token can be 100x the others), and the token
+  that would: ``top_norm_position``, the position with the largest median (over contexts)
+  |h_l|, and ``top_norm_ratio``, that median over the median |h_l| of the other positions.
 
 Removing block k (its output := its input, the later blocks unchanged) gives
 ``removal_change`` = mean over tokens of |h_L' - h_L| / |h_L| of the final hidden state
@@ -32,7 +36,7 @@ from scipy import stats
 from .. import _validate as _v
 from ..models import Stack
 
-__all__ = ["PlacementProfile", "block_removal", "placement_profile", "stream_profile"]
+__all__ = ["PlacementProfile", "block_removal", "placement_profile", "stream_profile", "token_norms"]
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -48,6 +52,9 @@ class PlacementProfile:
     spearman: float
     contexts: int
     ablation_contexts: int
+    norm_median: np.ndarray  # (L + 1,)
+    top_norm_position: np.ndarray  # (L + 1,) int
+    top_norm_ratio: np.ndarray  # (L + 1,)
 
     @property
     def influence(self) -> np.ndarray:
@@ -88,6 +95,19 @@ def stream_profile(h: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     cos = (np.einsum("lnd,lnd->ln", x[:-1], x[1:]) / (safe[:-1] * safe[1:])).mean(axis=1)
     step = (np.linalg.norm(x[1:] - x[:-1], axis=-1) / safe[:-1]).mean(axis=1)
     return norm, cos, step
+
+
+def token_norms(h: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(norm_median, top_norm_position, top_norm_ratio), each (L+1,), of hidden states
+    ``h`` (L+1, C, T, d); see the module (one position: ratio 1)."""
+    n = np.linalg.norm(h.astype(np.float64), axis=-1)  # (L+1, C, T)
+    med = np.median(n.reshape(n.shape[0], -1), axis=1) / np.sqrt(h.shape[-1])
+    per_pos = np.median(n, axis=1)  # (L+1, T)
+    top = per_pos.argmax(axis=1)
+    others = np.array([np.median(np.delete(per_pos[l], top[l])) if n.shape[2] > 1 else per_pos[l, 0]
+                       for l in range(n.shape[0])])
+    ratio = per_pos[np.arange(n.shape[0]), top] / np.where(others > 0, others, np.inf)
+    return med, top, ratio
 
 
 def _readout(model: Stack, hL: np.ndarray) -> np.ndarray:
@@ -173,4 +193,4 @@ def placement_profile(model: Any, inputs: Any, *, ablation_contexts: int | None 
     change, kl, top1 = block_removal(model, h[:, :na], progress=cb)
     eff = kl if kl is not None else change
     rho = float(stats.spearmanr(1.0 - cos, eff).statistic) if L >= 3 else float("nan")
-    return PlacementProfile(norm, cos, step, change, kl, top1, rho, C, na)
+    return PlacementProfile(norm, cos, step, change, kl, top1, rho, C, na, *token_norms(h))

@@ -13,7 +13,17 @@ ctx_c = mean_t h[c, t] - mu (C, d); residual h - mu - pos_t - ctx_c. Reported:
   (Roy & Vetterli) of pos;
 - ``angles`` (radians, ascending) between the top-k right singular subspace of pos at
   layer l and at layer 0;
-- ``incoherence``: max over (t, c) of |cos(pos_t, ctx_c)| (and the mean, ``mean_coherence``).
+- ``incoherence``: max over (t, c) of |cos(pos_t, ctx_c)| (and the mean, ``mean_coherence``);
+- ``top_position`` and ``top_share``: the position t holding the largest share
+  sum_c |h[c, t] - mu|^2 / |h - mu|_F^2 of the centred stream's energy, and that share.
+  In a causal LM the first token (the attention sink, Xiao et al. arXiv 2309.17453) can
+  hold nearly all of it, and every statistic above is then that one token's:
+  ``dominant_position`` names it where its share exceeds one half.
+
+Two variants take the dominating token out of the statistic: ``exclude_first=N`` drops
+positions 0 .. N - 1 before the decomposition, and ``normalize=True`` scales each token
+to unit RMS first, x / sqrt(mean_i x_i^2) (pre-LN principal components follow the token
+norm, so per-token normalization comes before PCA).
 
 :func:`position_probe`: ridge regression (closed form, via the centred training
 rows: the eigendecomposition of their Gram matrix) of the position index t, or of sin/cos features of t, from h_l; K-fold
@@ -38,10 +48,11 @@ from threadpoolctl import threadpool_limits
 from .. import _validate as _v
 from .propagate import propagate
 
-__all__ = ["PositionProbe", "PositionalDecomposition", "PositionalPropagation", "positional_decomposition",
-           "position_probe", "positional_propagation", "sincos_targets"]
+__all__ = ["DOMINANCE", "PositionProbe", "PositionalDecomposition", "PositionalPropagation", "normalize_tokens",
+           "position_probe", "positional_decomposition", "positional_propagation", "sincos_targets"]
 
 ALPHAS = (1e-4, 1e-3, 1e-2, 1e-1, 1.0)  # ridge strength relative to mean(sigma^2) of the training rows
+DOMINANCE = 0.5  # a position holding more than this share of |h - mu|^2 decides every statistic
 
 
 def _stream(h: Any, name: str = "h") -> np.ndarray:
@@ -71,10 +82,21 @@ class PositionalDecomposition:
     singular_values: np.ndarray  # (L, min(T, d)) of pos
     directions: np.ndarray  # (k, d) top-k positional directions at layer 0
     k: int
+    top_position: np.ndarray  # (L,) int, index into the original positions
+    top_share: np.ndarray  # (L,) its share of |h - mu|_F^2
+    exclude_first: int = 0
+    normalized: bool = False
+
+    @property
+    def dominant_position(self) -> np.ndarray:
+        """(L,) int: the position holding more than :data:`DOMINANCE` of |h - mu|^2, or -1."""
+        return np.where(self.top_share > DOMINANCE, self.top_position, -1)
 
     def to_dict(self) -> dict[str, Any]:
-        return {f.name: (v.tolist() if isinstance(v, np.ndarray) else v)
-                for f in dataclasses.fields(self) if f.name != "directions" for v in [getattr(self, f.name)]}
+        out = {f.name: (v.tolist() if isinstance(v, np.ndarray) else v)
+               for f in dataclasses.fields(self) if f.name != "directions" for v in [getattr(self, f.name)]}
+        out["dominant_position"] = [None if p < 0 else p for p in self.dominant_position.tolist()]
+        return out
 
 
 def _ranks(s: np.ndarray) -> tuple[float, float]:
@@ -85,22 +107,63 @@ def _ranks(s: np.ndarray) -> tuple[float, float]:
     return float((s ** 2).sum() / s[0] ** 2), float(np.exp(-(p * np.log(p)).sum()))
 
 
-def positional_decomposition(h: Any, k: int = 4) -> PositionalDecomposition:
+def normalize_tokens(h: Any) -> np.ndarray:
+    """Each token vector of ``h`` (..., d) scaled to unit RMS, x / sqrt(mean_i x_i^2), as float64.
+
+    All-zero tokens stay zero. Returns a new array; ``h`` is not modified.
+    """
+    a = _v.float_array("h", h).astype(np.float64)
+    r = np.sqrt((a * a).mean(axis=-1, keepdims=True))
+    return a / np.where(r > 0, r, 1.0)
+
+
+def _first(exclude_first: Any, T: int) -> int:
+    if isinstance(exclude_first, bool) or not isinstance(exclude_first, (int, np.integer)) or exclude_first < 0:
+        raise ValueError(f"exclude_first must be a non-negative integer; got {exclude_first!r}")
+    if T - exclude_first < 2:
+        raise ValueError(f"exclude_first must leave at least 2 of the T = {T} positions; got {exclude_first}")
+    return int(exclude_first)
+
+
+def positional_decomposition(h: Any, k: int = 4, *, exclude_first: int = 0,
+                             normalize: bool = False) -> PositionalDecomposition:
     """The positional decomposition of hidden states ``h`` (L, C, T, d) or (C, T, d); see the module.
 
-    ``k`` (<= min(T, d)): dimension of the positional subspaces compared by principal angles.
+    Parameters
+    ----------
+    h : array_like, (L, C, T, d) or (C, T, d), float
+        Hidden states of C contexts of T tokens at L layers. Not modified.
+    k : int
+        Dimension (<= min(T - exclude_first, d)) of the positional subspaces compared by
+        principal angles.
+    exclude_first : int
+        Positions 0 .. exclude_first - 1 left out (at least 2 positions must remain).
+    normalize : bool
+        Scale each token to unit RMS (:func:`normalize_tokens`) before the decomposition.
+
+    Returns
+    -------
+    PositionalDecomposition
+        ``top_position`` counts positions of ``h`` (the excluded ones included).
     """
     a = _stream(h)
+    first = _first(exclude_first, a.shape[2])
+    normalize = _v.flag("normalize", normalize)
+    a = a[:, :, first:]
     L, C, T, d = a.shape
     k = _v.count("k", k)
     if k > min(T, d):
         raise ValueError(f"k must be <= min(T, d) = {min(T, d)}; got {k}")
     n = min(T, d)
-    out = {x: np.zeros(L) for x in ("rel", "crel", "sr", "er", "inc", "mc")}
+    out = {x: np.zeros(L) for x in ("rel", "crel", "sr", "er", "inc", "mc", "top", "share")}
     angles, svals = np.zeros((L, k)), np.zeros((L, n))
     V0 = None
     for l in range(L):
-        x = a[l] - a[l].mean(axis=(0, 1))
+        x = normalize_tokens(a[l]) if normalize else a[l]
+        x = x - x.mean(axis=(0, 1))
+        energy = (x * x).sum(axis=(0, 2))  # (T,) per position
+        out["top"][l] = first + int(np.argmax(energy))
+        out["share"][l] = energy.max() / energy.sum() if energy.sum() > 0 else 0.0
         pos, ctx = x.mean(axis=0), x.mean(axis=1)  # (T, d), (C, d)
         tot = np.sqrt((x * x).sum())
         out["rel"][l] = np.sqrt(C) * np.linalg.norm(pos) / tot if tot > 0 else 0.0
@@ -118,7 +181,7 @@ def positional_decomposition(h: Any, k: int = 4) -> PositionalDecomposition:
             cos = np.abs((pos[ok_p] / pn[ok_p, None]) @ (ctx[ok_c] / cn[ok_c, None]).T)
             out["inc"][l], out["mc"][l] = cos.max(), cos.mean()
     return PositionalDecomposition(out["rel"], out["crel"], out["sr"], out["er"], angles, out["inc"], out["mc"],
-                                   svals, V0, k)
+                                   svals, V0, k, out["top"].astype(np.int64), out["share"], first, normalize)
 
 
 def sincos_targets(T: int, n_freq: int = 4) -> np.ndarray:
@@ -216,6 +279,7 @@ class PositionalPropagation:
     delta_norm: np.ndarray  # (L', K) mean |delta|, exact
     projection_linearized: np.ndarray  # (L', K)
     delta_norm_linearized: np.ndarray  # (L', K)
+    projection_median: np.ndarray  # (L', K) median |delta . v| over positions, exact: no one position decides it
 
     def to_dict(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name).tolist() for f in dataclasses.fields(self)}
@@ -226,8 +290,9 @@ def positional_propagation(model: Any, input_ids: Any, directions: Any, scales: 
     """Inject each positional direction (K, d) with its own scale (K,) at every position of one
     context ``input_ids`` at hidden state 0, exact and linearized (:func:`pyengine.propagate`).
 
-    Persistence is then measured the way concept injection is: |projection| and |delta| per
-    layer, averaged over positions ("all"). Different scales go through as separate calls.
+    Persistence is then measured the way concept injection is: ``|projection|`` and ``|delta|`` per
+    layer, averaged over positions ("all"), and the median ``|projection|`` over positions beside
+    the mean. Different scales go through as separate calls.
     """
     V = np.atleast_2d(_v.float_array("directions", directions)).astype(np.float64)
     S = np.atleast_1d(np.asarray(scales, dtype=np.float64))
@@ -235,14 +300,17 @@ def positional_propagation(model: Any, input_ids: Any, directions: Any, scales: 
         raise ValueError(f"scales must be {V.shape[0]} positive finite numbers (one per direction); got {S}")
     progress = _v.callback(progress, "progress")
     rows: dict[bool, list[tuple[np.ndarray, np.ndarray]]] = {False: [], True: []}
+    medians = []
     layers = None
     for i in range(V.shape[0]):
         for lin in (False, True):
             p = propagate(model, input_ids, V[i], float(S[i]), 0, "all", linearized=lin)
             rows[lin].append((p.view("projection", "all")[:, 0], p.view("delta_norm", "all")[:, 0]))
             layers = p.layers
+            if not lin:
+                medians.append(np.median(np.abs(p.view("projection", "all", reduce=None)[:, 0]), axis=-1))
         if progress is not None:
             progress(i + 1, V.shape[0])
     ex, li = rows[False], rows[True]
     return PositionalPropagation(np.asarray(layers), S, np.stack([r[0] for r in ex], 1), np.stack([r[1] for r in ex], 1),
-                                 np.stack([r[0] for r in li], 1), np.stack([r[1] for r in li], 1))
+                                 np.stack([r[0] for r in li], 1), np.stack([r[1] for r in li], 1), np.stack(medians, 1))

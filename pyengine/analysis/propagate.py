@@ -13,7 +13,8 @@ embedding output, hidden state k the stream after block k (blocks counted from 1
 injecting at ``layer`` perturbs the input of block ``layer + 1``. ``layer`` may also
 name a site inside a block, ``"blocks.k.resid_mid"`` and the others of
 :mod:`pyengine.analysis.propagate_inputs`: the perturbation is added to that activation
-in the forward (exact) or the JVP starts there (linearized).
+in the forward (exact) or the JVP starts there (linearized). The stages (checks,
+baseline, batched sweep, metrics) are in :mod:`pyengine.analysis.propagate_stages`.
 """
 
 from __future__ import annotations
@@ -26,14 +27,12 @@ import numpy as np
 
 from .. import _validate as _v
 from ..models import Stack
-from ..models.site_blocks import site_forward, site_jvp, site_value, site_width, write_matrix
 from .decay import DecayFit, fit_decay
 from .propagate_inputs import position_mask, propagate_padded, resolve_injection, resolve_positions
+from .propagate_stages import (Metrics, NonFinite, Request, base_stream, baseline, check_request, kept_positions,
+                               sweep)
 
 __all__ = ["Propagation", "position_mask", "propagate", "resolve_positions"]
-
-#: Bytes of activations one propagation chunk may hold (sets the default batch size).
-CHUNK_BYTES = 1 << 30
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -45,12 +44,12 @@ class Propagation:
     with delta = h_inj - h_base:
 
     - ``cosine``: cos(h_inj, h_base);
-    - ``projection``: delta . v / |v| (v the perturbation's direction);
-    - ``norm_ratio``: |h_inj| / |h_base|;
-    - ``delta_norm``: |delta|.
+    - ``projection``: ``delta . v / |v|`` (v the perturbation's direction);
+    - ``norm_ratio``: ``|h_inj| / |h_base|``;
+    - ``delta_norm``: ``|delta|``.
 
-    Baseline stream: ``base_norm`` (L', T) = |h_k|; ``base_adjacent_cosine`` and
-    ``base_step`` (n_layers, T): cos(h_k, h_{k+1}) and |h_{k+1} - h_k| for every k.
+    Baseline stream: ``base_norm`` (L', T) = ``|h_k|``; ``base_adjacent_cosine`` and
+    ``base_step`` (n_layers, T): ``cos(h_k, h_{k+1})`` and ``|h_{k+1} - h_k|`` for every k.
     ``deltas`` (L', N, P, d) only with ``return_deltas``: delta_k at the positions
     ``delta_positions`` (P of them; all T with ``return_deltas=True``).
 
@@ -116,7 +115,7 @@ class Propagation:
         """A metric at the positions ``where`` selects (see :meth:`position_mask`).
 
         ``reduce="mean"`` (default): (L', N), the mean over the selected positions;
-        ``projection`` is averaged as a magnitude (|projection|) there, and the result is
+        ``projection`` is averaged as a magnitude (``|projection|``) there, and the result is
         NaN where the selection is empty (e.g. nothing downstream). ``reduce=None``:
         (L', N, P), the signed values at the P selected positions, nothing averaged
         (``view("projection", "last", reduce=None)[..., 0]`` is the signed last-token
@@ -154,7 +153,7 @@ class Propagation:
         return a.reshape(a.shape[0], self.K, self.S, *a.shape[2:])
 
     def fit(self, where: str = "last", scale_index: int | None = None) -> DecayFit:
-        """Decay fit of the mean (over directions) |projection| at positions ``where``.
+        """Decay fit of the mean (over directions) ``|projection|`` at positions ``where``.
 
         One scale: ``scale_index`` (default the largest). The first point is the
         injected hidden state ``layer`` itself, unless no selected position is injected.
@@ -179,31 +178,6 @@ class Propagation:
         return out
 
 
-# --------------------------------------------------------------------------- engine
-
-
-class _Metrics:
-    """Accumulates the metrics of hidden states layer..n_layers from per-state dot products."""
-
-    def __init__(self, L: int, N: int, T: int) -> None:
-        shape = (L, N, T)
-        self.cosine = np.ones(shape)
-        self.projection = np.zeros(shape)
-        self.norm_ratio = np.ones(shape)
-        self.delta_norm = np.zeros(shape)
-
-    def put(self, i: int, n: slice, s: int, hb: np.ndarray, dot: np.ndarray, dd: np.ndarray, proj: np.ndarray) -> None:
-        """Hidden state i, perturbations n, rows s..T-1: |h_b|^2 (T',), delta.h_b, |delta|^2, delta.v (n, T')."""
-        nb2 = hb
-        ni2 = np.maximum(nb2 + 2.0 * dot + dd, 0.0)
-        nb, ni = np.sqrt(nb2), np.sqrt(ni2)
-        with np.errstate(divide="ignore", invalid="ignore"):
-            self.cosine[i, n, s:] = np.clip((nb2 + dot) / (nb * ni), -1.0, 1.0)
-            self.norm_ratio[i, n, s:] = ni / nb
-        self.projection[i, n, s:] = proj
-        self.delta_norm[i, n, s:] = np.sqrt(dd)
-
-
 def propagate(
     model: Any,
     input_ids: Any,
@@ -220,7 +194,7 @@ def propagate(
     progress: Callable[[int, int], None] | None = None,
     attention_mask: Any = None,
 ) -> Propagation:
-    """Inject scale * v/|v| into hidden state ``layer`` and propagate it to the last block.
+    """Inject ``scale * v/|v|`` into hidden state ``layer`` and propagate it to the last block.
 
     Parameters
     ----------
@@ -231,7 +205,7 @@ def propagate(
     direction : array_like, (d_model,) or (K, d_model)
         Directions v (normalized here; the zero vector is an error).
     scale : float or array_like (S,)
-        The perturbation is delta = scale * v/|v| (absolute, in the stream's units).
+        The perturbation is ``delta = scale * v/|v|`` (absolute, in the stream's units).
     layer : int in [0, n_layers - 1], or a site name
         Hidden-state index of the injection (the input of block layer + 1), or a site
         ``"blocks.k.<site>"``: ``resid_pre`` (= hidden state k), ``resid_post`` (= k + 1),
@@ -265,129 +239,58 @@ def propagate(
     Returns
     -------
     Propagation (a list of them for a padded batch)
+
+    Raises
+    ------
+    TypeError, ValueError
+        A bad argument, named, before the baseline forward (``positions``,
+        ``return_deltas`` and a site direction that the weights after the site send to
+        zero right after it: they need the forward). ValueError when the perturbed
+        stream (or the tangent) overflows to NaN or Inf, naming the hidden state and
+        block where it first did.
     """
     if not isinstance(model, Stack):
         raise TypeError(f"model must be a pyengine Stack or pretrained model; got {type(model).__name__}")
-    cfg = model.config
-    inj = resolve_injection(layer, cfg)
+    inj = resolve_injection(layer, model.config)
     if attention_mask is not None:
         kw = dict(linearized=linearized, mode=mode, dtype=dtype, batch_size=batch_size, return_deltas=return_deltas,
                   progress=progress)
         return propagate_padded(lambda r: propagate(model, r, direction, scale, layer, positions, **kw),
                                 model, input_ids, attention_mask)
-    layer = _v.index_of("layer", inj.layer, cfg.n_layers, "a hidden-state index: the input of a block")
-    site = inj.site
-    width = cfg.d_model if site is None else site_width(cfg, site)
-    V = _v.unit_rows("direction", direction, width)
-    S = _v.reals("scale", scale)
-    _v.frozen(mode)
-    linearized = _v.flag("linearized", linearized)
-    progress = _v.callback(progress, "progress")
-    dt = model.dtype if dtype is None else _v.float_dtype("dtype", dtype)
-    batch_size = _v.count("batch_size", batch_size, allow_none=True)
-    # Hidden states (n_layers + 1, T, d) of the one sequence, and the block caches from ``layer`` on.
-    h_base, caches = model.forward(input_ids, dt, cache_from=layer)
-    T, d = h_base.shape[1:]
-    pos = resolve_positions(positions, T)
-    s = int(pos[0]) if cfg.causal else 0
-    L = cfg.n_layers + 1 - layer
-    K, nS = V.shape[0], S.size
-    N = K * nS
-    n_rows = K if linearized else N  # linearized: one tangent per direction, scaled afterwards
-    if batch_size is None:
-        per = (T - s) * (4 * d + cfg.n_heads * T + 3 * cfg.d_mlp) * dt.itemsize * 2
-        batch_size = max(1, CHUNK_BYTES // max(per, 1))
+    req = check_request(model, inj, direction, scale, linearized=linearized, mode=mode, dtype=dtype,
+                        batch_size=batch_size, progress=progress)
+    return propagate_request(model, input_ids, req, positions, return_deltas)
 
-    hf = h_base.astype(np.float64)  # (n_layers + 1, T, d)
-    sq = np.einsum("ktd,ktd->kt", hf, hf)  # |h_k|^2 per position
-    hb, hb2 = hf[layer:, s:], sq[layer:, s:]  # (L, T', d), (L, T')
-    hb_dt, V_dt = h_base[layer:, s:], V.astype(dt)
-    base_norm = np.sqrt(sq[layer:])
-    Vw = None  # directions in the stream, for sites of another width
-    if site is not None:  # row 0 is the site's activation, not hidden state ``layer``
-        b0 = site_value(model, caches[0], site).astype(np.float64)
-        sq0 = np.einsum("td,td->t", b0, b0)
-        hb0, hb2 = b0[s:], np.concatenate([sq0[None, s:], hb2[1:]])
-        base_norm = np.concatenate([np.sqrt(sq0)[None], base_norm[1:]])
-        W = write_matrix(model, layer, site)
-        if W is not None:
-            Vw = V @ W.astype(np.float64)
-            nw = np.linalg.norm(Vw, axis=1)
-            if (nw == 0).any():
-                raise ValueError(f"direction {int(np.argmin(nw))} is in the kernel of the weights after {site!r}: "
-                                 "it writes nothing into the stream")
-            Vw = Vw / nw[:, None]
-            V_dt = Vw.astype(dt)
-    else:
-        hb0 = hb[0]
-    metrics = _Metrics(L, N, T)
-    keep = None
-    if not isinstance(return_deltas, (bool, np.bool_)):
-        keep = resolve_positions(return_deltas, T)
-    elif return_deltas:
-        keep = np.arange(T)
-    deltas = None if keep is None else np.zeros((L, N, keep.size, d), dt)
-    if deltas is not None and Vw is not None:
-        deltas[0] = np.nan  # the site's delta lives in another space
-    kin = None if keep is None else np.flatnonzero(keep >= s)  # kept positions that can move
-    rel = None if keep is None else keep[kin] - s
-    inj_rows = np.zeros((T - s, 1), bool)
-    inj_rows[pos - s] = True
-    total, done = -(-n_rows // batch_size) * (L - 1), 0
 
-    for b0_ in range(0, n_rows, batch_size):
-        rows = np.arange(b0_, min(b0_ + batch_size, n_rows))
-        if linearized:
-            dirs, amp = rows, np.ones(rows.size)
-        else:
-            dirs, amp = rows // nS, S[rows % nS]
-        delta0 = (amp[:, None, None] * V[dirs][:, None, :]) * inj_rows  # (n, T', width), float64
-        x = (None if site is not None else delta0.astype(dt) if linearized
-             else (h_base[layer, s:] + delta0).astype(dt))
-        for i in range(L):
-            if i:
-                c = caches[i - 1]  # block layer + i - 1 at the baseline; rows s.. only
-                if i == 1 and site is not None:  # block ``layer`` from the site on
-                    x = (site_jvp(model, c, site, delta0.astype(dt), mode, start=s) if linearized
-                         else site_forward(model, c, site, delta0.astype(dt), start=s))
-                elif linearized:
-                    x = model.block_jvp(c.block, c.h, x, mode, c, start=s)
-                else:
-                    x = model.block_forward(c.block, x, past=c)
-                done += 1
-                if progress is not None:
-                    progress(done, total)
-            if i == 0:  # exact, not rounded through dt
-                delta, hbi, vd = delta0, hb0, V[dirs]
-            else:  # dot products in the compute dtype (BLAS-speed); metrics are float64
-                delta = x if linearized else x - hb_dt[i]
-                hbi, vd = hb_dt[i], V_dt[dirs]
-            dot = np.einsum("ntd,td->nt", delta, hbi).astype(np.float64)
-            dd = np.einsum("ntd,ntd->nt", delta, delta).astype(np.float64)
-            proj = np.einsum("ntd,nd->nt", delta, vd).astype(np.float64)
-            store = deltas is not None and (i or Vw is None)
-            if linearized:  # delta(alpha) = alpha * tangent, for every scale
-                for j, a in enumerate(S):
-                    sel = rows * nS + j
-                    metrics.put(i, sel, s, hb2[i], a * dot, a * a * dd, a * proj)
-                    if store:
-                        deltas[i][np.ix_(sel, kin)] = (a * delta[:, rel]).astype(dt)
-            else:
-                metrics.put(i, slice(rows[0], rows[-1] + 1), s, hb2[i], dot, dd, proj)
-                if store:
-                    deltas[i][np.ix_(rows, kin)] = delta[:, rel].astype(dt)
+def propagate_request(model: Stack, input_ids: Any, req: Request, positions: Any = "all",
+                      return_deltas: Any = False) -> Propagation:
+    """:func:`propagate` of one sequence, its arguments already checked.
 
-    a, b = hf[:-1], hf[1:]
-    with np.errstate(divide="ignore", invalid="ignore"):
-        adj = np.einsum("ktd,ktd->kt", a, b) / np.sqrt(sq[:-1] * sq[1:])
-    layers = np.arange(layer, cfg.n_layers + 1)
-    if site is not None:
-        layers = np.concatenate([[layer + 0.5], layers[1:]]).astype(np.float64)
+    ``req`` comes from :func:`~pyengine.analysis.propagate_stages.check_request`, or is
+    built from arguments checked as it checks them; nothing in it is checked again, so
+    ``model`` must be a Stack it fits (the one it was checked against, or one of the same
+    shape, e.g. ``model.replace(eps=...)``). ``input_ids`` (checked by the forward),
+    ``positions`` and ``return_deltas`` as propagate takes them. NaN or Inf in the
+    propagated stream is one ValueError naming the block where it first appeared.
+    """
+    base = baseline(model, req, input_ids, positions)
+    T, d = base.h.shape[1:]
+    keep = kept_positions(return_deltas, T)
+    metrics = Metrics(base.hb2, req.S, req.linearized, req.V.shape[0], T, keep=keep, d=d, dt=req.dt,
+                      width_differs=base.Vw is not None)
+    try:
+        for step in sweep(model, req, base):
+            metrics.add(step)
+    except NonFinite as err:
+        raise metrics.nonfinite(err, req, base) from None
+    adj, step_norm = base_stream(base.hf, base.sq)
+    layers = np.arange(req.layer, model.config.n_layers + 1)
+    if req.site is not None:
+        layers = np.concatenate([[req.layer + 0.5], layers[1:]]).astype(np.float64)
     return Propagation(
-        layer=layer, layers=layers, directions=V, scales=S, positions=pos, T=T,
-        linearized=bool(linearized), mode=mode, causal=cfg.causal, cosine=metrics.cosine,
+        layer=req.layer, layers=layers, directions=req.V, scales=req.S, positions=base.pos, T=T,
+        linearized=req.linearized, mode=req.mode, causal=model.config.causal, cosine=metrics.cosine,
         projection=metrics.projection, norm_ratio=metrics.norm_ratio, delta_norm=metrics.delta_norm,
-        base_norm=base_norm,
-        base_adjacent_cosine=adj, base_step=np.linalg.norm(b - a, axis=-1), deltas=deltas,
-        delta_positions=keep, site=inj.name, write_directions=Vw,
+        base_norm=base.base_norm, base_adjacent_cosine=adj, base_step=step_norm, deltas=metrics.deltas,
+        delta_positions=keep, site=req.name, write_directions=base.Vw,
     )

@@ -17,6 +17,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from ..models.site_blocks import injection_sites
+from ..models.tl_names import canonical, did_you_mean
 
 __all__ = ["Injection", "position_mask", "propagate_padded", "resolve_injection", "resolve_positions"]
 
@@ -37,6 +38,7 @@ def resolve_injection(layer: Any, cfg: Any) -> Injection:
     """An int as it is (checked later), or a site name as hidden state / (block, site)."""
     if not isinstance(layer, str):
         return Injection(layer, None, None)
+    given, layer = layer, canonical(layer)  # TransformerLens names (models/tl_names.py)
     n = cfg.n_layers
     valid = ("resid_pre", "resid_post") + tuple(s for s in injection_sites(cfg) if s not in ("resid_pre", "resid_post"))
     parts = layer.split(".", 2)
@@ -46,15 +48,16 @@ def resolve_injection(layer: Any, cfg: Any) -> Injection:
             raise ValueError(f"layer {layer!r}: block index must lie in [-{n}, {n}) for a stack of {n} blocks")
         k %= n
         if parts[2] == "resid_pre":
-            return Injection(k, None, layer)
+            return Injection(k, None, given)
         if parts[2] == "resid_post":
             if k + 1 == n:
                 raise ValueError(f"layer {layer!r} is the last hidden state: nothing is left to propagate through")
-            return Injection(k + 1, None, layer)
+            return Injection(k + 1, None, given)
         if parts[2] in valid:
-            return Injection(k, parts[2], layer)
+            return Injection(k, parts[2], given)
     raise ValueError(f"layer must be a hidden-state index or a site 'blocks.<k>.<site>' with <site> one of "
-                     f"{', '.join(valid)} (layout {cfg.layout!r}, placement {cfg.placement!r}); got {layer!r}")
+                     f"{', '.join(valid)} (layout {cfg.layout!r}, placement {cfg.placement!r}); got {given!r}."
+                     + did_you_mean(given, [f"blocks.{parts[1] if len(parts) == 3 else 0}.{v}" for v in valid]))
 
 
 def position_mask(where: str, positions: np.ndarray, T: int) -> np.ndarray:

@@ -126,7 +126,7 @@ class SignalPropagation:
             return self.forward_rms[1:] / self.forward_rms[:-1], self.backward_rms[:-1] / self.backward_rms[1:]
 
     def departure(self) -> tuple[float, float]:
-        """max over layers of |log(measured / predicted)| (forward, backward): 0 = the formula holds."""
+        """max over layers of ``|log(measured / predicted)|`` (forward, backward): 0 = the formula holds."""
         with np.errstate(all="ignore"):
             f = np.abs(np.log(self.forward_rms / self.forward_pred))
             b = np.abs(np.log(self.backward_rms / self.backward_pred))

@@ -177,10 +177,7 @@ def stack_signal_propagation(stack: Any, tokens: int = 128, *, scheme: str | Non
             raise ValueError(f"cotangent must have shape ({T}, {c.d_model}); got {np.shape(cotangent)}")
         g = g[0]
     hidden, caches = stack.forward(x[0], cache_from=0)
-    gs = [g]
-    for k in range(c.n_layers - 1, -1, -1):
-        g = stack.block_vjp(k, caches[k].h, g, cache=caches[k])
-        gs.append(g)
+    gs = _pull_back(stack, caches, g)
 
     def rms(a: np.ndarray) -> float:
         return float(np.sqrt(np.mean(np.square(a, dtype=np.float64))))
@@ -192,3 +189,23 @@ def stack_signal_propagation(stack: Any, tokens: int = 128, *, scheme: str | Non
             f"{'causal' if c.causal else 'bidir'} attn")
     return SignalPropagation(scheme or "stored", c.activation, c.norm, c.residual, c.d_model, fwd, bwd, fp, bp,
                              arch=arch)
+
+
+def _pull_back(stack: Any, caches: list[Any], g: np.ndarray) -> list[np.ndarray]:
+    """dL/dh_l for l = n_layers .. 0, from the checked cotangent ``g`` (T, d_model) of the
+    last hidden state: the block VJPs run unchecked, and NaN or Inf is looked for once, at
+    the end (or when a kernel refuses a row), and reported at the block it came from."""
+    gs = [g]
+    for c in reversed(caches):
+        try:
+            gs.append(stack.vjp_rows(c, gs[-1][None], "full")[0])
+        except ValueError:  # a kernel refused a row: NaN or Inf in the cotangent, or a real error
+            if np.isfinite(gs[-1]).all():
+                raise
+            break
+    if len(gs) == len(caches) + 1 and np.isfinite(gs[-1]).all():
+        return gs
+    i = next(i for i, a in enumerate(gs) if not np.isfinite(a).all())  # > 0: the cotangent given is finite
+    k = len(caches) - i  # the block (0-based) whose VJP gave gs[i]
+    raise ValueError(f"the cotangent holds NaN or Inf, first in dL/dh_{k} (the VJP of block {k}, 0-based): "
+                     f"{gs[0].dtype} overflowed")

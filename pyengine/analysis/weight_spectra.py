@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from .._figures import PAGE, check_format, layer_axis, log_axis, save, styled, subplots
 from ..linalg.weights import weight_scan
 from ..models.stack import Stack
 
@@ -76,28 +77,29 @@ class WeightSpectra:
     def __str__(self) -> str:
         return self.to_text()
 
-    def plot(self, path: str, title: str = "") -> str:
-        """RMS -> RMS norm against block index, one line per kind (log scale); saved as PNG."""
-        import matplotlib
+    @styled
+    def plot(self, path: str, title: str = "", fmt: str = "png") -> str:
+        """RMS -> RMS norm and stable rank against block index, one line per kind (log scales).
 
-        matplotlib.use("Agg")
-        import matplotlib.pyplot as plt
-
-        fig, ax = plt.subplots(1, 2, figsize=(11, 4))
+        Saved as ``path`` with the extension ``fmt`` (png, pdf or svg); returns the path written.
+        """
+        check_format(fmt)
+        fig, ax = subplots(1, 2, size=(PAGE, 2.7))
         for k in self.by_kind():
             sel = np.array([kk == k for kk in self.kind]) & (self.layer >= 0)
             if sel.any():
-                ax[0].plot(self.layer[sel], self.rms_to_rms[sel], "o-", ms=3, label=k)
-                ax[1].plot(self.layer[sel], self.stable_rank[sel], "o-", ms=3, label=k)
-        ax[0].axhline(1.0, color="k", lw=0.8, ls="--")
-        ax[0].set(yscale="log", xlabel="block", ylabel="sqrt(d_in/d_out) sigma_max  (RMS -> RMS)",
-                  title=title or "spectral condition")
-        ax[1].set(yscale="log", xlabel="block", ylabel="stable rank ||W||_F^2 / sigma_max^2")
-        ax[0].legend(fontsize=7, ncol=2)
-        fig.tight_layout()
-        fig.savefig(path, dpi=110)
-        plt.close(fig)
-        return path
+                ax[0].plot(self.layer[sel], self.rms_to_rms[sel], "o-", label=k)
+                ax[1].plot(self.layer[sel], self.stable_rank[sel], "o-", label=k)
+        ax[0].axhline(1.0, color="k", lw=0.6, ls="--")
+        ax[0].set(xlabel="block", ylabel=r"$\sqrt{d_{\mathrm{in}}/d_{\mathrm{out}}}\;\sigma_{\max}(W)$ (RMS $\to$ RMS)",
+                  title=f"spectral condition: {title}" if title else "spectral condition")
+        ax[1].set(xlabel="block", ylabel=r"stable rank $\|W\|_F^2 / \sigma_{\max}^2$", title="stable rank")
+        for a in ax:
+            log_axis(a)
+            layer_axis(a)
+        handles, labels = ax[0].get_legend_handles_labels()
+        fig.legend(handles, labels, title="matrix", loc="outside right center")
+        return save(fig, path, fmt)
 
 
 def _matrices(stack: Stack) -> list[tuple[str, int, str, np.ndarray]]:

@@ -25,12 +25,15 @@ from __future__ import annotations
 
 import argparse
 import importlib
+import os
 import re
 import sys
 from collections.abc import Sequence
 from types import ModuleType
 
 from .._progress import end_line
+from .._version import __version__
+from ._provenance import ARGV
 
 __all__ = ["COMMANDS", "main", "parser"]
 
@@ -51,6 +54,7 @@ def parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pyengine", description=_plain(__doc__.split("\n\n")[0]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=_plain(__doc__.split("\n\n")[2]))
+    p.add_argument("--version", action="version", version=f"pyengine {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for module in _commands().values():
         module.add_parser(sub)
@@ -84,10 +88,25 @@ def _join_dash_values(argv: Sequence[str]) -> list[str]:
     return out
 
 
+def _thread_pools() -> None:
+    """libgomp's spin count of :func:`pyengine.bench.tuned_environment`, where the user set no
+    wait policy. libgomp reads it when it loads, with the compiled extension or Numba's OpenMP
+    layer: so only while neither is loaded (``import pyengine`` loads neither); the worker
+    processes of a run inherit it."""
+    if "pyengine._core" in sys.modules or "numba" in sys.modules:
+        return
+    from ..bench import tuned_environment
+
+    if "GOMP_SPINCOUNT" in (tuned := tuned_environment()):
+        os.environ["GOMP_SPINCOUNT"] = tuned["GOMP_SPINCOUNT"]
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``pyengine`` command with ``argv`` (default: ``sys.argv[1:]``); the exit status."""
-    argv = sys.argv[1:] if argv is None else argv
+    _thread_pools()
+    argv = sys.argv[1:] if argv is None else list(argv)
     args = parser().parse_args(_join_dash_values(argv))
+    setattr(args, ARGV, ["pyengine", *argv])  # the provenance of the JSON files this run writes
     try:
         return _commands()[args.command].run(args)
     except KeyboardInterrupt as exc:  # a subcommand may say what it kept: KeyboardInterrupt("...")

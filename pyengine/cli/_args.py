@@ -10,8 +10,8 @@ from __future__ import annotations
 import argparse
 import math
 
-__all__ = ["count_or_npy", "fraction", "floats", "non_negative", "non_negative_float", "positions", "positive",
-           "positive_float"]
+__all__ = ["add_format_option", "count_or_npy", "fraction", "floats", "non_negative", "non_negative_float",
+           "positions", "positive", "positive_float"]
 
 
 def _int(text: str, what: str, low: int) -> int:
@@ -106,3 +106,11 @@ def count_or_npy(text: str):
         raise argparse.ArgumentTypeError(f"{text} must hold real directions of shape (d,) or (K, d); "
                                          f"got {arr.dtype} {arr.shape}")
     return arr
+
+
+def add_format_option(parser: argparse.ArgumentParser) -> None:
+    """``--format png|pdf|svg`` (default png): the file format of the command's figures."""
+    from .._figures import FORMATS
+
+    parser.add_argument("--format", choices=FORMATS, default="png",
+                        help="file format of the figures: png (200 dpi), or pdf or svg (vector) (default png)")

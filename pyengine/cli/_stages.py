@@ -1,10 +1,10 @@
 """Finished stages of a subcommand on disk, and Ctrl-C that keeps them.
 
 Every long subcommand writes each stage as soon as it has finished, to
-``<out>/stages/NN-<stage>.json`` (a temporary name renamed into place: never half a file),
-so Ctrl-C loses only the stage that was running. :meth:`Stages.keep` turns the
-KeyboardInterrupt into ``KeyboardInterrupt("<what was kept>")``, which
-:func:`pyengine.cli.main` prints as one line (exit status 130, no traceback).
+``<out>/stages/NN-<stage>.json`` with the run's ``provenance`` block (a temporary name
+renamed into place: never half a file), so Ctrl-C loses only the stage that was running.
+:meth:`Stages.keep` turns the KeyboardInterrupt into ``KeyboardInterrupt("<what was kept>")``,
+which :func:`pyengine.cli.main` prints as one line (exit status 130, no traceback).
 
 Tests: with the environment variable ``PYENGINE_TEST_HOLD`` set to a path, the command
 creates that file at its first hold point (after its first finished stage) and sleeps
@@ -35,13 +35,18 @@ def hold() -> None:
     time.sleep(300)
 
 
-def write_stage(folder: str, index: int, stage: str, result: dict) -> str:
+def write_stage(folder: str, index: int, stage: str, result: dict, provenance: dict | None = None) -> str:
     """Write one finished stage to ``folder/stages/NN-<stage>.json``; return the path.
-    Written to a temporary name and renamed: never a half-written file, even on Ctrl-C."""
+    Written to a temporary name and renamed: never a half-written file, even on Ctrl-C.
+    ``provenance``: the run's block (default: :func:`pyengine.provenance.provenance` now)."""
     slug = "-".join("".join(c if c.isalnum() else " " for c in stage.lower()).split())
     os.makedirs(os.path.join(folder, "stages"), exist_ok=True)
     path = os.path.join(folder, "stages", f"{index:02d}-{slug}.json")
-    doc = _clean(result if "stage" in result else {"stage": stage, **result})
+    if provenance is None:
+        from ..provenance import provenance as gather
+
+        provenance = gather()
+    doc = _clean({**(result if "stage" in result else {"stage": stage, **result}), "provenance": provenance})
     with open(path + ".tmp", "w") as f:
         json.dump(doc, f, allow_nan=False)
     os.replace(path + ".tmp", path)
@@ -68,13 +73,14 @@ def _clean(x: Any) -> Any:
 
 
 class Stages:
-    """``stages(name, result)`` writes a finished stage (see the module docstring)."""
+    """``stages(name, result)`` writes a finished stage with the run's ``provenance`` block
+    (see the module docstring)."""
 
-    def __init__(self, folder: str) -> None:
-        self.folder, self.paths = folder, []
+    def __init__(self, folder: str, provenance: dict) -> None:
+        self.folder, self.provenance, self.paths = folder, provenance, []
 
     def __call__(self, stage: str, result: dict) -> None:
-        self.paths.append(write_stage(self.folder, len(self.paths) + 1, stage, result))
+        self.paths.append(write_stage(self.folder, len(self.paths) + 1, stage, result, self.provenance))
         hold()
 
     def message(self) -> str:

@@ -11,6 +11,8 @@ import argparse
 import sys
 import time
 
+from ._args import add_format_option
+from ._provenance import block
 from ._stages import hold
 
 __all__ = ["add_parser", "run"]
@@ -146,7 +148,8 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="worker processes for the seeds, each single-threaded (default 2; 1: serial in this "
                         "process); the results are identical")
     a.add_argument("--out", default="attention-out", help="output folder (default ./attention-out)")
-    a.add_argument("--no-plots", action="store_true", help="skip the PNG plots")
+    a.add_argument("--no-plots", action="store_true", help="skip the figures")
+    add_format_option(a)
     a.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
                    help="bar on a terminal, a line per tenth otherwise (auto), or force either")
     a.set_defaults(run=run)
@@ -171,7 +174,9 @@ def run(args: argparse.Namespace) -> int:
                                  eval_every=every, dtype=args.dtype, backend=args.backend,
                                  progress=_held(_Bar(args.progress)), workers=args.workers)
         print(format_attention_table(rep))
-        paths = write_attention_report(rep, args.out, plots=not args.no_plots)
+        prov = block(args, seeds=list(args.seeds), dtype=args.dtype, backend=args.backend,
+                     model="synthetic: one causal attention head on a sticky Markov chain")
+        paths = write_attention_report(rep, args.out, plots=not args.no_plots, fmt=args.format, provenance=prov)
         print(f"time: {rep.seconds['total']:.1f} s ({rep.seconds['per_step_ms']:.2f} ms per step); "
               f"wrote {', '.join(paths)}")
         if rep.interrupted:

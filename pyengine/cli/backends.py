@@ -17,5 +17,5 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     for info in backends.available_backends().values():
         print(f"{info.name:<6} {'available' if info.available else 'unavailable: ' + info.reason}")
-    print(f"linear kernels' products (cpp): {blas_info()}")  # issue 18: which BLAS path is active
+    print(f"linear kernels' products (cpp): {blas_info()}")  # which BLAS path is active
     return 0

@@ -9,6 +9,7 @@ import os
 
 from .. import bench
 from ._args import fraction
+from ._provenance import ARGV
 
 __all__ = ["add_parser", "run"]
 
@@ -61,7 +62,7 @@ def run(args: argparse.Namespace) -> int:
         threshold = bench.AB_THRESHOLD if args.threshold is None else args.threshold
         return bench.ab_main(args.compare_rev, args.compare_python, args.quick, args.json, threshold, dtypes,
                              kernels=args.kernels, backends=args.backends, root=args.repo, cache=args.ab_cache,
-                             rounds=args.rounds)
+                             rounds=args.rounds, argv=getattr(args, ARGV, None))
     threshold = bench.THRESHOLD if args.threshold is None else args.threshold
     return bench.main(args.quick, args.json, args.compare, threshold, dtypes, kernels=args.kernels,
-                      backends=args.backends)
+                      backends=args.backends, argv=getattr(args, ARGV, None))

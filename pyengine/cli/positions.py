@@ -1,13 +1,16 @@
 """pyengine positions: positional signal by layer and pre- against post-LN placement
-(decomposition, probe, propagation, norm growth, cosine against block removal); prints
-the tables and findings and writes JSON, CSV and PNG figures."""
+(decomposition with and without the first positions and per-token normalized, probe,
+propagation, position-only run, attention against the query-key offset, norm growth,
+cosine against block removal); prints the protocol, the tables, a warning where one
+position dominates, and the findings; writes JSON, CSV and the figures."""
 
 from __future__ import annotations
 
 import argparse
 
 from .._progress import Progress
-from ._args import positive
+from ._args import add_format_option, non_negative, positive
+from ._provenance import block, model_fields
 from ._stages import Stages
 
 __all__ = ["add_parser", "run"]
@@ -25,7 +28,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--contexts", type=positive, default=256, help="at most this many contexts")
     p.add_argument("--ablation-contexts", type=positive, default=32, help="contexts used for the block removals")
     p.add_argument("--folds", type=positive, default=3, help="cross-validation folds of the position probe")
+    p.add_argument("--exclude-first", type=non_negative, default=None, metavar="N",
+                   help="leave positions 0..N-1 out of the 'without first' decomposition (0: no such variant; "
+                   "default: one past the last position holding more than half of |h - mu|^2 at some layer, "
+                   "1 if none does)")
     p.add_argument("--out", default="positions-out", help="folder for positions.json, positions.csv and the figures")
+    add_format_option(p)
     p.add_argument("--seed", type=int, default=0,
                    help="seed of the synthetic pair's weights, of random ids for models without a tokenizer, and of the probe's folds (default 0)")
 
@@ -43,19 +51,30 @@ def run(args: argparse.Namespace) -> int:
     from ..experiments.positions import format_positions, positions_report, write_positions
 
     layers = _layers(args.layers)
+    if args.exclude_first is not None and args.exclude_first > args.length - 2:
+        raise ValueError(f"--exclude-first must leave at least 2 of the --length {args.length} positions; "
+                         f"got {args.exclude_first}")
     models = None
     if args.model:
         from ..models import load_pretrained
 
         models = [(m, load_pretrained(m)) for m in args.model]
+    if models:
+        fields = [model_fields(m, name) for name, m in models]
+        prov = block(args, seeds=[args.seed], model=", ".join(f["model"] for f in fields),
+                     weight_files=[p for f in fields for p in f["weight_files"]], inputs=(args.corpus,))
+    else:
+        prov = block(args, seeds=[args.seed], inputs=(args.corpus,),
+                     model=f"synthetic: pre-LN / post-LN pair, seed {args.seed}")
     bar = Progress("auto")
-    stages = Stages(args.out)  # each model's measurements on disk as soon as they are done
+    stages = Stages(args.out, prov)  # each model's measurements on disk as soon as they are done
     with stages.keep():
         rep = positions_report(models, corpus=args.corpus, length=args.length, max_contexts=args.contexts,
                                layers=layers, folds=args.folds, ablation_contexts=args.ablation_contexts,
-                               seed=args.seed, progress=bar.stage, on_stage=stages)
+                               seed=args.seed, exclude_first=args.exclude_first, progress=bar.stage,
+                               on_stage=stages)
     bar.stage(1.0, "done")
     print(format_positions(rep))
-    for path in write_positions(rep, args.out):
+    for path in write_positions(rep, args.out, fmt=args.format, provenance=prov):
         print(f"wrote {path}")
     return 0

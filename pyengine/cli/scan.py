@@ -5,8 +5,8 @@ task completions, a summary table and, for spectral scans, a plot of sigma_max p
 ``pyengine scan spectral --model NAME --corpus FILE --workers 2``,
 ``pyengine scan recovery --prompts FILE ...``, ``pyengine scan attention ...``,
 ``pyengine scan stability ...``, ``pyengine scan norms ...`` (the synthetic benchmark job).
-``--workers 0`` runs in this process. The jobs ``attention`` and ``stability`` wrap the
-layer-4 experiments, so they are defined here, above both experiments and distributed.
+``--workers 0`` runs in this process. Every job is defined and registered in
+:mod:`pyengine.distributed` (the sweep layer, above the experiments it sweeps).
 """
 
 from __future__ import annotations
@@ -17,70 +17,19 @@ from typing import Any
 
 import numpy as np
 
+from .._figures import COLUMN, log_axis, save, styled, subplots
 from .._progress import Progress
-from ..distributed import Job, load, local_client, register_job, scan
-from ..distributed.jobs import int_axis, real_axis
-from ._args import floats, non_negative, positive, positive_float
+from ..distributed import load, local_client, scan
+from ._args import add_format_option, floats, non_negative, positive, positive_float
+from ._provenance import block, named_model_fields
 from ._stages import hold
 
-__all__ = ["AttentionJob", "StabilityJob", "add_parser", "run"]
-
-
-class AttentionJob(Job):
-    """``"attention"``: :func:`pyengine.experiments.attention_dynamics` over ``seeds`` x ``lrs``.
-    Metrics ``<arm>.<metric>`` of shape (seeds, lrs, steps + 1)."""
-
-    name = "attention"
-    defaults = {"seeds": (42, 2024, 1337, 7777, 9999), "lrs": (0.01,), "steps": 1000, "T": 2000, "n_symbols": 8,
-                "stay": 0.3, "value_lr_factor": 10.0, "dtype": "float32", "backend": "auto"}
-    axes = ("seeds", "lrs")
-
-    def check(self, params: dict[str, Any]) -> None:
-        int_axis(params, "seeds")
-        real_axis(params, "lrs")
-        if any(v <= 0 for v in params["lrs"]):
-            raise ValueError(f"grid['lrs'] must hold positive learning rates; got {params['lrs']}")
-
-    def run(self, params: dict[str, Any], point: dict[str, Any], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from ..experiments import attention_dynamics
-
-        keys = ("steps", "T", "n_symbols", "stay", "value_lr_factor", "dtype", "backend")
-        rep = attention_dynamics(seeds=(point["seeds"],), lr=point["lrs"], **{k: params[k] for k in keys})
-        return {f"{arm}.{m}": np.asarray(v[0], np.float64) for arm, ms in rep.metrics.items() for m, v in ms.items()}
-
-
-class StabilityJob(Job):
-    """``"stability"``: the signal-propagation report of :func:`pyengine.experiments.stability` per
-    scheme of ``schemes``. Metrics (schemes, settings, depth + 1): forward/backward RMS and predictions."""
-
-    name = "stability"
-    defaults = {"schemes": ("kaiming_normal", "xavier_normal", "torch_default", "orthogonal"), "depth": 48,
-                "width": 768, "tokens": 128, "activation": "relu", "seed": 0}
-    axes = ("schemes",)
-
-    def check(self, params: dict[str, Any]) -> None:
-        from ..models.initialization import ALIASES, SCHEMES
-
-        for s in params["schemes"]:
-            if s not in SCHEMES and s not in ALIASES:
-                raise ValueError(f"grid['schemes'] must hold init schemes ({', '.join(SCHEMES)}); got {s!r}")
-
-    def run(self, params: dict[str, Any], point: dict[str, Any], inputs: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
-        from ..experiments import stability
-
-        rep = stability((point["schemes"],), params["depth"], params["width"], params["tokens"],
-                        activation=params["activation"], demo=False, seed=params["seed"])
-        return {k: np.stack([getattr(r, k) for r in rep.runs])
-                for k in ("forward_rms", "backward_rms", "forward_pred", "backward_pred")}
-
-
-register_job(AttentionJob())
-register_job(StabilityJob())
+__all__ = ["add_parser", "run"]
 
 
 # --------------------------------------------------------------------------- summaries
 
-def _spectral_summary(res: Any, out: str | None) -> None:
+def _spectral_summary(res: Any, out: str | None, fmt: str = "png") -> None:
     sigma, sites = res.metrics["sigma"], res.params["sites"]
     print(f"sigma_max per norm layer over {sigma.shape[1]} tokens:")
     print(f"  {'layer':<18} {'min':>9} {'median':>9} {'p99':>9} {'max':>9} {'<1':>7}")
@@ -89,33 +38,32 @@ def _spectral_summary(res: Any, out: str | None) -> None:
         if row.size:
             q = np.percentile(row, [0, 50, 99, 100])
             print(f"  {name:<18} {q[0]:9.4g} {q[1]:9.4g} {q[2]:9.4g} {q[3]:9.4g} {100 * (row < 1).mean():6.1f}%")
-    if out is None:
-        return
-    import matplotlib
+    if out is not None:
+        print(f"wrote {_sigma_figure(sigma, sites, res.params['model'], out, fmt)}")
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(max(6, 0.5 * len(sites)), 4))
+@styled
+def _sigma_figure(sigma: np.ndarray, sites: list[str], model: str, out: str, fmt: str) -> str:
+    """Box plots of sigma_max per norm site (quartiles, median, whiskers at 5 and 95 %); the path written."""
+    fig, ax = subplots(size=(max(COLUMN, 0.6 + 0.32 * len(sites)), 2.8))
     data = [r[np.isfinite(r)] for r in sigma]
-    ax.boxplot([d if d.size else [np.nan] for d in data], showfliers=False)
-    ax.set_xticks(range(1, len(sites) + 1), [s.replace("blocks.", "") for s in sites], rotation=60, fontsize=7)
-    ax.set_yscale("log")
-    ax.set_ylabel("sigma_max of the norm Jacobian")
-    ax.set_title(f"{res.params['model']}: {sigma.shape[1]} tokens")
-    fig.tight_layout()
-    path = os.path.join(out, "sigma_max.png")
-    fig.savefig(path, dpi=120)
-    plt.close(fig)
-    print(f"wrote {path}")
+    ax.boxplot([d if d.size else [np.nan] for d in data], whis=(5, 95), showfliers=False, widths=0.6,
+               medianprops={"color": "C1"})
+    ax.set_xticks(range(1, len(sites) + 1), [s.replace("blocks.", "") for s in sites], rotation=60, ha="right",
+                  rotation_mode="anchor")
+    log_axis(ax)
+    ax.set_xlabel("norm site (block.norm)")
+    ax.set_ylabel(r"$\sigma_{\max}$ of the norm Jacobian")
+    ax.set_title(f"{model}: {sigma.shape[1]} tokens\nbox: quartiles and median; whiskers: 5-95 %")
+    return save(fig, os.path.join(out, "sigma_max"), fmt)
 
 
-def _summary(res: Any, out: str | None) -> None:
+def _summary(res: Any, out: str | None, fmt: str = "png") -> None:
     m, p = res.metrics, res.params
     if not m:
         return
     if res.job == "spectral":
-        _spectral_summary(res, out)
+        _spectral_summary(res, out, fmt)
     elif res.job == "recovery":
         proj = m["projection"]  # (prompts, layers, n_layers + 1, K, S)
         print("projection at the last hidden state / scale (mean over prompts and directions):")
@@ -171,11 +119,26 @@ def _grid(args: argparse.Namespace) -> dict[str, Any]:
     return {"seeds": list(range(args.points)), "tokens": args.tokens, "d": args.d}
 
 
+def _provenance(args: argparse.Namespace, grid: dict[str, Any]) -> dict[str, Any]:
+    """The manifest's provenance block: the seeds and the model of the grid."""
+    from ..distributed.worker import SYNTHETIC
+
+    seeds = grid.get("seeds", [grid["seed"]] if "seed" in grid else None)
+    if "model" in grid:
+        fields = named_model_fields(grid["model"], SYNTHETIC)
+    else:
+        what = {"attention": "one causal attention head on a sticky Markov chain",
+                "stability": "MLP stacks by initialization scheme", "norms": "random normalization inputs"}
+        fields = {"model": f"synthetic: {what[args.job]}"}
+    return block(args, seeds=seeds, inputs=(getattr(args, "corpus", None), getattr(args, "prompts", None)), **fields)
+
+
 def run(args: argparse.Namespace) -> int:
     out = args.out or f"scan-{args.job}"
     grid = _grid(args)
     if args.workers < 0:
         raise ValueError(f"--workers must be >= 0; got {args.workers}")
+    prov = _provenance(args, grid)
     bar = Progress(args.progress, label=f"scan {args.job}", unit="points")
     client = None
     try:
@@ -193,7 +156,7 @@ def run(args: argparse.Namespace) -> int:
 
         try:
             res = scan(args.job, grid, client=client, out=out, chunk=args.chunk, resume=args.resume,
-                       memory_budget=int(args.memory_budget * 2**20), progress=progress)
+                       memory_budget=int(args.memory_budget * 2**20), progress=progress, provenance=prov)
         except KeyboardInterrupt:
             kept = (f"the {done[0]} finished point(s) are in the store {out} (continue with --resume)" if done[0]
                     else "no point had finished")
@@ -203,7 +166,7 @@ def run(args: argparse.Namespace) -> int:
             client.close()  # also stops a LocalCluster it started
     print(f"{len(res.points)} points ({res.computed} computed now, {len(res.points) - res.computed} stored before) "
           f"in {res.tasks} tasks, {res.seconds:.2f} s")
-    _summary(load(out), out)
+    _summary(load(out), out, getattr(args, "format", "png"))
     for e in res.errors[:10]:
         print(f"failed point {e['index']} {e['point']}: {e['error']}")
     if res.errors:
@@ -237,6 +200,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     sp.add_argument("--seed", type=non_negative, default=0, help="seed of the iterative solvers' start vectors")
     sp.add_argument("--sites", default=None, help="comma-separated norm-input sites or globs, e.g. "
                     "'blocks.*.norm1.input' (default every norm of the model)")
+    add_format_option(sp)
     rc = jobs.add_parser("recovery", parents=[common], help="propagation over prompts x layers (x directions x scales)")
     rc.add_argument("--model", default="default", help="load_pretrained name/path, 'default' or 'tiny' (synthetic)")
     rc.add_argument("--prompts", metavar="FILE", help="one prompt per line")

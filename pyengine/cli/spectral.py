@@ -13,6 +13,7 @@ import numpy as np
 from .. import backends
 from .._progress import Progress
 from ._args import non_negative, non_negative_float, positive, positive_float
+from ._provenance import block, model_fields
 from ._stages import Stages
 
 __all__ = ["SPECTRAL_D", "SPECTRAL_TOKENS", "add_parser", "run"]
@@ -127,6 +128,8 @@ def _model_sites(args: argparse.Namespace) -> tuple[list[str], np.ndarray, np.nd
     pats = DEFAULT_SITES if args.sites is None else [p.strip() for p in args.sites.split(",") if p.strip()]
     sites, X, gamma = norm_site_inputs(model, ids, pats)
     args._norm, args._eps = model.config.norm, model.config.eps
+    name_or_file = args.model if args.model and args.model.endswith(".npz") else model
+    args._model_fields = model_fields(name_or_file, name, synthetic=f"synthetic: default (seed {args.seed})")
     return sites, X, gamma, f"{name or args.model or 'default'}: {len(sites)} norm-input site(s) at T = {len(ids)} tokens"
 
 
@@ -137,7 +140,7 @@ def run(args: argparse.Namespace) -> int:
     from ..linalg import spectral as sp
 
     sites = None
-    if args.model is not None or args.sites is not None:  # norm-input sites of a model (issue 12)
+    if args.model is not None or args.sites is not None:  # norm-input sites of a model
         if args.input is not None or args.gamma is not None:
             raise ValueError("--model/--sites read the activations and gammas from the model: drop --input/--gamma")
         sites, x, gamma, source = _model_sites(args)
@@ -179,7 +182,10 @@ def run(args: argparse.Namespace) -> int:
     t0 = time.perf_counter()
     args._sites = sites
     out_dir = next((os.path.dirname(os.path.abspath(f)) for f in (args.json, args.csv) if f), None)
-    stages = Stages(out_dir) if out_dir and n_layers else None  # each layer / site on disk when done
+    fields = getattr(args, "_model_fields", None) or {"model": source if args.input is None else None}
+    prov = None if out_dir is None else block(args, seeds=[args.seed], dtype=x.dtype, backend=args.backend,
+                                              inputs=(args.input, args.gamma), **fields)
+    stages = Stages(out_dir, prov) if out_dir and n_layers else None  # each layer / site on disk when done
     with (stages.keep() if stages else contextlib.nullcontext()):
         res = _scan(fn, x, gamma, n_layers, args, chunk, bar, stages)
     elapsed = time.perf_counter() - t0
@@ -223,6 +229,7 @@ def run(args: argparse.Namespace) -> int:
             "sigma": _finite_or_none(res.sigma), "lower": _finite_or_none(res.lower),
             "upper": _finite_or_none(res.upper), "residual": _finite_or_none(res.residual),
             "iterations": res.iterations.ravel().tolist(), "converged": res.converged.ravel().tolist(),
+            "provenance": prov,
         }
         with open(args.json, "w") as fh:
             json.dump(doc, fh)

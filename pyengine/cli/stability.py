@@ -1,13 +1,16 @@
 """``pyengine stability``: forward/backward signal propagation by initialization scheme (with and
-without LayerNorm and residual), the spectral condition of a real model, and GD vs sign vs
-spectral descent; prints the tables and writes the figures."""
+without LayerNorm and residual), the spectral condition of a real model, GD vs sign vs
+spectral descent, and the training-time stability (sigma_max of the weight over steps) of
+plain, normalized, clipped and weight-decayed gradient descent; prints the tables and the
+finding and writes the figures."""
 
 from __future__ import annotations
 
 import argparse
 
 from .._progress import Progress
-from ._args import positive
+from ._args import add_format_option, positive
+from ._provenance import block, model_fields
 from ._stages import Stages
 
 __all__ = ["add_parser", "run"]
@@ -33,8 +36,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
                    help=f"a load_pretrained name or path for the spectral-condition table (default {DEFAULT_MODEL}, "
                         "skipped with a note if its package is not installed; 'none' skips it)")
-    p.add_argument("--no-demo", action="store_true", help="skip the steepest-descent comparison")
+    p.add_argument("--no-demo", action="store_true", help="skip the steepest-descent and training-time comparison")
     p.add_argument("--out", default="stability-out", help="folder for the figures and stability.json")
+    add_format_option(p)
     p.add_argument("--seed", type=int, default=0, help="seed of the weights and inputs (default 0)")
 
 
@@ -48,16 +52,24 @@ def run(args: argparse.Namespace) -> int:
         if s.lower() not in SCHEMES and s.lower() not in ALIASES:
             raise ValueError(f"--schemes: unknown scheme {s!r}; expected one of {', '.join(SCHEMES)}")
     model = None if args.model.lower() == "none" else args.model
-    if model is not None and model == DEFAULT_MODEL:
+    if model is not None:  # loaded here, before any work: its weight files' hashes go into the provenance
         from ..models.pretrained import load_pretrained
 
         try:
             model = load_pretrained(model)
-        except (FileNotFoundError, ImportError) as e:  # the default only: a model asked for must load
+            model.name = args.model  # the report names it as given
+        except (FileNotFoundError, ImportError) as e:
+            if args.model != DEFAULT_MODEL:  # the default only may be missing: a model asked for must load
+                raise
             print(f"spectral condition of a real model: skipped ({e})")
             model = None
+    synthetic = f"synthetic: {args.activation} MLP and transformer stacks, seed {args.seed}"
+    fields = model_fields(model, synthetic=synthetic)
+    if model is not None:
+        fields["model"] = f"{fields['model']}; {synthetic}"
+    prov = block(args, seeds=[args.seed], **fields)
     bar = Progress("auto")
-    stages = Stages(args.out)  # each finished part on disk at once
+    stages = Stages(args.out, prov)  # each finished part on disk at once
     with stages.keep():
         rep = stability(schemes, args.depth, args.width, args.tokens, activation=args.activation, model=model,
                         demo=not args.no_demo, seed=args.seed, progress=bar.step,
@@ -65,6 +77,6 @@ def run(args: argparse.Namespace) -> int:
                         placements=() if args.no_stacks else STACK_PLACEMENTS, on_stage=stages)
     bar.step(1, 1, "done")
     print(format_stability(rep))
-    for path in write_stability(rep, args.out):
+    for path in write_stability(rep, args.out, fmt=args.format, provenance=prov):
         print(f"wrote {path}")
     return 0

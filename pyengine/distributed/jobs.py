@@ -13,9 +13,9 @@ results are bit-identical in-process, on any cluster and in any chunking.
 
 Jobs here: :class:`NormsJob` (``"norms"``: synthetic per-token LayerNorm/RMSNorm
 spectral norms, the small-task benchmark); the model jobs ``"spectral"`` and
-``"recovery"`` are in :mod:`pyengine.distributed.model_jobs`. Jobs wrapping the layer-4
-experiments (``"attention"``, ``"stability"``) are defined by the CLI
-(:mod:`pyengine.cli.scan`, a layer above both) and registered with :func:`register_job`.
+``"recovery"`` are in :mod:`pyengine.distributed.model_jobs`, the jobs that run an
+experiment (``"attention"``, ``"stability"``) in :mod:`pyengine.distributed.experiment_jobs`.
+Importing :mod:`pyengine.distributed` registers all of them; :func:`register_job` adds more.
 """
 
 from __future__ import annotations
@@ -112,6 +112,7 @@ class Job:
         return out
 
 
+#: Job name -> the registered :class:`Job` (:func:`register_job` adds one).
 JOBS: dict[str, Job] = {}
 
 
@@ -129,8 +130,7 @@ def get_job(job: str | Job) -> Job:
     if isinstance(job, str):
         if job in JOBS:
             return JOBS[job]
-        hint = " (registered by pyengine.cli.scan: import it first)" if job in ("attention", "stability") else ""
-        raise ValueError(f"job must be one of {', '.join(map(repr, sorted(JOBS)))}; got {job!r}{hint}")
+        raise ValueError(f"job must be one of {', '.join(map(repr, sorted(JOBS)))}; got {job!r}")
     raise TypeError(f"job must be a job name or a Job; got {type(job).__name__}")
 
 

@@ -115,7 +115,7 @@ class SpectralJob(Job):
 
     def plan(self, grid: Any) -> tuple[dict[str, Any], list[dict[str, Any]], list[dict[str, np.ndarray]]]:
         params, _, _ = super().plan(grid)
-        want = params.pop("sites")  # issue 12: norm-input site names or globs (None: every norm)
+        want = params.pop("sites")  # norm-input site names or globs (None: every norm)
         if not isinstance(params["model"], str):
             raise TypeError(f"grid['model'] must be a model name or path; got {type(params['model']).__name__}")
         for k, low in (("tokens", 1), ("seq_len", 1), ("max_iter", 1), ("seed", 0)):

@@ -2,9 +2,12 @@
 
 Layout of ``out/``::
 
-    manifest.json        job name, its parameters, the grid points, a fingerprint of both
+    manifest.json        job name, its parameters, the grid points, a fingerprint of both,
+                         the ``provenance`` block of the run that created the store and
+                         those of the runs that resumed it (``resumed``)
     points/000042.npz    the metric arrays of grid point 42 (written by whoever computed it)
-    errors.json          grid points whose computation raised: index, point, message
+    errors.json          grid points whose computation raised (``errors``: index, point,
+                         message) and the ``provenance`` block of the run that wrote it
 
 Why one ``.npz`` per point and not Zarr: a point's result is small and written once,
 so each worker writes its own file into a temporary name and renames it
@@ -13,7 +16,7 @@ workers and no extra dependency. "Done" is the presence of the file: a sweep kil
 at any moment leaves only whole files (a half-written temporary is ignored and
 overwritten), so :meth:`Store.done` is exact and a resumed sweep recomputes nothing
 already stored. The manifest's fingerprint stops a resume from mixing two different
-sweeps in one folder.
+sweeps in one folder; the provenance blocks do not enter it.
 """
 
 from __future__ import annotations
@@ -25,6 +28,8 @@ import tempfile
 from typing import Any
 
 import numpy as np
+
+from ..provenance import provenance as gather
 
 __all__ = ["Store", "fingerprint"]
 
@@ -58,6 +63,7 @@ class Store:
 
     def __init__(self, path: str | os.PathLike[str]) -> None:
         self.path = os.fspath(path)
+        self.provenance: dict[str, Any] | None = None  # this run's block, set by create()
 
     # -- layout
     def point_path(self, index: int) -> str:
@@ -68,10 +74,15 @@ class Store:
 
     # -- manifest
     def create(self, job: str, params: dict[str, Any], points: list[dict[str, Any]], *, resume: bool,
-               content: Any = None) -> None:
+               content: Any = None, provenance: dict[str, Any] | None = None) -> None:
         """Write the manifest, or check that the folder holds this same sweep (``resume``);
-        ``content``: the points' input arrays, which enter the fingerprint by their hash."""
+        ``content``: the points' input arrays, which enter the fingerprint by their hash;
+        ``provenance``: this run's block (default :func:`pyengine.provenance.provenance` now),
+        the manifest's ``provenance`` for a new store, appended to its ``resumed`` list otherwise."""
         fp = fingerprint(job, params, points, content)
+        if provenance is None:
+            provenance = gather(model=params.get("model") if isinstance(params.get("model"), str) else None)
+        self.provenance = provenance
         if self.exists():
             old = self.manifest()
             if old.get("fingerprint") != fp:
@@ -81,13 +92,14 @@ class Store:
             if not resume and self.done(len(points)):
                 raise ValueError(f"out {self.path} already holds {len(self.done(len(points)))} results of this "
                                  "sweep; pass resume=True (--resume) to continue it, or choose another out folder")
+            self._write_json(MANIFEST, {**old, "resumed": [*old.get("resumed", []), provenance]})
             return
         if os.path.isdir(self.path) and os.listdir(self.path):
             raise ValueError(f"out {self.path} exists and is not a sweep folder (no {MANIFEST}); "
                              "choose an empty or new folder")
         os.makedirs(os.path.join(self.path, POINTS), exist_ok=True)
         self._write_json(MANIFEST, {"job": job, "params": _jsonable(params), "points": _jsonable(points),
-                                    "fingerprint": fp, "n_points": len(points)})
+                                    "fingerprint": fp, "n_points": len(points), "provenance": provenance})
 
     def manifest(self) -> dict[str, Any]:
         try:
@@ -136,11 +148,12 @@ class Store:
             return {k: z[k] for k in z.files}
 
     def write_errors(self, errors: list[dict[str, Any]]) -> None:
-        self._write_json(ERRORS, _jsonable(errors))
+        self._write_json(ERRORS, {"errors": _jsonable(errors), "provenance": self.provenance or gather()})
 
     def errors(self) -> list[dict[str, Any]]:
         try:
             with open(os.path.join(self.path, ERRORS)) as fh:
-                return json.load(fh)
+                doc = json.load(fh)
         except FileNotFoundError:
             return []
+        return doc["errors"] if isinstance(doc, dict) else doc  # a bare list: a store written before

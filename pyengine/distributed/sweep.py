@@ -123,14 +123,15 @@ def _chunk_size(job: Job, params: dict[str, Any], points: list[dict[str, Any]], 
 
 def scan(job: str | Job, grid: Mapping[str, Any], *, client: Any = None, out: str | os.PathLike[str] | None = None,
          chunk: int | None = None, resume: bool = False, memory_budget: int = MEMORY_BUDGET,
-         retries: int = 2, progress: Callable[[int, int], Any] | None = None) -> ScanResult:
+         retries: int = 2, progress: Callable[[int, int], Any] | None = None,
+         provenance: dict[str, Any] | None = None) -> ScanResult:
     """Run ``job`` over ``grid`` and return its :class:`ScanResult`.
 
     Parameters
     ----------
     job : str or Job
-        A registered job name (``"spectral"``, ``"recovery"``, ``"norms"``; ``"attention"``
-        and ``"stability"`` once :mod:`pyengine.cli.scan` is imported) or a :class:`Job`.
+        A registered job name (``"spectral"``, ``"recovery"``, ``"norms"``, ``"attention"``,
+        ``"stability"``: :data:`pyengine.distributed.JOBS`) or a :class:`Job`.
     grid : dict
         The job's parameters; its axes are sequences (see the job's docstring).
     client : dask.distributed.Client, optional
@@ -149,6 +150,9 @@ def scan(job: str | Job, grid: Mapping[str, Any], *, client: Any = None, out: st
         Extra tries of a task whose worker raised outside a point (Dask's ``retries``).
     progress : callable(done, total), optional
         Called after every finished task with points done and the total.
+    provenance : dict, optional
+        The ``provenance`` block of ``out``'s manifest (default
+        :func:`pyengine.provenance.provenance` with the grid's model name).
     """
     t0 = time.perf_counter()
     j = get_job(job)
@@ -164,7 +168,7 @@ def scan(job: str | Job, grid: Mapping[str, Any], *, client: Any = None, out: st
     todo = list(range(len(points)))
     if out is not None:
         store = Store(out)
-        store.create(j.name, params, points, resume=resume, content=inputs)
+        store.create(j.name, params, points, resume=resume, content=inputs, provenance=provenance)
         have = store.done(len(points))
         todo = [i for i in todo if i not in have]
     elif resume:

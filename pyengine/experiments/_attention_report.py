@@ -1,4 +1,4 @@
-"""Text, JSON, CSV and PNG output of an :class:`~pyengine.experiments.AttentionDynamics` report."""
+"""Text, JSON, CSV and figure output of an :class:`~pyengine.experiments.AttentionDynamics` report."""
 
 from __future__ import annotations
 
@@ -10,6 +10,8 @@ from typing import Any
 
 import numpy as np
 
+from .._figures import COLUMN, PAGE, check_format, heatmap_grid, layer_axis, save, styled, subplots
+from ..provenance import provenance as gather
 from ._attention_analysis import SETTLE_FRACTION
 from .attention_dynamics import D_IN, D_V, EVAL_DENSE, M_STEP_RIDGE, METRICS, AttentionDynamics
 
@@ -181,13 +183,17 @@ def to_dict(rep: AttentionDynamics) -> dict[str, Any]:
     })
 
 
-def write_attention_report(rep: AttentionDynamics, folder: str, plots: bool = True) -> list[str]:
+def write_attention_report(rep: AttentionDynamics, folder: str, plots: bool = True, fmt: str = "png",
+                           provenance: dict[str, Any] | None = None) -> list[str]:
     """Write attention.json, attention.csv (one row per arm, seed, step; held-out columns on the schedule,
-    empty elsewhere) and, with plots, three PNGs."""
+    empty elsewhere) and, with plots, three figures in ``fmt`` (png, pdf or svg): attention_loss,
+    attention_heatmaps, attention_value_pca. ``provenance``: attention.json's block (default
+    :func:`pyengine.provenance.provenance` now)."""
+    check_format(fmt)
     os.makedirs(folder, exist_ok=True)
     paths = [os.path.join(folder, "attention.json"), os.path.join(folder, "attention.csv")]
     with open(paths[0], "w") as f:
-        json.dump(to_dict(rep), f, indent=1)
+        json.dump({**to_dict(rep), "provenance": provenance or gather(seeds=rep.seeds)}, f, indent=1)
     at = {int(s): i for i, s in enumerate(rep.schedule)}
     with open(paths[1], "w", newline="") as f:
         w = csv.writer(f)
@@ -201,18 +207,14 @@ def write_attention_report(rep: AttentionDynamics, folder: str, plots: bool = Tr
                     extra = ["", ""] if i is None else [f"{ho[si, i]:.6g}", f"{va[si, i]:.6g}"]
                     w.writerow([arm, seed, step, *(f"{c[step]:.6g}" for c in cols), *extra])
     if plots:
-        paths += _plots(rep, folder)
+        paths += _plots(rep, folder, fmt)
     return paths
 
 
-def _plots(rep: AttentionDynamics, folder: str) -> list[str]:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
+@styled
+def _plots(rep: AttentionDynamics, folder: str, fmt: str) -> list[str]:
     out = []
-    fig, axes = plt.subplots(1, 4, figsize=(19, 4.2))
+    fig, axes = subplots(1, 4, size=(PAGE, 2.5))
     x = rep.schedule
     for arm in rep.arms:
         panels = ((axes[0], x, rep.curves[arm]["heldout_loss"], "-", arm + " held-out"),
@@ -225,39 +227,37 @@ def _plots(rep: AttentionDynamics, folder: str) -> list[str]:
             xs = np.arange(vals.shape[1]) if xs is None else xs
             line, = ax.plot(xs, vals.mean(axis=0), ls=ls, color=color, label=label)
             color = line.get_color()
-            ax.fill_between(xs, vals.min(axis=0), vals.max(axis=0), color=color, alpha=0.15)
-    for ax, label in zip(axes, ("mean cross-entropy (nats)", "mean predictive entropy, training (nats)",
-                                "mean attention entropy (nats)", "key orthogonality (mean |cos|)")):
+            ax.fill_between(xs, vals.min(axis=0), vals.max(axis=0), color=color, alpha=0.15, lw=0)
+    for ax, label in zip(axes, ("cross-entropy (nats)", "predictive entropy (nats)",
+                                "attention entropy (nats)", r"key orthogonality (mean $|\cos|$)")):
         ax.set_xlabel("training step")
         ax.set_ylabel(label)
+        layer_axis(ax)
     for ax in axes[:2]:
-        ax.axhline(rep.bayes_entropy, color="k", ls="--", lw=1, label="Bayes floor H(Y_t|Y_t-1)")
-    axes[0].legend(fontsize=8)
-    fig.suptitle("sticky Markov chain: mean over seeds (band: min-max); loss on held-out (solid) and training "
-                 "(dotted) sequences")
-    fig.tight_layout()
-    out.append(os.path.join(folder, "attention_loss.png"))
-    fig.savefig(out[-1], dpi=110)
-    plt.close(fig)
+        ax.axhline(rep.bayes_entropy, color="k", ls="--", lw=0.8, label=r"Bayes floor $H(Y_t \mid Y_{t-1})$")
+    fig.legend(handles=axes[0].get_legend_handles_labels()[0], loc="outside lower center",
+               ncols=len(rep.arms) + 1, frameon=False)
+    fig.suptitle(f"sticky Markov chain: mean over {len(rep.seeds)} seed(s), band: min to max; "
+                 f"solid: held-out, dotted: training")
+    out.append(save(fig, os.path.join(folder, "attention_loss"), fmt))
 
     steps = sorted(rep.heatmaps[rep.arms[0]])
-    fig, axes = plt.subplots(len(rep.arms), len(steps), figsize=(3.2 * len(steps), 3.0 * len(rep.arms)),
-                             squeeze=False)
+    fig, axes = subplots(len(rep.arms), len(steps), size=(PAGE, 0.3 + 2.0 * len(rep.arms)), squeeze=False,
+                         sharex=True, sharey=True)
+    heatmap_grid(fig, axes, [rep.heatmaps[arm][step] for arm in rep.arms for step in steps],
+                 label=r"attention weight $\alpha_{ij}$")
     for r, arm in enumerate(rep.arms):
         for c, step in enumerate(steps):
             ax = axes[r][c]
-            im = ax.imshow(rep.heatmaps[arm][step], cmap="viridis", vmin=0.0)
-            ax.set_title(f"{arm}, step {step}", fontsize=9)
-            ax.set_xlabel("key position")
-            ax.set_ylabel("query position")
-            fig.colorbar(im, ax=ax, fraction=0.046)
-    fig.suptitle(f"attention weights, first tokens, seed {rep.seeds[0]}")
-    fig.tight_layout()
-    out.append(os.path.join(folder, "attention_heatmaps.png"))
-    fig.savefig(out[-1], dpi=110)
-    plt.close(fig)
+            ax.set_title(f"{arm}, step {step}")
+            if r == len(rep.arms) - 1:
+                ax.set_xlabel("key position $j$")
+            if c == 0:
+                ax.set_ylabel("query position $i$")
+    fig.suptitle(f"attention weights of the first tokens, seed {rep.seeds[0]} (grey: masked, 0)")
+    out.append(save(fig, os.path.join(folder, "attention_heatmaps"), fmt))
 
-    fig, ax = plt.subplots(figsize=(6, 4))
+    fig, ax = subplots(size=(COLUMN, 2.4))
     x = np.arange(len(rep.arms))
     pca = np.stack([rep.value_pca[a].mean(axis=0) for a in rep.arms])
     ax.bar(x - 0.2, pca[:, 0], 0.4, label="PC1")
@@ -265,10 +265,8 @@ def _plots(rep: AttentionDynamics, folder: str) -> list[str]:
     ax.set_xticks(x, rep.arms)
     ax.set_xlabel("arm")
     ax.set_ylabel("fraction of variance explained")
-    ax.set_title("PCA of the value vectors' trajectory (mu_k W_V over steps)")
-    ax.legend()
-    fig.tight_layout()
-    out.append(os.path.join(folder, "attention_value_pca.png"))
-    fig.savefig(out[-1], dpi=110)
-    plt.close(fig)
+    ax.set_ylim(0, 1.15)
+    ax.set_title(r"PCA of the value vectors' trajectory ($\mu_k W_V$ over steps)")
+    ax.legend(loc="upper right", ncols=2)
+    out.append(save(fig, os.path.join(folder, "attention_value_pca"), fmt))
     return out

@@ -1,7 +1,7 @@
-"""Verdicts, text, JSON, CSV and PNG output of a :class:`~pyengine.experiments.Recovery`.
+"""Text, JSON, CSV and figure output of a :class:`~pyengine.experiments.Recovery`.
 
-The verdicts (one line per prediction of :mod:`pyengine.experiments.recovery`) and
-the thresholds they use are here, with the rest of the report's words.
+The verdicts (one line per prediction of :mod:`pyengine.experiments.recovery`) and the
+thresholds they use are in ``pyengine.experiments._recovery_verdicts``.
 """
 
 from __future__ import annotations
@@ -14,100 +14,20 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from .._figures import PAGE, check_format, layer_axis, log_axis, save, styled, subplots
+from ..provenance import provenance as gather
+from ._recovery_verdicts import _ci
+
 if TYPE_CHECKING:
     from ..analysis import DecayFit
-    from .recovery import Recovery
+
+#: A :class:`~pyengine.experiments.Recovery` (not imported: recovery.py imports this module).
+Recovery = Any
 
 __all__ = ["LINEAR_TOL", "format_table", "write"]
 
 #: Relative disagreement of exact and linearized projections that still counts as linear.
 LINEAR_TOL = 0.10
-
-def _ci(f: DecayFit, digits: int = 3) -> str:
-    """The rate's 95 % interval, or why there is none."""
-    if not all(math.isfinite(v) for v in f.rate_ci):
-        return "[no interval: fewer than 3 layers]"
-    return f"[{f.rate_ci[0]:+.{digits}f}, {f.rate_ci[1]:+.{digits}f}]"
-
-
-def _fmt_fit(f: DecayFit) -> str:
-    return f"{f.rate:+.3f} {_ci(f)} per layer (R^2 {f.r2:.2f}, {f.n_points} layers)"
-
-
-def _solid(f: DecayFit) -> bool:
-    """A fit with a finite rate and a finite 95 % interval (at least 3 layers)."""
-    return f.n_points >= 3 and all(math.isfinite(v) for v in (f.rate, *f.rate_ci))
-
-
-def _halfwidth(f: DecayFit) -> float:
-    return (f.rate_ci[1] - f.rate_ci[0]) / 2
-
-
-#: Verdict (1) calls the spectra consistent when |rate + mean log rho| is within the
-#: fit's 95 % half-width + SPECTRA_ABS + SPECTRA_REL * |mean log rho|.
-SPECTRA_ABS, SPECTRA_REL = 0.05, 0.25
-#: An interval half-width above this makes a verdict inconclusive.
-WIDE = 0.25
-
-
-def _verdicts(r: Recovery) -> list[str]:
-    cfg, out = r.config, []
-    lam, fit = r.fit_exact.rate, r.fit_exact
-    pred = float(-np.log(r.rho.max(axis=1)).mean())
-    rho_min, sig = float(r.rho.min()), r.sigma.max(axis=1)
-    one = float(r.ones_residual.max())
-    g = r.gain_linear
-    gains = (f"linearized gain along v, v.A_k delta / v.delta: geometric mean {math.exp(np.nanmean(np.log(g))):.4f} "
-             f"per block (range {np.nanmin(g):.4f}-{np.nanmax(g):.4f})" if np.isfinite(g).any() else
-             "linearized gain along v: undefined (zero projection)")
-    if cfg.placement == "pre" and cfg.residual and cfg.norm == "layernorm":
-        bound = (f"rho(A_k) >= 1 for every pre-LN residual block: each LayerNorm Jacobian annihilates the "
-                 f"all-ones vector, so A_k 1 = 1 (measured max |A_k 1 - 1| = {one:.1e}); measured min rho = "
-                 f"{rho_min:.4f}, so -log rho <= 0 predicts no decay")
-    else:
-        bound = (f"this stack ({cfg.placement}-{cfg.norm}, residual {'on' if cfg.residual else 'off'}) has no "
-                 f"structural eigenvalue 1 (max |A_k 1 - 1| = {one:.2e}): the bound is measured, min rho = "
-                 f"{rho_min:.4f}")
-    if not cfg.causal:
-        bound += ("; attention is not causal here, so the full Jacobian is not block-triangular and these "
-                  "per-token blocks do not carry its eigenvalues")
-    tol = SPECTRA_ABS + SPECTRA_REL * abs(pred)
-    if not _solid(fit):
-        head = "INCONCLUSIVE (the fit has too few layers or no finite interval)"
-    elif _halfwidth(fit) > WIDE:
-        head = f"INCONCLUSIVE (the rate's 95 % interval is +-{_halfwidth(fit):.2f} wide)"
-    else:
-        head = "CONSISTENT" if abs(lam - pred) <= _halfwidth(fit) + tol else "CONTRADICTED"
-    out.append(
-        f"(1) spectra: {head}: -mean log rho = {pred:+.3f} per layer would be the rate (accepted within the "
-        f"interval + {tol:.3f}); measured {_fmt_fit(fit)}; sigma_max {sig.min():.3f}-{sig.max():.3f}; {gains}. "
-        f"{bound}."
-    )
-    nr = r.no_residual
-    if not (_solid(nr) and _solid(fit)):
-        head = "INCONCLUSIVE (too few layers or no finite interval)"
-    else:
-        head = "CHANGES THE RATE" if abs(nr.rate - lam) > _halfwidth(nr) + _halfwidth(fit) else "NO MEASURABLE EFFECT"
-    out.append(f"(2) residual: {head}: with residual {lam:+.3f}, without {_fmt_fit(nr)}.")
-    for name, sweep in (("eps", r.eps_sweep), ("gamma scale", r.gamma_sweep)):
-        vals = ", ".join(f"{v:.3g}: {f.rate:+.3f}" for v, f in sweep)
-        if len(sweep) < 2 or not all(_solid(f) for _, f in sweep):
-            out.append(f"(3) {name}: INCONCLUSIVE (fewer than two values or a fit without an interval): {vals}.")
-            continue
-        rates = np.array([f.rate for _, f in sweep])
-        widths = max(_halfwidth(f) for _, f in sweep)
-        spread = float(rates.max() - rates.min())
-        head = "CHANGES THE RATE" if spread > 2 * widths + 0.02 else "NO MEASURABLE EFFECT"
-        out.append(f"(3) {name}: {head} (spread {spread:.3f} per layer, intervals +-{widths:.3f}): {vals}.")
-    lr = r.linear_regime
-    span = (f"only at scale {lr[0]:g} (of those tried)" if lr and lr[0] == lr[1] else
-            f"for scales {lr[0]:g} to {lr[1]:g}" if lr else "")
-    out.append("linear regime: " + (f"exact and linearized delta agree within {LINEAR_TOL:.0%} (|d_ex - d_lin| / "
-                                    f"|d_lin| at the read-out, every layer) {span}"
-                                    if lr else f"no scale tried keeps exact and linearized delta within "
-                                    f"{LINEAR_TOL:.0%}") + ".")
-    return out
-
 
 _COLS = [  # key, header, width, format
     ("layer", "k", 3, "g"),  # g: a site row inside a block is k + 0.5
@@ -148,8 +68,41 @@ def format_table(rep: Recovery) -> str:
     lines.append(f"decay of |projection| ({rep.read}; rate > 0 decays, < 0 grows): exact {fe.rate:+.4f}/layer "
                  f"{_ci(fe, 4)}, R^2 {fe.r2:.3f}, {fe.timescale()}; linearized {fl.rate:+.4f}/layer, "
                  f"R^2 {fl.r2:.3f}")
+    lines.extend(_linear_model_lines(rep))
+    if rep.spectra_skipped:
+        lines.append("block Jacobian spectra: skipped (--no-spectra): rho, sig_max and verdict (1) are not computed")
     lines.extend(rep.verdicts)
+    if rep.protocol:
+        lines.append(rep.protocol)
     return "\n".join(lines)
+
+
+def _linear_model_lines(rep: Recovery) -> list[str]:
+    """The linear model's table: the scaling fit of J_k and the uniform split of delta."""
+    sc, un = rep.scaling, rep.uniform
+    if sc is None or un is None:
+        return []
+    est = ("exact: d basis JVPs" if sc.exact else
+           f"Hutchinson, {sc.n_probes} Rademacher probes; +- 1 standard error")
+    lines = [f"linear model: J_k = d h_k / d h_{sc.layer} at token {sc.token} (diagonal block, d = {sc.d}) fitted by "
+             f"alpha I + beta 11^T/d ({est}); unexpl: the fraction of |J_k|_F^2 the fit leaves; "
+             f"|unif|, |rest|: norms of mean(delta) 1 and delta - mean(delta) 1 (exact, scale "
+             f"{rep.protocol_scale:g}, read-out); every LayerNorm Jacobian annihilates 1, so in a pre-LN residual "
+             f"stack J_k 1 = 1: a uniform delta passes every branch unseen (measured max |J_k 1 - 1| = "
+             f"{float(np.nanmax(sc.ones_drift)):.1e})",
+             f"{'k':>3}{'alpha':>18}{'beta':>18}{'unexpl':>20}{'|unif|':>11}{'|rest|':>11}"]
+    u, r = (x.copy() for x in un["exact"])
+    if not float(rep.exact.layers[0]).is_integer():  # row 0 of a site injection is the site, not h_layer
+        u[0] = r[0] = np.nan
+
+    def pm(v: float, se: float, fmt: str) -> str:
+        return f"{v:{fmt}}" + (" " * 9 if sc.exact else f" +-{se:.1e}")
+
+    for i in range(sc.alpha.size):
+        lines.append(f"{sc.layer + i:>3}{pm(sc.alpha[i], sc.alpha_se[i], '>9.5f')}{pm(sc.beta[i], sc.alpha_se[i], '>9.5f')}"
+                     f"{pm(sc.unexplained[i], sc.unexplained_se[i], '>11.3e')}"
+                     f"{_cell(11, '.3g', float(u[i]))}{_cell(11, '.3g', float(r[i]))}")
+    return lines
 
 
 def _clean(o: Any) -> Any:
@@ -167,14 +120,18 @@ def _clean(o: Any) -> Any:
     return o
 
 
-def write(rep: Recovery, folder: str, plots: bool = True) -> list[str]:
-    """Write recovery.json, layers.csv, metrics.csv and (if ``plots``) recovery.png; return the paths."""
+def write(rep: Recovery, folder: str, plots: bool = True, fmt: str = "png",
+          provenance: dict[str, Any] | None = None) -> list[str]:
+    """Write recovery.json, layers.csv, metrics.csv and (if ``plots``) the figures
+    recovery.<fmt> and recovery_linear_model.<fmt> (``fmt``: png, pdf or svg); return the
+    paths. ``provenance``: recovery.json's block (default :func:`pyengine.provenance.provenance` now)."""
+    check_format(fmt)
     os.makedirs(folder, exist_ok=True)
     paths = []
     p = os.path.join(folder, "recovery.json")
     with open(p, "w") as f:
-        json.dump(_clean(rep.to_dict()), f, indent=1,
-                  allow_nan=False)
+        json.dump(_clean({**rep.to_dict(), "provenance": provenance or gather(model=rep.model)}), f,
+                  indent=1, allow_nan=False)
     paths.append(p)
     p = os.path.join(folder, "layers.csv")
     rows = rep.layer_table()
@@ -200,20 +157,45 @@ def write(rep: Recovery, folder: str, plots: bool = True) -> list[str]:
                                     f"{run.norm_ratio[i, n, t]:.9g}", f"{run.delta_norm[i, n, t]:.9g}"])
     paths.append(p)
     if plots:
-        paths.append(_plot(rep, os.path.join(folder, "recovery.png")))
+        paths.append(save(figure(rep), os.path.join(folder, "recovery"), fmt))
+        if rep.scaling is not None:
+            paths.append(save(linear_model_figure(rep), os.path.join(folder, "recovery_linear_model"), fmt))
     return paths
 
 
-def _plot(rep: Recovery, path: str) -> str:
-    import matplotlib
-
-    matplotlib.use("Agg", force=True)
-    import matplotlib.pyplot as plt
-
-    fig = figure(rep)
-    fig.savefig(path, dpi=90)
-    plt.close(fig)
-    return path
+@styled
+def linear_model_figure(rep: Recovery) -> Any:
+    """The linear model's figure: alpha and beta of the scaling fit of J_k, the fraction of
+    ``|J_k|_F^2`` it leaves, and the uniform split of delta (x: the hidden state k)."""
+    sc, (u, r) = rep.scaling, rep.uniform["exact"]
+    k = np.arange(sc.layer, sc.layer + sc.alpha.size)
+    fig, ax = subplots(1, 3, size=(PAGE, 2.6))
+    se = None if sc.exact else sc.alpha_se
+    ax[0].errorbar(k, sc.alpha, yerr=se, fmt="o-", capsize=2, label=r"$\alpha$ ($I$)")
+    ax[0].errorbar(k, sc.beta, yerr=se, fmt="s--", capsize=2, label=r"$\beta$ ($\mathbf{1}\mathbf{1}^\top/d$)")
+    ax[0].axhline(0.0, color="k", lw=0.6)
+    ax[0].set(title=r"$J_k \approx \alpha I + \beta\,\mathbf{1}\mathbf{1}^\top/d$", ylabel="coefficient")
+    ax[1].errorbar(k[1:], sc.unexplained[1:], yerr=None if se is None else sc.unexplained_se[1:], fmt="o-",
+                   capsize=2)
+    ax[1].set(title=r"unexplained share of $\|J_k\|_F^2$", ylabel="unexplained")
+    if (sc.unexplained[1:] > 0).all():
+        log_axis(ax[1])
+    x = rep.exact.layers
+    for y, style, lab in ((u, "o-", r"$\|\bar\delta\,\mathbf{1}\|$ (uniform)"),
+                          (r, "s-", r"$\|\delta - \bar\delta\,\mathbf{1}\|$")):
+        ax[2].plot(x, np.where(y > 0, y, np.nan), style, label=lab)
+        _zeros(ax[2], x, y, ax[2].lines[-1].get_color())
+    log_axis(ax[2])
+    ax[2].set(title=f"uniform split of $\\delta$ (exact, $\\alpha$ = {rep.protocol_scale:g})", ylabel="norm")
+    for a in ax:
+        a.set_xlabel("hidden state $k$")
+        layer_axis(a)
+    ax[0].legend(frameon=False)
+    ax[2].legend(frameon=False)
+    est = "exact" if sc.exact else f"Hutchinson, {sc.n_probes} probes, $\\pm$1 s.e."
+    fig.suptitle(f"linear model from $h_{{{sc.layer}}}$ at token {sc.token} ({est}); "
+                 f"max $|J_k \\mathbf{{1}} - \\mathbf{{1}}|$ = {float(np.nanmax(sc.ones_drift)):.1e}")
+    return fig
 
 
 def _zeros(a: Any, x: np.ndarray, y: np.ndarray, color: Any = None) -> None:
@@ -232,69 +214,97 @@ def _span(pos: np.ndarray) -> str:
     return ",".join(map(str, pos[:8])) + (",..." if pos.size > 8 else "")
 
 
+#: Mathtext of the quantities on the recovery figure, and the two runs' line styles.
+INJ, BASE = r"h_{\mathrm{inj}}", r"h_{\mathrm{base}}"
+EXACT = dict(color="C0", marker="o", ls="-", label="exact")
+LINEAR = dict(color="C1", marker="s", ls="--", mfc="none", label="linearized")
+RHO = dict(color="0.15", marker="^", ls="-", label=r"$\rho$ (spectral radius)")
+SIGMA = dict(color="0.55", marker="v", ls=":", label=r"$\sigma_{\max}$ (spectral norm)")
+GAP = dict(color="C2", marker="D", ls="-", label="linearization error")
+
+
+def _legend(fig: Any, zeros: bool) -> None:
+    """One legend for the whole figure, below the panels (it covers no data)."""
+    from matplotlib.lines import Line2D
+
+    handles = [Line2D([], [], **EXACT), Line2D([], [], **LINEAR),
+               Line2D([], [], color="0.4", ls=":", label=r"fit $|p_k| \propto e^{-\lambda k}$ ($\lambda$ > 0 decays)"),
+               Line2D([], [], color="k", lw=1.6, label=r"$\|%s\|$" % BASE),
+               Line2D([], [], **RHO), Line2D([], [], **SIGMA),
+               Line2D([], [], **GAP), Line2D([], [], color="k", lw=0.6, ls="--", label=f"{LINEAR_TOL:.0%} error")]
+    if zeros:
+        handles.append(Line2D([], [], color="0.4", marker="v", mfc="none", ls="none", label="0 (off the log axis)"))
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 5), frameon=False)
+
+
+@styled
 def figure(rep: Recovery) -> Any:
     """The report's figure (six panels, x always the hidden state k except the scale sweep)."""
-    import matplotlib.pyplot as plt
-    from matplotlib.ticker import MaxNLocator
-
     ex, li, j = rep.exact, rep.linear, rep.scale_index
     k = ex.layers
-    fig, ax = plt.subplots(2, 3, figsize=(15, 9), layout="constrained")
+    fig, ax = subplots(2, 3, size=(PAGE, 5.0))
 
     def mean(p: Any, metric: str) -> np.ndarray:
         return p.view(metric, rep.read).reshape(-1, p.K, p.S)[:, :, j].mean(axis=1)
 
     a = ax[0, 0]
-    for p, fit, style, lab in ((ex, rep.fit_exact, "o-", "exact"), (li, rep.fit_linear, "s--", "linearized")):
+    for p, fit, style in ((ex, rep.fit_exact, EXACT), (li, rep.fit_linear, LINEAR)):
         y = mean(p, "projection")
-        a.semilogy(k, np.where(y > 0, y, np.nan), style, label=f"{lab}: rate {fit.rate:+.3f}/layer")
-        color = a.lines[-1].get_color()
+        a.plot(k, np.where(y > 0, y, np.nan), **style)
         if math.isfinite(fit.rate):
-            a.semilogy(k, np.exp(fit.intercept - fit.rate * k), ":", color=color)
-        _zeros(a, k, y, color)
-    a.set(title=f"|projection on v| ({rep.read}), scale {rep.protocol_scale:g}", ylabel="|delta . v|")
-    a.legend(title="|p_k| ~ exp(-rate k): rate > 0 decays", fontsize=8, title_fontsize=8)
-    for a, metric, title, ylabel in ((ax[0, 1], "cosine", "cos(h_injected, h_base)", "cosine"),
-                                     (ax[0, 2], "norm_ratio", "|h_injected| / |h_base|", "norm ratio")):
-        a.plot(k, mean(ex, metric), "o-", label="exact")
-        a.plot(k, mean(li, metric), "s--", label="linearized")
+            a.plot(k, np.exp(fit.intercept - fit.rate * k), ":", color=style["color"])
+        _zeros(a, k, y, style["color"])
+    log_axis(a)
+    a.set(title=f"projection on $v$ ($\\alpha$ = {rep.protocol_scale:g})\n$\\lambda$ per layer: "
+                f"exact {rep.fit_exact.rate:+.3f}, linearized {rep.fit_linear.rate:+.3f}",
+          ylabel=r"$|p_k| = |(%s - %s)\cdot v|$" % (INJ, BASE))
+    for a, metric, title, ylabel in (
+            (ax[0, 1], "cosine", "direction", r"$\cos(%s, %s)$" % (INJ, BASE)),
+            (ax[0, 2], "norm_ratio", "norm", r"$\|%s\| / \|%s\|$" % (INJ, BASE))):
+        a.plot(k, mean(ex, metric), **EXACT)
+        a.plot(k, mean(li, metric), **LINEAR)
         a.set(title=title, ylabel=ylabel)
-        a.legend(fontsize=8)
     a = ax[1, 0]
     m = ex.position_mask(rep.read)
-    for p, style, lab in ((ex, "o-", "|delta| exact"), (li, "s--", "|delta| linearized")):
+    for p, style in ((ex, EXACT), (li, LINEAR)):
         y = mean(p, "delta_norm")
-        a.semilogy(k, np.where(y > 0, y, np.nan), style, label=lab)
-        _zeros(a, k, y, a.lines[-1].get_color())
-    a.semilogy(k, ex.base_norm[:, m].mean(axis=1), "k-", label="|h| baseline")
-    a.set(title="norms", ylabel="L2 norm")
-    a.legend(fontsize=8)
+        a.plot(k, np.where(y > 0, y, np.nan), **style)
+        _zeros(a, k, y, style["color"])
+    a.plot(k, ex.base_norm[:, m].mean(axis=1), "k-", lw=1.6)
+    log_axis(a)
+    a.set(title=r"perturbation $\delta_k = %s - %s$" % (INJ, BASE), ylabel=r"$\|\delta_k\|$, $\|%s\|$" % BASE)
     a = ax[1, 1]
-    ks = np.arange(rep.layer, rep.layer + rep.rho.shape[0])  # block k + 1 leaves hidden state k
-    a.plot(ks, rep.rho.max(axis=1), "o-", label="rho (spectral radius)")
-    a.plot(ks, rep.sigma.max(axis=1), "s-", label="sigma_max")
-    a.axhline(1.0, color="k", lw=0.8)
-    a.set(title="Jacobian block of block k+1 at the read token", ylabel="rho, sigma_max", yscale="log")
-    a.legend(fontsize=8)
+    if rep.spectra_skipped:
+        a.text(0.5, 0.5, "spectra skipped (--no-spectra)", transform=a.transAxes, ha="center", va="center")
+        a.set(xlim=(k[0], k[-1]), yticks=[])
+    else:
+        ks = np.arange(rep.layer, rep.layer + rep.rho.shape[0])  # block k + 1 leaves hidden state k
+        a.plot(ks, rep.rho.max(axis=1), **RHO)
+        a.plot(ks, rep.sigma.max(axis=1), **SIGMA)
+        a.axhline(1.0, color="k", lw=0.6)
+        log_axis(a)
+    a.set(title="Jacobian of block $k+1$ at the read token", ylabel=r"$\rho$, $\sigma_{\max}$")
     for a in (*ax[0], ax[1, 0], ax[1, 1]):
-        a.set_xlabel("hidden state k")
-        a.xaxis.set_major_locator(MaxNLocator(integer=True))
+        a.set_xlabel("hidden state $k$")
+        layer_axis(a)
     a = ax[1, 2]
     gap = rep.linear_gap
-    a.loglog(ex.scales, np.where(gap > 0, gap, np.nan), "o-", label="gap")
-    _zeros(a, ex.scales, gap)
-    a.axhline(LINEAR_TOL, color="k", lw=0.8, ls="--", label=f"{LINEAR_TOL:.0%}")
-    a.set(title="linear regime: max over k of\n|delta_ex - delta_lin| / |delta_lin|", xlabel="scale",
-          ylabel="relative gap")
-    a.legend(fontsize=8)
-    text = rep.text if rep.text is None or len(rep.text) <= 70 else rep.text[:67] + "..."
+    a.plot(ex.scales, np.where(gap > 0, gap, np.nan), **GAP)
+    _zeros(a, ex.scales, gap, GAP["color"])
+    a.axhline(LINEAR_TOL, color="k", lw=0.6, ls="--")
+    log_axis(a, "x")
+    log_axis(a, "y")
+    a.set(title="linearization error", xlabel=r"injection scale $\alpha$",
+          ylabel=r"$\max_k \|\delta_k^{\mathrm{ex}} - \delta_k^{\mathrm{lin}}\| / \|\delta_k^{\mathrm{lin}}\|$")
+    _legend(fig, any(line.get_marker() == "v" and line.get_linestyle() == "None" for x in ax.flat for line in x.lines))
+    text = rep.text if rep.text is None or len(rep.text) <= 60 else rep.text[:57] + "..."
     fig.suptitle(f"pyengine recovery: {rep.model}; text {text!r}\ninjected at {_where(rep)}, "
                  f"positions {_span(ex.positions)} of T = {ex.T}; read-out: {rep.read}")
     return fig
 
 
 def _where(rep: Any) -> str:
-    """Where a recovery run injected: the hidden state, or the site inside a block (issue 12)."""
+    """Where a recovery run injected: the hidden state, or the site inside a block."""
     if getattr(rep, "site", None) and "resid_p" not in rep.site:
         return f"site {rep.site} (inside block {rep.layer + 1})"
     return f"hidden state {rep.layer} (input of block {rep.layer + 1})"

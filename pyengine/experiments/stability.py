@@ -1,10 +1,12 @@
 """Forward/backward stability report (``pyengine stability``): signal propagation by scheme, the
-spectral condition of a real model, and steepest descent under three norms on a toy task.
+spectral condition of a real model, and steepest descent under three norms and training-time
+gradient rules on a toy task (:mod:`~pyengine.experiments.stability_descent`).
 
 :func:`stability` returns a :class:`Stability` report; :func:`format_stability` prints it,
-:func:`write_stability` saves ``stability.png`` (forward and backward RMS against depth,
-log scale, one panel per (norm, residual) setting, one line per scheme, the mean-field
-prediction dashed), ``weight_spectra.png``, ``descent.png`` and ``stability.json``.
+:func:`write_stability` saves the figures ``stability`` (forward and backward RMS against
+depth, log scale, one panel per (norm, residual) setting, one line per scheme, the mean-field
+prediction dashed), ``stack_stability``, ``weight_spectra``, ``descent`` and ``descent_sigma``
+(png, pdf or svg) and ``stability.json``.
 """
 
 from __future__ import annotations
@@ -13,15 +15,18 @@ import dataclasses
 import json
 import math
 import os
+import textwrap
 from typing import Any
 
 import numpy as np
 
+from .._figures import PAGE, check_format, layer_axis, log_axis, save, styled, subplots
 from ..analysis.stability import (SignalPropagation, gelu_second_moment, mlp_stacks, signal_propagation,
                                   signal_propagations)
 from ..analysis.stack_stability import stack_signal_propagation
 from ..analysis.weight_spectra import WeightSpectra, weight_spectra
-from ..linalg.steepest import steepest_descent
+from ..provenance import provenance as gather
+from .stability_descent import Descent, descent_demo, format_descent, plot_descent
 
 __all__ = ["SETTINGS", "Stability", "descent_demo", "format_stability", "stability", "write_stability"]
 
@@ -37,47 +42,13 @@ class Stability:
     runs: list[SignalPropagation]
     spectra: WeightSpectra | None = None
     model: str = ""
-    descent: dict[str, np.ndarray] | None = None
+    #: The descent demonstration (:func:`~pyengine.experiments.stability_descent.descent_demo`).
+    descent: Descent | None = None
     seconds: float = 0.0
     #: The same schemes in full transformer stacks (attention + MLP blocks, LayerNorm, residual).
     stack_runs: list[SignalPropagation] = dataclasses.field(default_factory=list)
     #: Kaiming GELU runs (no norm, plain) for the GELU departure of :func:`departures`.
     gelu_runs: list[SignalPropagation] = dataclasses.field(default_factory=list)
-
-
-def descent_demo(steps: int = 100, d_out: int = 32, d_in: int = 64, seed: int = 0,
-                 lrs: tuple[float, ...] = (0.003, 0.01, 0.03, 0.1, 0.3)) -> dict[str, np.ndarray]:
-    """Loss against steps of GD, sign and spectral descent on L(W) = ½ ||(W - W*) C^½||_F² / ||W* C^½||_F².
-
-    C is an ill-conditioned input covariance (eigenvalues 10^[-2, 0]). Each method takes
-    unit steps in its own norm scaled to the Frobenius norm of the matrix
-    (Δ = -lr t*, ||t*|| = 1 with t* rescaled so that ||t*||_F = sqrt(d_out) as for a
-    unit-spectral semi-orthogonal step), lr decaying linearly to 0, and the best lr of the
-    same grid ``lrs`` for every method (matched step sizes). Returns name -> loss curve.
-    """
-    rng = np.random.default_rng(seed)
-    w_star = rng.standard_normal((d_out, d_in)) / np.sqrt(d_in)
-    q, _ = np.linalg.qr(rng.standard_normal((d_in, d_in)))
-    c_half = (q * np.logspace(-1, 0, d_in)) @ q.T
-    scale = 0.5 * np.sum((w_star @ c_half) ** 2)
-    norm_f = np.sqrt(min(d_out, d_in))
-    out = {}
-    for name, which in (("gd", "l2"), ("sign", "linf"), ("spectral", "spectral")):
-        best = None
-        for lr in lrs:
-            w = np.zeros_like(w_star)
-            curve = []
-            for k in range(steps):
-                r = (w - w_star) @ c_half
-                curve.append(0.5 * np.sum(r * r) / scale)
-                g = r @ c_half.T
-                t = steepest_descent(g, which, 1.0)
-                t *= norm_f / max(np.linalg.norm(t), 1e-300)
-                w = w + lr * (1 - k / steps) * t
-            if best is None or curve[-1] < best[-1]:
-                best = curve
-        out[name] = np.array(best)
-    return out
 
 
 def stability(
@@ -107,22 +78,24 @@ def stability(
     done: dict[tuple[str, str, bool], SignalPropagation] = {}
     gelu_runs = []
     for r in dict.fromkeys(r for _, r in settings):
-        # One draw per block shape for every scheme (schemes consuming the same numbers share
-        # it), shared by the norm settings, which run as one batch; freed before the next shape.
-        weights = mlp_stacks(depth, width, schemes, residual=r, seed=seed, dtype=dtype)
+        # One scheme's stack at a time, shared by the norm settings (which run as one batch) and
+        # freed before the next: holding every scheme's residual stack at once cost 0.9 GB per
+        # scheme at the defaults. mlp_stacks gives each scheme, array for array, the weights of a
+        # shared draw, at about the same CPU time.
         norms = list(dict.fromkeys(n for n, rr in settings if rr == r))
         for s in schemes:
+            layers = mlp_stacks(depth, width, (s,), residual=r, seed=seed, dtype=dtype)[s]
             if progress:
                 progress(len(done), len(plan), f"{s} {'/'.join(norms)} {'residual' if r else 'plain'}")
             for run in signal_propagations(s, depth, width, tokens, activation=activation, norms=norms, residual=r,
-                                           seed=seed, dtype=dtype, layers=weights[s]):
+                                           seed=seed, dtype=dtype, layers=layers):
                 done[s, run.norm, r] = run
-        if gelu_check and not r and "kaiming_normal" in schemes:
-            if progress:
-                progress(len(done), len(plan), "kaiming_normal gelu")
-            gelu_runs.append(signal_propagation("kaiming_normal", depth, width, tokens, activation="gelu", seed=seed,
-                                                dtype=dtype, layers=weights["kaiming_normal"]))
-        del weights
+            if gelu_check and not r and s == "kaiming_normal" and not gelu_runs:
+                if progress:
+                    progress(len(done), len(plan), "kaiming_normal gelu")
+                gelu_runs.append(signal_propagation("kaiming_normal", depth, width, tokens, activation="gelu",
+                                                    seed=seed, dtype=dtype, layers=layers))
+            del layers
     if gelu_check and "kaiming_normal" in schemes and not gelu_runs:  # no plain setting asked: its own draw
         gelu_runs.append(signal_propagation("kaiming_normal", depth, width, tokens, activation="gelu", seed=seed,
                                             dtype=dtype))
@@ -156,7 +129,7 @@ def stability(
         keep("weight spectra", {"model": name, "spectra": spectra.to_dict()})
     descent = descent_demo() if demo else None
     if descent is not None:
-        keep("descent demo", {"descent": {k: v.tolist() for k, v in descent.items()}})
+        keep("descent demo", descent.to_dict())
     return Stability(runs, spectra, name, descent, time.perf_counter() - t0, stack_runs, gelu_runs)
 
 
@@ -224,72 +197,68 @@ def format_stability(rep: Stability) -> str:
         rows += ["", f"Spectral condition of {rep.model or 'the model'} (sqrt(d_in/d_out) sigma_max, target Theta(1))",
                  rep.spectra.to_text()]
     if rep.descent is not None:
-        rows += ["", "Steepest descent on an ill-conditioned matrix regression (relative loss, best lr of one grid)"]
-        rows += [f"  {k:<9} step 0 {v[0]:.3g}  step {len(v) // 2} {v[len(v) // 2]:.3g}  step {len(v) - 1} {v[-1]:.3g}"
-                 for k, v in rep.descent.items()]
+        rows += [""] + format_descent(rep.descent)
     rows.append(f"({rep.seconds:.1f} s)")
     return "\n".join(rows)
 
 
-def write_stability(rep: Stability, outdir: str) -> list[str]:
-    """Save the figures and stability.json under ``outdir``; the paths written."""
-    import matplotlib
+def _propagation_figure(groups: dict[str, list[Any]], title: str, unit: str) -> Any:
+    """Forward and backward RMS against depth: one column per group, one colour per scheme."""
+    from matplotlib.lines import Line2D
 
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    os.makedirs(outdir, exist_ok=True)
-    settings = list(dict.fromkeys((r.norm, r.residual) for r in rep.runs))
-    fig, axes = plt.subplots(2, len(settings), figsize=(4 * len(settings), 7), squeeze=False)
-    for j, st in enumerate(settings):
-        for i, r in enumerate(x for x in rep.runs if (x.norm, x.residual) == st):
-            color = f"C{i}"
+    fig, axes = subplots(2, len(groups), size=(min(PAGE, 1.2 + 1.6 * len(groups)), 3.9), squeeze=False,
+                         sharex="col")
+    schemes: dict[str, str] = {}
+    for j, (name, runs) in enumerate(groups.items()):
+        for r in runs:
+            color = schemes.setdefault(r.scheme, f"C{len(schemes)}")
             layers = np.arange(r.depth + 1)
             for row, (meas, pred) in enumerate(((r.forward_rms, r.forward_pred), (r.backward_rms, r.backward_pred))):
-                axes[row, j].plot(layers, meas, color=color, label=r.scheme)
+                axes[row, j].plot(layers, meas, color=color)
                 axes[row, j].plot(layers, pred, color=color, ls="--", lw=0.8)
-        title = f"{'pre-' + st[0] if st[0] != 'none' else 'no norm'}{', residual' if st[1] else ''}"
-        axes[0, j].set(yscale="log", title=title, ylabel="forward RMS of h_l")
-        axes[1, j].set(yscale="log", xlabel="layer l", ylabel="backward RMS of dL/dh_l")
-    axes[0, 0].legend(fontsize=7)
-    fig.suptitle("measured (solid) vs mean-field prediction (dashed)")
-    fig.tight_layout()
-    paths = [os.path.join(outdir, "stability.png")]
-    fig.savefig(paths[0], dpi=110)
-    plt.close(fig)
+        axes[0, j].set_title(textwrap.fill(name, 22))
+        axes[1, j].set_xlabel(f"{unit} $\\ell$")
+        for row in range(2):
+            log_axis(axes[row, j])
+            layer_axis(axes[row, j])
+    axes[0, 0].set_ylabel(r"forward RMS of $h_\ell$")
+    axes[1, 0].set_ylabel(r"backward RMS of $\partial L / \partial h_\ell$")
+    handles = [Line2D([], [], color=c, label=s) for s, c in schemes.items()]
+    handles += [Line2D([], [], color="0.3", label="measured"),
+                Line2D([], [], color="0.3", ls="--", lw=0.8, label="mean-field prediction")]
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(len(handles), 5), frameon=False)
+    fig.suptitle(title)
+    return fig
+
+
+@styled
+def write_stability(rep: Stability, outdir: str, fmt: str = "png",
+                    provenance: dict[str, Any] | None = None) -> list[str]:
+    """Save the figures (in ``fmt``: png, pdf or svg) and stability.json under ``outdir``; the paths
+    written. ``provenance``: stability.json's block (default :func:`pyengine.provenance.provenance` now)."""
+    check_format(fmt)
+    os.makedirs(outdir, exist_ok=True)
+    settings: dict[str, list[Any]] = {}
+    for r in rep.runs:
+        name = f"{'pre-' + r.norm if r.norm != 'none' else 'no norm'}{', residual' if r.residual else ''}"
+        settings.setdefault(name, []).append(r)
+    fig = _propagation_figure(settings, "MLP stacks: forward and backward signal by initialization", "layer")
+    paths = [save(fig, os.path.join(outdir, "stability"), fmt)]
     if rep.stack_runs:
-        places = list(dict.fromkeys(r.arch for r in rep.stack_runs))
-        fig, axes = plt.subplots(2, len(places), figsize=(4 * len(places), 7), squeeze=False)
-        for j, arch in enumerate(places):
-            for i, r in enumerate(x for x in rep.stack_runs if x.arch == arch):
-                layers = np.arange(r.depth + 1)
-                for row, (meas, pred) in enumerate(((r.forward_rms, r.forward_pred), (r.backward_rms, r.backward_pred))):
-                    axes[row, j].plot(layers, meas, color=f"C{i}", label=r.scheme)
-                    axes[row, j].plot(layers, pred, color=f"C{i}", ls="--", lw=0.8)
-            axes[0, j].set(yscale="log", title=arch, ylabel="forward RMS of h_l")
-            axes[1, j].set(yscale="log", xlabel="block l", ylabel="backward RMS of dL/dh_l")
-        axes[0, 0].legend(fontsize=7)
-        fig.suptitle("transformer stacks: measured (solid) vs mean-field prediction (dashed)")
-        fig.tight_layout()
-        paths.append(os.path.join(outdir, "stack_stability.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        places: dict[str, list[Any]] = {}
+        for r in rep.stack_runs:
+            places.setdefault(r.arch, []).append(r)
+        fig = _propagation_figure(places, "transformer stacks: forward and backward signal", "block")
+        paths.append(save(fig, os.path.join(outdir, "stack_stability"), fmt))
     if rep.spectra is not None:
-        paths.append(rep.spectra.plot(os.path.join(outdir, "weight_spectra.png"), rep.model))
+        paths.append(rep.spectra.plot(os.path.join(outdir, "weight_spectra"), rep.model, fmt=fmt))
     if rep.descent is not None:
-        fig, ax = plt.subplots(figsize=(5, 3.5))
-        for k, v in rep.descent.items():
-            ax.plot(v, label=k)
-        ax.set(yscale="log", xlabel="step", ylabel="relative loss", title="GD vs sign vs spectral descent")
-        ax.legend()
-        fig.tight_layout()
-        paths.append(os.path.join(outdir, "descent.png"))
-        fig.savefig(paths[-1], dpi=110)
-        plt.close(fig)
+        paths += plot_descent(rep.descent, outdir, fmt)
     doc = {"runs": [_run_dict(r) for r in rep.runs],
            "spectra": rep.spectra.to_dict() if rep.spectra is not None else None,
            "stack_runs": [_run_dict(r) for r in rep.stack_runs],
-           "descent": {k: v.tolist() for k, v in (rep.descent or {}).items()}, "seconds": rep.seconds}
+           "descent": {}, **(rep.descent.to_dict() if rep.descent is not None else {}), "seconds": rep.seconds,
+           "provenance": provenance or gather()}
     paths.append(os.path.join(outdir, "stability.json"))
     with open(paths[-1], "w", encoding="utf-8") as f:
         json.dump(doc, f)

@@ -1,4 +1,4 @@
-"""Finds the BLAS of the C++ linear kernels (``csrc/bind_linear.hpp`` calls :func:`find` once).
+"""Finds the BLAS of the C++ linear kernels (:mod:`pyengine.kernels._cpp` calls :func:`find` once and hands it over).
 
 The compiled dense-layer kernels call a CBLAS ``sgemm``/``dgemm`` single-threaded in each of
 their own OpenMP threads: MKL's, from the optional ``mkl`` package (the ``mkl`` extra;
@@ -11,7 +11,7 @@ found) returns null pointers and the reason, and the kernels fall back to ``nump
 plus a separate epilogue pass. ``PYENGINE_BLAS=openblas`` (or ``mkl``) forces the choice.
 
 :func:`matmul_one_thread` is ``numpy.matmul`` with NumPy's OpenBLAS held to one thread for
-the call, for the block engine's small products between pyengine kernels (issue 18).
+the call, for the block engine's small products between pyengine kernels.
 """
 
 from __future__ import annotations
@@ -126,10 +126,8 @@ def find() -> tuple[int, int, int, bool, str]:
 
     ``PYENGINE_BLAS`` (read here, once per process): ``auto`` (default) takes MKL from the
     ``mkl`` package when it is installed (the ``mkl`` extra) *and the CPU is Intel's*, else
-    NumPy's OpenBLAS; ``openblas`` and ``mkl`` ask for one. Measured (issue 18): on an
-    AVX-512 Intel host MKL made propagation 8-11 % faster; on an AMD Zen 4 host its
-    single-threaded sgemm ran at 63-78 GFLOP/s against OpenBLAS's 91-97, so there the
-    default is OpenBLAS. Either way only while NumPy's own BLAS is OpenBLAS (NumPy on MKL or
+    NumPy's OpenBLAS; ``openblas`` and ``mkl`` ask for one. MKL is the default on Intel
+    only: on AMD its single-threaded sgemm measured slower than OpenBLAS's (docs/design.md). Either way only while NumPy's own BLAS is OpenBLAS (NumPy on MKL or
     Accelerate keeps ``numpy.matmul``: two copies of MKL in one process are not worth the risk).
     """
     none = "numpy matmul + separate epilogue"
@@ -178,7 +176,7 @@ def matmul_one_thread(a: np.ndarray, b: np.ndarray, out: np.ndarray | None = Non
     while, and the pyengine OpenMP kernels that follow share the two cores with it. In a
     cached one-sequence forward (T = 128, GPT-2 small) the scores ``q k^T`` woke the pool
     in every block and the weight products after them ran at ~90 instead of ~200 GFLOP/s:
-    the forward took 265 ms instead of 128 (issue 18). Meant for products too small to
+    the forward took twice as long (docs/design.md). Meant for products too small to
     gain from a second thread. The float32 head products of the block engine come out bit
     for bit as with two threads (OpenBLAS splits a product by rows and columns); in general
     a product may round differently on one thread, as with any change of thread count.

@@ -33,19 +33,9 @@ from typing import Any
 import numpy as np
 
 from .. import _validate as _v
-from ..backends import resolve
+from ..backends import NORM_KERNELS, resolve
 
-__all__ = [
-    "kernel",
-    "layer_norm",
-    "layer_norm_jvp",
-    "layer_norm_vjp",
-    "layer_norm_jacobian",
-    "rms_norm",
-    "rms_norm_jvp",
-    "rms_norm_vjp",
-    "rms_norm_jacobian",
-]
+__all__ = ["kernel", *NORM_KERNELS]  # a public function per kernel id of the family
 
 
 def kernel(name: str, backend: str = "auto"):

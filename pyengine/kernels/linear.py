@@ -1,4 +1,4 @@
-"""Dense layers ``x @ w (+ b)`` with a fused epilogue: bias, residual, activation (issue 18).
+"""Dense layers ``x @ w (+ b)`` with a fused epilogue: bias, residual, activation.
 
 ``linear(x, w, b, activation=..., residual=...)`` is ``act(x @ w + b) `` or
 ``x @ w + b + residual``, and ``linear_mul(x, w, coef)`` is ``(x @ w) * coef`` (an
@@ -29,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from .. import _validate as _v
-from ..backends import resolve
+from ..backends import available_backends, backend_module, resolve
 from ._blas import matmul_one_thread
 
 __all__ = ["ACTIVATIONS", "attention_forward_kernel", "attention_jvp_kernel", "blas_info", "kernel", "linear", "linear_mul",
@@ -53,36 +53,21 @@ def kernel(name: str, backend: str = "auto"):
 
 
 def attention_jvp_kernel():
-    """The compiled attention-JVP head products ``linear_attention_jvp``, or None.
+    """The ``"cpp"`` kernel ``linear_attention_jvp`` while it is the block engine's path, or None.
 
-    Not a registry id (the block engine's float32 fast path, next to the ``linear``
-    kernels it shares BLAS and threads with): it is returned only while the ``"auto"``
-    ``linear`` kernel is the ``"cpp"`` one (so ``backend=`` contexts are honoured), and the
-    function itself returns -1 when NumPy's OpenBLAS was not found; in both cases the
-    caller keeps its numpy products. Signature (raw, no validation beyond shapes)::
-
-        linear_attention_jvp(dqkv (K, tq, H + 2 Hkv, dh), q (Hkv, g, tq, dh), k, v (Hkv, tk, dh),
-                             p (Hkv, g, tq, tk), start, scale, out (K, tq, H, dh)) -> int
-
-    with tk = start + tq; per tangent r and query head h (key/value head j):
-    dS = scale dQ K^T, dS[:, start:] += Q dK^T, dP = P (dS - rowsum(P dS)),
-    out = dP V + P[:, start:] dV. Returns the rows whose P-weighted sum is not finite.
+    The block engine's float32 fast path, next to the ``linear`` kernels it shares BLAS and
+    threads with: returned only while the ``"auto"`` ``linear`` kernel is the ``"cpp"`` one
+    (so ``backend=`` contexts are honoured) and its BLAS path is on (else the kernel would
+    return -1); otherwise the caller keeps its numpy products. Contract:
+    :mod:`pyengine.kernels._reference.linear_attention`.
     """
     return _compiled("linear_attention_jvp")
 
 
 def attention_forward_kernel():
-    """The compiled attention head ``linear_attention_forward`` by per-(sequence, head) BLAS, or None.
+    """The ``"cpp"`` kernel ``linear_attention_forward`` while it is the block engine's path, or None.
 
-    Like :func:`attention_jvp_kernel` (returned only while the ``"auto"`` ``linear`` kernel
-    is the ``"cpp"`` one; the function returns -1 without NumPy's OpenBLAS)::
-
-        linear_attention_forward(qkv (B, tq, H + 2 Hkv, dh), kp, vp (Hkv, s, dh), n_heads, offset,
-                                 scale, out (B, tq, H, dh)) -> int
-
-    out[b, t, h] = softmax(scale q k^T over the keys j <= offset + t) v, the keys and values
-    being the s shared ones (kp, vp) followed by the tq of sequence b in qkv. Returns the
-    rows whose maximum or sum is not finite.
+    Like :func:`attention_jvp_kernel`. Contract: :mod:`pyengine.kernels._reference.linear_attention`.
     """
     return _compiled("linear_attention_forward")
 
@@ -92,20 +77,17 @@ def _compiled(name: str):
         cpp = resolve("linear", "cpp")
     except ValueError:
         return None
-    if resolve("linear") is not cpp:
+    if resolve("linear") is not cpp or not backend_module("cpp").linear_blas_ready():
         return None
-    from .. import _core
-
-    return getattr(_core, name)
+    return resolve(name, "cpp")
 
 
 def blas_info() -> str:
     """Which path the ``"cpp"`` kernels' products take, in words (or why the backend is missing)."""
-    try:
-        from .. import _core
-    except ImportError as exc:
-        return f"cpp backend unavailable ({exc})"
-    return _core.linear_blas_info()
+    cpp = backend_module("cpp")
+    if cpp is None:
+        return f"cpp backend unavailable ({available_backends()['cpp'].reason})"
+    return cpp.linear_blas_info()
 
 
 def _operands(x: Any, w: Any, b: Any) -> tuple[np.ndarray, np.ndarray, np.ndarray | None, tuple[int, ...]]:

@@ -44,7 +44,7 @@ class Orthogonalized(NamedTuple):
     q: np.ndarray
     #: Their singular values, (..., min(m, n)), descending, float64.
     sigma: np.ndarray
-    #: max_i |sigma_i - 1| per matrix, (...,).
+    #: ``max_i |sigma_i - 1|`` per matrix, (...,).
     distance: np.ndarray
 
 

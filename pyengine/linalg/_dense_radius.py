@@ -40,7 +40,8 @@ DENSE_RADIUS_MAX = 2048
 INVERSE_STEPS = 2
 SHIFT_OFFSET = 1e-10
 
-__all__ = ["DENSE_RADIUS_MAX", "DENSE_RADIUS_MIN", "dense_eigpair", "dense_matrix", "dense_radii", "use_dense"]
+__all__ = ["DENSE_RADIUS_MAX", "DENSE_RADIUS_MIN", "dense_eigpair", "dense_matrix", "dense_radii", "use_dense",
+           "zero_image"]
 
 
 def use_dense(n: int) -> bool:
@@ -55,6 +56,23 @@ def dense_matrix(one: BatchedOperator) -> np.ndarray:
     return np.ascontiguousarray(cols.T, dtype=np.float64)
 
 
+def zero_image(matvec, v: np.ndarray, steps: int) -> tuple[np.ndarray | None, int]:
+    """The power sequence v, A v, A^2 v, ... (normalized) up to ``steps`` products: (x, products)
+    with x the unit iterate whose image A x is exactly zero (so (0, x) is an eigenpair), or
+    (None, products) if no image was zero. ``matvec`` maps (n,) to (n,); v (n,) is not modified."""
+    x = np.asarray(v, dtype=np.float64)
+    x, k = x / np.linalg.norm(x), 0
+    for k in range(1, steps + 1):
+        y = np.asarray(matvec(x), dtype=np.float64)
+        ny = np.linalg.norm(y)
+        if ny == 0:
+            return x, k
+        if not np.isfinite(ny):
+            break
+        x = y / ny
+    return None, k
+
+
 def dense_eigpair(A: np.ndarray, seed: int = 0) -> tuple[complex, np.ndarray]:
     """Dominant eigenvalue of A (largest |lambda|) and a unit eigenvector (complex); NaN if A is not finite."""
     import scipy.linalg as sl
@@ -64,6 +82,9 @@ def dense_eigpair(A: np.ndarray, seed: int = 0) -> tuple[complex, np.ndarray]:
         return complex(np.nan), np.zeros(n, complex)
     ev = sl.eigvals(A, check_finite=False)
     lam = complex(ev[int(np.argmax(np.abs(ev)))])
+    if lam == 0:  # every eigenvalue is 0 (A nilpotent): a null vector, not inverse iteration at shift 0
+        x, _ = zero_image(lambda v: A @ v, np.random.default_rng(seed).standard_normal(n), n + 1)
+        return 0j, (np.linalg.svd(A)[2][-1] if x is None else x).astype(complex)
     shift = lam + SHIFT_OFFSET * max(abs(lam), np.finfo(float).tiny) * (1 + 1j)
     M = A.astype(complex)
     M[np.diag_indices(n)] -= shift

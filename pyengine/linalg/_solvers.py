@@ -24,7 +24,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backends import one_blas_thread
-from ._dense_radius import dense_radii, use_dense
+from ._dense_radius import DENSE_RADIUS_MAX, dense_radii, use_dense, zero_image
 from .operators import BatchedOperator
 
 # -- the solvers' tolerances, caps and sizes: every one of them lives here ---------------
@@ -57,9 +57,8 @@ ARNOLDI_TOL_FACTOR = 0.1
 #: Arnoldi computes this many eigenvalues of largest modulus and returns the largest of
 #: them, in a Krylov space of ARNOLDI_NCV vectors (both capped by n). Asked for one, ARPACK
 #: often settles on another eigenvalue of the rim when several lie close to the dominant
-#: one in modulus: 4 of 40 random I + W J_LN at d = 768 with (1, 20) (7 of 40 from random
-#: start vectors), none with (10, 40), at about the same number of products (2026-12-05,
-#: `python benchmarks/issue18_fg2.py arnoldi`; benchmarks/PERFORMANCE.md).
+#: one in modulus; ten in a space of 40 do not, at about the same number of products
+#: (docs/design.md).
 ARNOLDI_WANTED = 10
 ARNOLDI_NCV = 40
 
@@ -190,7 +189,9 @@ def _radius(op: BatchedOperator, V: np.ndarray, tol: float, max_iter: int) -> di
         W = act.matvec(Vw)
         lq = _rowdot(Vw, W)
         R = W - lq.astype(dt)[:, None] * Vw
-        res = _relative_residual(np.sqrt(_rowdot(R, R)), np.abs(lq), bound[ids])
+        wn = np.sqrt(_rowdot(W, W))
+        # A v = 0: (0, v) is an exact eigenpair (from a random start, A is nilpotent: rho = 0)
+        res = np.where(wn == 0, 0.0, _relative_residual(np.sqrt(_rowdot(R, R)), np.abs(lq), bound[ids]))
         live = ~done[ids]
         g = ids[live]
         rho[g], lam[g], residual[g], iters[g] = np.abs(lq[live]), lq[live], res[live], k + 1
@@ -201,10 +202,6 @@ def _radius(op: BatchedOperator, V: np.ndarray, tol: float, max_iter: int) -> di
         hist[k % STALL_WINDOW, ids] = res
         fallback[ids[stalled]] = True
         done[ids[conv | stalled]] = True
-        wn = np.sqrt(_rowdot(W, W))
-        stuck = live & (wn == 0) & ~conv  # A v = 0 but A is not known to be zero
-        fallback[ids[stuck]] = True
-        done[ids[stuck]] = True
         Vw = W / np.where(wn == 0, 1.0, wn).astype(dt)[:, None]
         V[ids] = Vw
         keep = ~done[ids]
@@ -227,8 +224,15 @@ def _radius(op: BatchedOperator, V: np.ndarray, tol: float, max_iter: int) -> di
             top = int(np.argmax(np.abs(ev)))
             x, val, used, ok, name = vecs[:, top], ev[top], n, True, "dense"
         else:
-            val, x, used, ok = _arnoldi(one, V[i].astype(np.float64), tol, max_iter)
-            name = "arnoldi"
+            # ARPACK's Ritz values of a nilpotent operator are pseudo-eigenvalues far from 0 with
+            # tiny residuals; only its power sequence reaching an exact zero image certifies
+            # rho = 0. At most n products, so only up to DENSE_RADIUS_MAX; V[i] is not changed.
+            x, used = zero_image(lambda v: one.matvec(v[None])[0], V[i], n) if n <= DENSE_RADIUS_MAX else (None, 0)
+            if x is not None:
+                val, ok, name = 0j, True, "power"
+            else:
+                val, x, more, ok = _arnoldi(one, V[i].astype(np.float64), tol, max_iter)
+                used, name = used + more, "arnoldi"
         iters[i] += used
         method[i] = name
         if not np.isfinite(val):
@@ -237,9 +241,10 @@ def _radius(op: BatchedOperator, V: np.ndarray, tol: float, max_iter: int) -> di
         xr = np.stack([x.real, x.imag]).astype(np.float64)
         Ax = one.matvec(xr).astype(np.float64)
         Axc = Ax[0] + 1j * Ax[1]
-        xn = np.linalg.norm(x)
-        r = float(_relative_residual(np.array([np.linalg.norm(Axc - val * x)]), np.array([abs(val) * xn]),
-                                     bound[i : i + 1])[0])
+        xn, rn = np.linalg.norm(x), np.linalg.norm(Axc - val * x)
+        # A x = 0 exactly: (0, x) is an exact eigenpair
+        r = 0.0 if val == 0 and rn == 0 else float(
+            _relative_residual(np.array([rn]), np.array([abs(val) * xn]), bound[i : i + 1])[0])
         rho[i], lam[i], residual[i] = abs(val), val, r
         # Our own explicit residual decides (ARPACK's flag tests its Ritz estimate only), and
         # an Arnoldi run that stopped before all ARNOLDI_WANTED converged has not converged: the

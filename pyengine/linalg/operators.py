@@ -1,5 +1,8 @@
 """Batched, matrix-free linear operators: a batch of B operators, each m x n.
 
+Longer than ~400 lines by exception: the protocol's ``@ + - * .T take`` return the compositions
+defined here, so they cannot move to a module of their own without an import cycle.
+
 The protocol (:class:`BatchedOperator`) is small:
 
 * ``batch`` (B), ``shape`` (m, n) and ``dtype`` (float32 or float64);

@@ -126,7 +126,7 @@ class SpectralResult:
 
 @dataclasses.dataclass(frozen=True, eq=False, repr=False)
 class SpectralRadiusResult:
-    """rho = max |eigenvalue| per operator, and which method found it.
+    """rho = ``max |eigenvalue|`` per operator, and which method found it.
 
     Attributes
     ----------

@@ -316,7 +316,9 @@ def layer_norm_spectral_norm(
         fused per-token power iteration on J^T J. ``"lanczos"``: fused per-token
         Lanczos on J^T J with full reorthogonalization (C++ / Numba; the
         ``"numpy"`` backend runs the batched Golub-Kahan-Lanczos of
-        :func:`spectral_norm`); the same result contract.
+        :func:`spectral_norm`); the same result contract. Iterations are in
+        [1, max_iter], except for the zero operator (mode "full", eps = 0, d = 2: J = 0),
+        which every method answers with sigma 0, residual 0, converged and 0 iterations.
     tol, max_iter, seed
         As :func:`spectral_norm` (unused by "exact"). A token's start vector
         depends only on (seed, its flat index), so results do not depend on
@@ -356,7 +358,7 @@ def rms_norm_spectral_norm(
 def spectral_radius(
     op: Any, tol: float = TOL_RADIUS, max_iter: int = MAX_ITER, seed: int | None = 0, v0: Any = None,
 ) -> SpectralRadiusResult:
-    """max |eigenvalue| of every operator of a batch of square, possibly non-symmetric operators.
+    """``max |eigenvalue|`` of every operator of a batch of square, possibly non-symmetric operators.
 
     Power iteration on A (not A^T A: that is :func:`spectral_norm`) for the whole
     batch; an operator stops when ``||A v - lambda v|| / |lambda| <= tol`` with the
@@ -368,6 +370,9 @@ def spectral_radius(
     ``"arnoldi"`` otherwise, the largest of the 10 eigenvalues of largest modulus that
     ``scipy.sparse.linalg.eigs`` computes from the current iterate (asked for one, it can stop
     at a smaller one close in modulus): a converged answer certifies its residual, not dominance.
+    A zero image A v = 0 is the exact eigenpair (0, v): rho = 0, converged, residual 0 (from a
+    random start, A is nilpotent); a stalled operator with n <= 2048 first continues its power
+    sequence for up to n products looking for one, as Arnoldi cannot answer rho = 0.
 
     Parameters
     ----------

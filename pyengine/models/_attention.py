@@ -17,11 +17,11 @@ import numpy as np
 from ..kernels.activations import kernel
 from ..kernels.attention import kernel as attention_kernel
 from ..kernels.linear import matmul_one_thread
-from ._fast import DISCARD, attn_blas, attn_jvp_blas, attn_jvp_gemm, fused_dtype, fused_heads
+from ._fast import DISCARD, attn_blas, attn_jvp_blas, attn_jvp_gemm, forward_path, fused_heads, jvp_path
 from ._linear import dense, workspace
 
 if TYPE_CHECKING:
-    from ._blocks import Cache, Context, Weights
+    from ._context import Cache, Context, Weights
 
 __all__ = ["attn", "attn_jvp", "attn_vjp", "check"]
 
@@ -55,6 +55,20 @@ def _qk(ctx: Context, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndar
     return np.multiply(q, 1.0 / math.sqrt(q.shape[-1]), out=np.empty(q.shape, q.dtype)), k
 
 
+def _head_sites(ctx: Context, q: np.ndarray, k: np.ndarray, v: np.ndarray, hook: Any) -> tuple[np.ndarray, ...]:
+    """:func:`_qk` with the sites ``attn.q|k|v`` (B, T, heads, dh) in between: q and k after
+    rotary, q before the 1/sqrt(dh) that _qk folds in; a changed site replaces the array."""
+    qs, ks = _qk(ctx, q, k)
+    qr = q if ctx.rope_q is None else _rotate(q, ctx.rope_k)
+    sites = [x.transpose(0, 2, 1, 3) for x in (qr, ks, v)]
+    new = [hook(n, x) for n, x in zip(("attn.q", "attn.k", "attn.v"), sites)]
+    if new[0] is not sites[0]:
+        q2 = np.asarray(new[0]).transpose(0, 2, 1, 3)
+        qs = np.multiply(q2, 1.0 / math.sqrt(q.shape[-1]), out=np.empty(q2.shape, q2.dtype))
+    k2, v2 = (np.asarray(n).transpose(0, 2, 1, 3) if n is not s else x for n, s, x in zip(new[1:], sites[1:], (ks, v)))
+    return qs, k2, v2
+
+
 def check(nbad: int, what: str) -> None:
     if nbad:
         raise ValueError(f"{what}: {nbad} row(s) hold NaN or Inf (overflow in the block; are the inputs huge?)")
@@ -80,13 +94,13 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | 
 
     With ``ctx.start`` = s > 0, ``a`` holds rows s..T-1 only and the keys and
     values of rows < s come from ``cache["attn.past"]`` (the base sequence's cache
-    of this block, batch 1): causal attention cannot change those rows.
+    of this block, batch 1): causal attention cannot change those rows. The heads take
+    the path :func:`~pyengine.models._fast.forward_path` picks.
     """
     cfg = ctx.cfg
     B, T, d = a.shape
-    H, Hkv = cfg.n_heads, cfg.n_kv_heads
     discard, hook = cache.get(DISCARD, False), ctx.hook
-    # The projections live in a workspace when nothing keeps them (no cache, no hook): issue 18
+    # The projections live in a workspace when nothing keeps them (no cache, no hook)
     shape = (B * T, w["attn.w_qkv"].shape[1])
     qkv = dense(a.reshape(B * T, d), w["attn.w_qkv"], w["attn.b_qkv"] if cfg.bias else None,
                 out=workspace("attn.qkv", shape, a.dtype) if discard and hook is None else None)
@@ -94,59 +108,106 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | 
     # (B, T, H, dh)): read, or changed by an intervention (which needs the unfused products).
     read = hook is not None and getattr(hook, "heads", True)
     changed = hook is not None and getattr(hook, "heads_changed", True)
-    s = ctx.start
-    past = cache.pop("attn.past") if s else None
-    if not changed and ctx.key_mask is None and ctx.rope_q is None and fused_dtype(a.dtype):
-        buf = attn_blas(cfg, s, qkv.reshape(B, T, -1, cfg.head_dim), past, check)  # issue 18 (models/_fast.py)
-        if buf is not None and discard and not read:  # nothing else wanted: no q, k, v arrays, no P
-            return dense(buf.reshape(B * T, H * cfg.head_dim), w["attn.w_o"], w["attn.b_o"] if cfg.bias else None,
-                         None if r is None else r.reshape(B * T, d)).reshape(B, T, d)
+    site = hook if read else None
+    past = cache.pop("attn.past") if ctx.start else None
+    path = forward_path(ctx, a.dtype, changed)
+    if path == "blas":
+        buf = attn_blas(cfg, ctx.start, qkv.reshape(B, T, -1, cfg.head_dim), past, check)
+        if discard and not read:  # nothing else wanted: no q, k, v arrays, no P
+            return _project(w, cfg, buf, r)
+    q5, k5, v5 = _heads_in(ctx, qkv, past, B, T, site)
+    if path == "blas":  # the cache and the sites still want q, k, v and P
+        p = _pattern(ctx, q5, k5, site, buf)
+    elif path == "fused":
+        buf, p = _fused(ctx, q5, k5, v5, site, read or not discard)
     else:
-        buf = None
+        buf, p = _unfused(ctx, q5, k5, v5, site)
+    out = _project(w, cfg, buf, r)
+    if site is not None and getattr(site, "wants", lambda n: False)("attn.result"):
+        out = _result_site(w, cfg, buf, r, site, out)
+    cache.update({"attn.q": q5, "attn.k": k5, "attn.v": v5, "attn.p": p, "attn.in": a})
+    return out
+
+
+def _result_site(w: Weights, cfg: Any, buf: np.ndarray, r: np.ndarray | None, site: Any, out: np.ndarray
+                 ) -> np.ndarray:
+    """The site ``attn.result``: each head's contribution (B, T, H, d) through its rows of w_o, the
+    bias excluded. Read only, the output stays ``out``; changed, the output is the sum of the changed
+    contributions plus the bias (and ``r``)."""
+    B, T, H, dh = buf.shape
+    d = out.shape[-1]
+    res = np.einsum("btha,had->bthd", buf, w["attn.w_o"].reshape(H, dh, d))
+    res2 = site("attn.result", res)
+    if res2 is res:
+        return out
+    summed = np.asarray(res2).sum(axis=2) + (w["attn.b_o"] if cfg.bias else 0)
+    return summed if r is None else summed + r.reshape(B, T, d)
+
+
+def _project(w: Weights, cfg: Any, buf: np.ndarray, r: np.ndarray | None) -> np.ndarray:
+    """The output projection of the head outputs buf (B, T, H, dh) -> (B, T, d), plus ``r`` if given."""
+    B, T, d = buf.shape[0], buf.shape[1], w["attn.w_o"].shape[1]
+    return dense(buf.reshape(B * T, cfg.n_heads * cfg.head_dim), w["attn.w_o"], w["attn.b_o"] if cfg.bias else None,
+                 None if r is None else r.reshape(B * T, d)).reshape(B, T, d)
+
+
+def _heads_in(ctx: Context, qkv: np.ndarray, past: Cache | None, B: int, T: int, site: Any
+              ) -> tuple[np.ndarray, ...]:
+    """q (B, Hkv, g, T, dh), rotated and scaled, and k, v (B, Hkv, 1, Tk, dh), the past keys first;
+    the sites ``attn.q|k|v`` read (and may change) them on the way when ``site`` is given."""
+    cfg = ctx.cfg
+    H, Hkv, s = cfg.n_heads, cfg.n_kv_heads, ctx.start
     q, k, v = _split_heads(qkv, B, T, cfg)
-    q, k = _qk(ctx, q, k)
+    q, k, v = _head_sites(ctx, q, k, v, site) if site is not None else (*_qk(ctx, q, k), v)
     # Query heads h = j*g + i share key/value head j: (B, Hkv, g, T, dh) against (B, Hkv, 1, T, dh).
     q5 = q.reshape(B, Hkv, H // Hkv, T, cfg.head_dim)
     k5, v5 = k[:, :, None], v[:, :, None]
     if s:
         k5, v5 = (_prepend(p[..., :s, :], x) for p, x in zip((past["attn.k"], past["attn.v"]), (k5, v5)))
-    p = None
-    if buf is not None:  # the compiled head above; the cache and the sites still want q, k, v and P
-        sc = matmul_one_thread(q5, k5.swapaxes(-1, -2))  # no BLAS pool spinning next to the kernels (issue 18)
-        if read:
-            hook("attn.scores", sc.reshape(B, H, T, -1))
-        p = _softmax_(sc, ctx)
-        if read:
-            hook("attn.pattern", p.reshape(B, H, T, -1))
-            hook("attn.head_out", buf)
-    elif not changed and ctx.key_mask is None and fused_dtype(a.dtype):  # issue 18 (models/_fast.py)
-        buf, view = _heads_out(B, T, cfg, a.dtype)
-        check(fused_heads(cfg, s, q5, k5, v5, view), "attention scores")
-        if read or not discard:  # the JVP needs P; sites read it (the output stays the fused one)
-            sc = matmul_one_thread(q5, k5.swapaxes(-1, -2))
-            if read:
-                hook("attn.scores", sc.reshape(B, H, T, -1))
-            p = _softmax_(sc, ctx)
-            if read:
-                hook("attn.pattern", p.reshape(B, H, T, -1))
-                hook("attn.head_out", buf)
-    else:  # float64, interventions inside the heads and padding masks: the unfused products
-        buf, view = _heads_out(B, T, cfg, a.dtype)
-        sc = np.matmul(q5, k5.swapaxes(-1, -2))
-        if read:
-            sc = np.ascontiguousarray(hook("attn.scores", sc.reshape(B, H, T, -1))).reshape(sc.shape)
-        if ctx.key_mask is not None:  # padding keys: exp underflows to exactly 0 (uniform if all are padding)
-            np.copyto(sc, np.finfo(sc.dtype).min / 2, where=ctx.key_mask)
-        p = _softmax_(sc, ctx)
-        if read:
-            p = np.ascontiguousarray(hook("attn.pattern", p.reshape(B, H, T, -1))).reshape(p.shape)
-        np.matmul(p, v5, out=view)
-        if read:
-            buf = np.ascontiguousarray(hook("attn.head_out", buf))
-    out = dense(buf.reshape(B * T, H * cfg.head_dim), w["attn.w_o"], w["attn.b_o"] if cfg.bias else None,
-                None if r is None else r.reshape(B * T, d))
-    cache.update({"attn.q": q5, "attn.k": k5, "attn.v": v5, "attn.p": p, "attn.in": a})
-    return out.reshape(B, T, d)
+    return q5, k5, v5
+
+
+def _pattern(ctx: Context, q5: np.ndarray, k5: np.ndarray, site: Any, buf: np.ndarray) -> np.ndarray:
+    """P by a separate product next to heads computed already (``buf``), for the cache and the sites
+    (read only: the output stays the heads')."""
+    B, Hkv, g, T = q5.shape[:4]
+    sc = matmul_one_thread(q5, k5.swapaxes(-1, -2))  # no BLAS pool spinning next to the kernels
+    if site is not None:
+        site("attn.scores", sc.reshape(B, Hkv * g, T, -1))
+    p = _softmax_(sc, ctx)
+    if site is not None:
+        site("attn.pattern", p.reshape(B, Hkv * g, T, -1))
+        site("attn.head_out", buf)
+    return p
+
+
+def _fused(ctx: Context, q5: np.ndarray, k5: np.ndarray, v5: np.ndarray, site: Any, want_p: bool
+           ) -> tuple[np.ndarray, np.ndarray | None]:
+    """Path "fused": the heads by the fused head (models/_fast.py), and P if ``want_p`` (the JVP, the sites)."""
+    B, T = q5.shape[0], q5.shape[3]
+    buf, view = _heads_out(B, T, ctx.cfg, q5.dtype)
+    check(fused_heads(ctx.cfg, ctx.start, q5, k5, v5, view), "attention scores")
+    return buf, (_pattern(ctx, q5, k5, site, buf) if want_p else None)
+
+
+def _unfused(ctx: Context, q5: np.ndarray, k5: np.ndarray, v5: np.ndarray, site: Any) -> tuple[np.ndarray, np.ndarray]:
+    """Path "unfused" (float64, interventions inside the heads, padding masks): the batched products,
+    each site read and replaced in turn."""
+    B, Hkv, g, T = q5.shape[:4]
+    H = Hkv * g
+    buf, view = _heads_out(B, T, ctx.cfg, q5.dtype)
+    sc = np.matmul(q5, k5.swapaxes(-1, -2))
+    if site is not None:
+        sc = np.ascontiguousarray(site("attn.scores", sc.reshape(B, H, T, -1))).reshape(sc.shape)
+    if ctx.key_mask is not None:  # padding keys: exp underflows to exactly 0 (uniform if all are padding)
+        np.copyto(sc, np.finfo(sc.dtype).min / 2, where=ctx.key_mask)
+    p = _softmax_(sc, ctx)
+    if site is not None:
+        p = np.ascontiguousarray(site("attn.pattern", p.reshape(B, H, T, -1))).reshape(p.shape)
+    np.matmul(p, v5, out=view)
+    if site is not None:
+        buf = np.ascontiguousarray(site("attn.head_out", buf))
+    return buf, p
 
 
 def _prepend(head: np.ndarray, tail: np.ndarray) -> np.ndarray:
@@ -161,23 +222,33 @@ def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache, r: np.ndarr
     """Tangent of :func:`attn`: (K, T, d) -> (K, T, d), including the softmax JVP; plus ``r`` if given.
 
     With ``ctx.start`` = s the tangent rows are s..T-1 (zero before); with
-    ``ctx.rows`` the per-token diagonal blocks (see :func:`diagonal`).
+    ``ctx.rows`` the per-token diagonal blocks (see :func:`diagonal`). The heads take the
+    path :func:`~pyengine.models._fast.jvp_path` picks.
     """
     cfg = ctx.cfg
     K, T, d = da.shape
     H, Hkv = cfg.n_heads, cfg.n_kv_heads
     dqkv = dense(da.reshape(K * T, d), w["attn.w_qkv"], None,
                  out=workspace("attn.dqkv", (K * T, w["attn.w_qkv"].shape[1]), da.dtype))  # used here only
-    r2 = None if r is None else r.reshape(K * T, d)
-    if ctx.rows is None and fused_dtype(da.dtype):  # issue 18: head-major GEMMs (models/_fast.py)
+    path = jvp_path(ctx, da.dtype)
+    if path == "generic":
+        buf = _jvp_generic(ctx, dqkv, cache, K, T)
+    else:  # head-major products (models/_fast.py)
         x = dqkv.reshape(K, T, H + 2 * Hkv, cfg.head_dim)
-        buf = attn_jvp_blas(ctx, x, cache, _qk, check)  # the compiled head products, when active
-        if buf is not None:
-            return dense(buf.reshape(K * T, H * cfg.head_dim), w["attn.w_o"], None, r2).reshape(K, T, d)
-        dq, dk = _qk(ctx, x[:, :, :H].transpose(2, 0, 1, 3), x[:, :, H : H + Hkv].transpose(2, 0, 1, 3))
-        buf = attn_jvp_gemm(ctx, dq, np.ascontiguousarray(dk), x[:, :, H + Hkv :], cache,
-                            kernel("softmax_jvp"), check)
-        return dense(buf.reshape(K * T, H * cfg.head_dim), w["attn.w_o"], None, r2).reshape(K, T, d)
+        if path == "blas":
+            buf = attn_jvp_blas(ctx, x, cache, _qk, check)
+        else:
+            dq, dk = _qk(ctx, x[:, :, :H].transpose(2, 0, 1, 3), x[:, :, H : H + Hkv].transpose(2, 0, 1, 3))
+            buf = attn_jvp_gemm(ctx, dq, np.ascontiguousarray(dk), x[:, :, H + Hkv :], cache,
+                                kernel("softmax_jvp"), check)
+    return dense(buf.reshape(K * T, H * cfg.head_dim), w["attn.w_o"], None,
+                 None if r is None else r.reshape(K * T, d)).reshape(K, T, d)
+
+
+def _jvp_generic(ctx: Context, dqkv: np.ndarray, cache: Cache, K: int, T: int) -> np.ndarray:
+    """Path "generic" (float64, diagonal blocks): the head outputs' tangent (K, T, H, dh) by batched products."""
+    cfg = ctx.cfg
+    H, Hkv = cfg.n_heads, cfg.n_kv_heads
     dq, dk, dv = _split_heads(dqkv, K, T, cfg)
     dq, dk = _qk(ctx, dq, dk)  # rotation and scaling are linear
     q5, k5, v5, p = cache["attn.q"], cache["attn.k"], cache["attn.v"], cache["attn.p"]
@@ -193,13 +264,13 @@ def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache, r: np.ndarr
     tq, tk = ds.shape[-2:]
     ds4 = ds.reshape(K, -1, tq, tk)
     check(kernel("softmax_jvp")(p.reshape(-1, tq, tk), ds4, ds4), "attention score tangents")
-    buf, view = _heads_out(K, T, cfg, da.dtype)
+    buf, view = _heads_out(K, T, cfg, dqkv.dtype)
     np.matmul(ds, v5, out=view)
     if ctx.rows is not None:
         view += p[..., np.arange(T), ctx.rows][..., None] * dv5
     else:
         view += np.matmul(p[..., ctx.start :], dv5)
-    return dense(buf.reshape(K * T, H * cfg.head_dim), w["attn.w_o"], None, r2).reshape(K, T, d)
+    return buf
 
 
 def _qk_t(ctx: Context, dq: np.ndarray, dk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

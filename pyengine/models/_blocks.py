@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, NamedTuple
+from typing import Any
 
 import numpy as np
 
@@ -31,35 +31,9 @@ from .. import _validate as _v
 from ..kernels.activations import kernel
 from ..kernels.layernorm import kernel as norm_kernel
 from ._attention import attn, attn_jvp, check
+from ._context import Cache, Context, Weights
 from ._fast import DISCARD
 from ._linear import FUSED_ACTIVATIONS, dense, dense_act, dense_mul, workspace
-
-
-Weights = dict[str, np.ndarray]
-Cache = dict[str, Any]
-
-
-class Context(NamedTuple):
-    """What a block needs besides weights: the config and the per-(T, dtype) tables.
-
-    ``start`` > 0 (causal stacks only) means the arrays carry only the rows
-    start..T-1 of a length-T sequence: the earlier rows' keys and values come from
-    a base cache (forward: ``cache["attn.past"]``; JVP: a :func:`suffix` cache), and
-    the rotary tables are sliced to those rows (query row i is position start + i).
-    ``rows`` (JVP only, from :func:`diagonal`) selects the per-token diagonal
-    Jacobian blocks.
-    """
-
-    cfg: Any  # StackConfig
-    rope_q: tuple[np.ndarray, np.ndarray] | None  # (cos, sin) * 1/sqrt(dh): scale folded into q
-    rope_k: tuple[np.ndarray, np.ndarray] | None
-    start: int = 0
-    rows: np.ndarray | None = None
-    #: Forward only (``models/sites.py``): ``hook(site, x) -> x`` at every named site of
-    #: the block (x itself, or a fresh array that replaces it), and the padding mask of
-    #: the keys, bool (B, 1, 1, 1, Tk), True where a key is padding.
-    hook: Any = None
-    key_mask: np.ndarray | None = None
 
 
 def site(ctx: Context, name: str, x: np.ndarray) -> np.ndarray:
@@ -259,7 +233,12 @@ def mlp(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | N
     B, T, d = a.shape
     a2, bias = a.reshape(B * T, d), cfg.bias
     shape = (B * T, w["mlp.w_in"].shape[1])
-    if cfg.activation in FUSED_ACTIVATIONS:  # issue 18: bias and activation fused (models/_linear.py)
+    pre = ctx.hook is not None and getattr(ctx.hook, "wants", lambda n: False)("mlp.pre")
+    if pre:  # site mlp.pre (B, T, n_in): the pre-activations, read or changed
+        u = site(ctx, "mlp.pre", dense(a2, w["mlp.w_in"], w["mlp.b_in"] if bias else None).reshape(B, T, -1))
+        u = np.ascontiguousarray(u).reshape(B * T, -1)
+        z = _act(cfg.activation, u, cfg.d_mlp)
+    elif cfg.activation in FUSED_ACTIVATIONS:  # bias and activation fused (models/_linear.py)
         u = None if cache.get(DISCARD) else np.empty(shape, a.dtype)  # only a JVP reads u
         z = np.empty(shape, a.dtype) if ctx.hook is not None else workspace("mlp.z", shape, a.dtype)
         check(dense_act(a2, w["mlp.w_in"], w["mlp.b_in"] if bias else None, cfg.activation, u, z),
@@ -290,7 +269,7 @@ def mlp_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache, r: np.ndarra
     n = ctx.cfg.d_mlp
     coef = mlp_coef(ctx, cache, T)
     da2 = da.reshape(K * T, d)
-    if len(coef) == 1:  # du = (da W) * f'(u), fused; a workspace (issue 18)
+    if len(coef) == 1:  # du = (da W) * f'(u), fused; a workspace
         shape = (K * T, coef[0].shape[-1])  # coef (1 or K, T, n): row i of du uses row i % len
         dz = dense_mul(da2, w["mlp.w_in"], coef[0].reshape(-1, shape[1]), workspace("mlp.dz", shape, da.dtype))
     else:

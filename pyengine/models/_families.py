@@ -16,7 +16,7 @@ import numpy as np
 from ._hf import Shards, num
 from .config import StackConfig
 
-__all__ = ["FAMILIES", "read_family"]
+__all__ = ["FAMILIES", "check_tensors", "read_family"]
 
 _GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
 
@@ -59,17 +59,10 @@ def _t(a: np.ndarray) -> np.ndarray:
     return np.ascontiguousarray(a.T)
 
 
-def _unused(st: Shards, known: set[str], where: str) -> None:
-    extra = sorted(n for n in st.names - known if not n.endswith(("rotary_emb.inv_freq", ".attn.bias",
-                                                                  ".attn.masked_bias", "attention.bias",
-                                                                  "attention.masked_bias")))
-    if extra:
-        raise ValueError(f"{where}: tensor(s) {extra[:3]} are not part of a supported model of this family")
-
-
 class _Reader:
     def __init__(self, st: Shards, dtype: Any, prefixes: tuple[str, ...]) -> None:
-        self.st, self.dtype, self.known = st, dtype, set()
+        # the names used (read, or skipped on purpose as a tied lm_head): check_tensors's record
+        self.st, self.dtype, self.known = st, dtype, st.read if isinstance(st, _Names) else set()
         self.pre = next((p for p in prefixes if any(n.startswith(p) for n in st.names)), prefixes[-1])
 
     def __call__(self, name: str, *shape: int, prefixed: bool = True) -> np.ndarray:
@@ -116,8 +109,6 @@ def gpt2(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any = N
         w["lm_head.weight"] = get("lm_head.weight", V, d, prefixed=False)
     elif get.has("lm_head.weight", prefixed=False):
         get.known.add("lm_head.weight")
-    if layers is None and glob:
-        _unused(st, get.known, where)
     return cfg, w
 
 
@@ -143,13 +134,14 @@ def gpt_neox(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any
     rope = _rope(hf, where)
     pct = (hf.get("rope_parameters") or {}).get("partial_rotary_factor",
                                                 hf.get("partial_rotary_factor", hf.get("rotary_pct", 1.0)))
-    r = int(dh * float(pct))
+    r = int(dh * float(pct))  # 0: no rotation at all (transformers rotates nothing), not the whole head
     parallel = bool(hf.get("use_parallel_residual", True))
     tied = bool(hf.get("tie_word_embeddings", False))
     cfg = _config(where, d_model=d, n_heads=H, n_layers=L, d_mlp=n, norm="layernorm", placement="pre",
-                  layout="parallel2" if parallel else "sequential", activation=_GPT2_ACT[act], positions="rotary",
+                  layout="parallel2" if parallel else "sequential", activation=_GPT2_ACT[act],
+                  positions="rotary" if r else "none",
                   eps=num(hf, "layer_norm_eps", where, real=True, default=1e-5), max_seq_len=P, vocab_size=V,
-                  bias=True, rotary_dim=0 if r == dh else r, lm_head="tied" if tied else "separate", **rope)
+                  bias=True, rotary_dim=r, lm_head="tied" if tied else "separate", **rope)
     get = _Reader(st, dtype, ("gpt_neox.",))
     perm = _partial_perm(dh, r)
     w = {}
@@ -173,8 +165,6 @@ def gpt_neox(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any
                                    ("mlp.w_out", "mlp.dense_4h_to_h", d, n)):
             w[b + ours] = _t(get(p + theirs + ".weight", o, i))
             w[b + ours.replace(".w_", ".b_")] = get(p + theirs + ".bias", o)
-    if layers is None and glob:
-        _unused(st, get.known, where)
     return cfg, w
 
 
@@ -240,8 +230,6 @@ def llama_like(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: A
                                                   for x, m in (("q", H), ("k", Hkv), ("v", Hkv))])
             w[b + "attn.b_o"] = np.zeros(d, dtype)
             w[b + "mlp.b_in"], w[b + "mlp.b_out"] = np.zeros(2 * n, dtype), np.zeros(d, dtype)
-    if layers is None and glob:
-        _unused(st, get.known, where)
     return cfg, w
 
 
@@ -250,5 +238,40 @@ FAMILIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "llama": llama_like, "qwen2": ll
 
 def read_family(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any = None,
                 glob: bool = True) -> tuple[StackConfig, dict[str, np.ndarray]]:
-    """Config and arrays; ``layers`` (block indices) and ``glob`` restrict which arrays are read."""
+    """Config and arrays; ``layers`` (block indices) and ``glob`` restrict which arrays are read.
+    It reads what the config asks for: :func:`check_tensors` refuses the files' other tensors."""
     return FAMILIES[hf["model_type"]](hf, st, where, dtype, layers, glob)
+
+
+class _Names:
+    """Shards that read nothing: ``get`` records the name (which must exist) and returns zeros
+    of the asked shape as a zero-stride view, so a reader runs on names only."""
+
+    def __init__(self, st: Shards) -> None:
+        self.st, self.names, self.read = st, st.names, set()
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+        if name not in self.names:
+            raise ValueError(f"weights in {self.st.where!r} lack tensor {name!r}")
+        self.read.add(name)
+        return np.broadcast_to(np.zeros((), dtype), shape)
+
+
+#: Tensors a checkpoint may carry that no reader uses (buffers: rotary frequencies, causal masks).
+_BUFFERS = ("rotary_emb.inv_freq", ".attn.bias", ".attn.masked_bias", "attention.bias", "attention.masked_bias")
+
+
+def check_tensors(hf: dict[str, Any], st: Shards, where: str, dtype: Any) -> None:
+    """ValueError naming a tensor of the files that the model of ``hf`` does not use (a layer beyond
+    num_hidden_layers, a bias the family has no place for, an unknown name) and its weights file, or
+    a tensor it needs that is missing. The one check of both ``weights="load"`` and ``"mmap"``: the
+    reader runs block by block on names only (no tensor data is read)."""
+    names = _Names(st)
+    cfg, _ = read_family(hf, names, where, dtype, layers=(), glob=True)  # type: ignore[arg-type]
+    for k in range(cfg.n_layers):  # one block at a time: the placeholders of one block at most
+        read_family(hf, names, where, dtype, layers=(k,), glob=False)  # type: ignore[arg-type]
+    extra = sorted(n for n in st.names - names.read if not n.endswith(_BUFFERS))
+    if extra:
+        files = sorted({st.files[st.owner[n]].path for n in extra[:3]})
+        raise ValueError(f"{where}: tensor(s) {extra[:3]} in weights file(s) {files} are not part of a "
+                         f"{hf['model_type']} model with this config ({cfg.n_layers} layers)")

@@ -1,4 +1,4 @@
-"""Fast paths of the block engine (issue 18): the fused attention head, and the JVP by GEMMs.
+"""Fast paths of the block engine: the fused attention head, and the JVP by GEMMs.
 
 The batched ``q k^T``, softmax and ``P v`` products of :func:`pyengine.models._attention.attn`
 run at a fraction of GEMM speed on GPT-2-small shapes (780 products of 128 x 64 x 128 for
@@ -6,8 +6,7 @@ run at a fraction of GEMM speed on GPT-2-small shapes (780 products of 128 x 64 
 array written and read three times). The fused kernel ``attention_forward`` of
 :mod:`pyengine.kernels.attention` streams each query row over its visible keys instead
 and never stores the scores: on (65 x 128, 768) float32 it takes about a quarter of the
-time of the three passes it replaces (benchmarks/torch_compare.py, benchmarks/PERFORMANCE.md
-"Propagation speed (issue 18)").
+time of the three passes it replaces (docs/design.md).
 
 Used for float32 only: float64 keeps the batched products, bit for bit as before. The
 float32 fused head accumulates its sums in float64, so its outputs are at least as
@@ -31,12 +30,56 @@ import numpy as np
 from ..kernels.attention import kernel as attention_kernel
 from ..kernels.linear import attention_forward_kernel, attention_jvp_kernel
 
-__all__ = ["DISCARD", "attn_blas", "attn_jvp_blas", "attn_jvp_gemm", "fused_dtype", "fused_heads"]
+__all__ = ["DISCARD", "attn_blas", "attn_jvp_blas", "attn_jvp_gemm", "forward_path", "fused_dtype", "fused_heads",
+           "jvp_path"]
 
 
 def fused_dtype(dtype: np.dtype) -> bool:
     """Whether the forward pass of a block in ``dtype`` takes the fused attention head."""
     return dtype == np.float32
+
+
+def forward_path(ctx: Any, dtype: np.dtype, changed: bool) -> str:
+    """Which path computes the heads of :func:`pyengine.models._attention.attn`, from the call's form.
+
+    ``changed``: a hook may replace the scores, the pattern or the head outputs.
+
+    ==========  ===========================================================================
+    path        serves
+    ==========  ===========================================================================
+    "blas"      float32, nothing changed inside the heads, no padding mask, no rotary
+                positions, and the compiled ``linear_attention_forward`` active
+                (:func:`attn_blas`; P by a separate product where the cache or a site wants it)
+    "fused"     the other float32 calls without changes inside the heads or a padding mask
+                (rotary positions, or no compiled kernel): the fused ``attention_forward``
+                head (:func:`fused_heads`), P by a separate product where wanted
+    "unfused"   float64, interventions inside the heads, padding masks: batched products,
+                each site read (and replaced) in turn
+    ==========  ===========================================================================
+    """
+    if changed or ctx.key_mask is not None or not fused_dtype(dtype):
+        return "unfused"
+    if ctx.rope_q is None and attention_forward_kernel() is not None:
+        return "blas"
+    return "fused"
+
+
+def jvp_path(ctx: Any, dtype: np.dtype) -> str:
+    """Which path computes the heads' tangent in :func:`pyengine.models._attention.attn_jvp`.
+
+    ==========  ===========================================================================
+    path        serves
+    ==========  ===========================================================================
+    "blas"      float32 whole rows or spans (no ``ctx.rows``), the compiled
+                ``linear_attention_jvp`` active (:func:`attn_jvp_blas`)
+    "gemm"      the other float32 whole rows or spans: one 2-D GEMM per key/value head over
+                all tangents (:func:`attn_jvp_gemm`)
+    "generic"   float64, and the per-token diagonal blocks (``ctx.rows``): batched products
+    ==========  ===========================================================================
+    """
+    if ctx.rows is not None or not fused_dtype(dtype):
+        return "generic"
+    return "blas" if attention_jvp_kernel() is not None else "gemm"
 
 
 def _per_head(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -121,20 +164,16 @@ def _jvp_operands(cache: dict) -> tuple[np.ndarray, ...]:
     return ops
 
 
-def attn_jvp_blas(ctx: Any, x: np.ndarray, cache: dict, qk: Any, check: Any) -> np.ndarray | None:
-    """The head outputs' tangent (K, T', H, dh) by the compiled ``linear_attention_jvp``, or None.
+def attn_jvp_blas(ctx: Any, x: np.ndarray, cache: dict, qk: Any, check: Any) -> np.ndarray:
+    """The head outputs' tangent (K, T', H, dh) by the compiled ``linear_attention_jvp`` (path "blas").
 
     ``x`` (K, T', H + 2 Hkv, dh): the projections' tangents (a workspace of the caller,
     overwritten here with the rotated query and key tangents under rotary positions);
-    ``qk`` the caller's rotation and scaling (``_attention._qk``). None when the compiled
-    kernel is not the active path (no "cpp" backend, another default backend, or no NumPy
-    OpenBLAS): the caller then runs :func:`attn_jvp_gemm`. One OpenMP region with
+    ``qk`` the caller's rotation and scaling (``_attention._qk``). One OpenMP region with
     single-threaded BLAS per (head, tangents) tile instead of NumPy's threaded products and
-    the strided passes between them (issue 18).
+    the strided passes between them.
     """
     fn = attention_jvp_kernel()
-    if fn is None:
-        return None
     cfg = ctx.cfg
     H, Hkv, dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     K, tq = x.shape[:2]
@@ -146,25 +185,19 @@ def attn_jvp_blas(ctx: Any, x: np.ndarray, cache: dict, qk: Any, check: Any) -> 
         scale = 1.0
     q, k, v, p = _jvp_operands(cache)
     out = np.empty((K, tq, H, dh), x.dtype)
-    nbad = fn(x, q, k, v, p, ctx.start, scale, out)
-    if nbad < 0:
-        return None
-    check(nbad, "attention score tangents")
+    check(_ran(fn(x, q, k, v, p, ctx.start, scale, out)), "attention score tangents")
     return out
 
 
-def attn_blas(cfg: Any, start: int, qkv: np.ndarray, past: dict | None, check: Any) -> np.ndarray | None:
-    """The head outputs (B, T', H, dh) by the compiled ``linear_attention_forward``, or None.
+def attn_blas(cfg: Any, start: int, qkv: np.ndarray, past: dict | None, check: Any) -> np.ndarray:
+    """The head outputs (B, T', H, dh) by the compiled ``linear_attention_forward`` (path "blas").
 
     ``qkv`` (B, T', H + 2 Hkv, dh): the projections (no rotary positions); ``past`` the
     base cache whose first ``start`` keys and values come before these rows (start > 0).
     Per (sequence, head) single-threaded BLAS for the scores and P V, the softmax between
-    them in cache; no prepended copies of the past keys, no per-head copies of q, k, v
-    (issue 18). None when the compiled kernel is not the active path.
+    them in cache; no prepended copies of the past keys, no per-head copies of q, k, v.
     """
     fn = attention_forward_kernel()
-    if fn is None:
-        return None
     B, tq, _, dh = qkv.shape
     H, Hkv = cfg.n_heads, cfg.n_kv_heads
     if start:
@@ -173,7 +206,12 @@ def attn_blas(cfg: Any, start: int, qkv: np.ndarray, past: dict | None, check: A
         kp = vp = np.empty((Hkv, 0, dh), qkv.dtype)
     out = np.empty((B, tq, H, dh), qkv.dtype)
     nbad = fn(np.ascontiguousarray(qkv), kp, vp, H, start if cfg.causal else start + tq - 1, 1.0 / np.sqrt(dh), out)
-    if nbad < 0:
-        return None
-    check(nbad, "attention scores")
+    check(_ran(nbad), "attention scores")
     return out
+
+
+def _ran(nbad: int) -> int:
+    """A compiled kernel's bad-row count; -1 (its BLAS path turned off after the path was chosen) raises."""
+    if nbad < 0:
+        raise RuntimeError("the compiled attention kernel's BLAS path was turned off while a block ran")
+    return nbad

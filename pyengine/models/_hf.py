@@ -190,6 +190,11 @@ def num(src: dict[str, Any], key: str, where: str, real: bool = False, default: 
 # --------------------------------------------------------------------------- BERT
 
 
+#: Tensors a BERT checkpoint may carry that the encoder does not use (the pooler is not loaded;
+#: position_ids is a buffer of 0..P-1). Any other tensor that is not read is refused.
+_BERT_UNUSED = ("pooler.dense.weight", "pooler.dense.bias", "embeddings.position_ids")
+
+
 def bert(hf: dict[str, Any], st: Safetensors, where: str) -> tuple[StackConfig, dict[str, np.ndarray]]:
     """A BERT encoder (HF BertModel names, optionally under ``bert.``) as a post-LN Stack."""
     d, H, L, n_mlp, V, P = (num(hf, k, where) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
@@ -207,8 +212,10 @@ def bert(hf: dict[str, Any], st: Safetensors, where: str) -> tuple[StackConfig, 
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
     pre = "" if "embeddings.word_embeddings.weight" in st.info else "bert."  # BertModel or a BertFor* checkpoint
+    known = {pre + n for n in _BERT_UNUSED}
 
     def get(name: str, *shape: int) -> np.ndarray:
+        known.add(pre + name)
         return st.get(pre + name, shape)
 
     w = {"embed.tokens": get("embeddings.word_embeddings.weight", V, d)}
@@ -216,6 +223,7 @@ def bert(hf: dict[str, Any], st: Safetensors, where: str) -> tuple[StackConfig, 
     types = pre + "embeddings.token_type_embeddings.weight"
     if types in st.info:  # kept apart (pretrained.py pops it): word + type + position in the compute dtype
         w["embed.token_types"] = st.get(types, (st.info[types][1][0], d))
+        known.add(types)
     w["embed.positions"] = pos
     w["embed.norm.gamma"] = get("embeddings.LayerNorm.weight", d)
     w["embed.norm.beta"] = get("embeddings.LayerNorm.bias", d)
@@ -233,6 +241,10 @@ def bert(hf: dict[str, Any], st: Safetensors, where: str) -> tuple[StackConfig, 
         for ours, theirs in (("norm1", "attention.output.LayerNorm"), ("norm2", "output.LayerNorm")):
             w[b + ours + ".gamma"] = get(p + theirs + ".weight", d)
             w[b + ours + ".beta"] = get(p + theirs + ".bias", d)
+    extra = sorted(set(st.info) - known)  # a layer beyond num_hidden_layers, or a tensor with no mapping
+    if extra:
+        raise ValueError(f"{where}: tensor(s) {extra[:3]} in weights file {st.path!r} are not part of a "
+                         f"BERT encoder with this config ({L} layers); the known extras are {list(_BERT_UNUSED)}")
     return cfg, w
 
 

@@ -1,4 +1,4 @@
-"""The block engine's weight products (issue 18): fused epilogues and reused workspaces.
+"""The block engine's weight products: fused epilogues and reused workspaces.
 
 Every ``x @ W`` of :mod:`pyengine.models._blocks` and :mod:`._attention` goes through the
 dense-layer kernels of :mod:`pyengine.kernels.linear` (the ``"auto"`` backend, called

@@ -2,8 +2,9 @@
 
 Design. An :class:`Intervention` names one site (see :mod:`pyengine.models.sites`), an
 operation and where: ``positions`` (token rows; int, slice or sequence, default all)
-and, on the per-head sites (``attn.scores``, ``attn.pattern``, ``attn.head_out``),
-``heads``. The forward hands the site's array (batch axis first) to the intervention,
+and, on the per-head sites (``attn.scores``, ``attn.pattern``, ``attn.q|k|v``,
+``attn.head_out``, ``attn.result``), ``heads``. TransformerLens names are accepted
+(:mod:`pyengine.models.tl_names`). The forward hands the site's array (batch axis first) to the intervention,
 which returns a changed copy that the rest of the forward uses: so an intervention at
 ``blocks.2.resid_pre`` changes block 2's input and everything after, one at
 ``blocks.2.attn.pattern`` the mixing of block 2's values. Several interventions run in
@@ -32,6 +33,9 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 import numpy as np
+
+from .config import GATED
+from .tl_names import canonical, did_you_mean
 
 __all__ = ["OPS", "Intervention", "ablate_head", "parse_interventions"]
 
@@ -77,11 +81,15 @@ def ablate_head(block: int, head: Any) -> Intervention:
     return Intervention(f"blocks.{block}.attn.head_out", "zero", heads=head)
 
 
+#: The per-head sites laid out (B, T, H, ...).
+_TOKEN_HEAD = ("attn.q", "attn.k", "attn.v", "attn.head_out", "attn.result")
+
+
 def _axes(site: str) -> tuple[int, int | None]:
     """(position axis, head axis) of a site's array (batch axis first)."""
     if site.endswith(("attn.scores", "attn.pattern")):
         return 2, 1
-    if site.endswith("attn.head_out"):
+    if site.endswith(_TOKEN_HEAD):
         return 1, 2
     return 1, None
 
@@ -106,7 +114,8 @@ def _index(site: str, shape: tuple[int, ...], positions: Any, heads: Any) -> tup
     sels[pa] = _sel("positions", positions, shape[pa])
     if heads is not None:
         if ha is None:
-            raise ValueError(f"heads= goes with the per-head sites (attn.scores, attn.pattern, attn.head_out), "
+            raise ValueError(f"heads= goes with the per-head sites (attn.scores, attn.pattern, attn.q|k|v, "
+                             f"attn.head_out, attn.result), "
                              f"not {site!r}")
         sels[ha] = _sel("heads", heads, shape[ha])
     return np.ix_(*sels)
@@ -116,10 +125,16 @@ def _site_shape(stack: Any, site: str, B: int, T: int) -> tuple[int, ...]:
     c = stack.config
     if site.endswith(("attn.scores", "attn.pattern")):
         return (B, c.n_heads, T, T)
-    if site.endswith("attn.head_out"):
+    if site.endswith(("attn.q", "attn.head_out")):
         return (B, T, c.n_heads, c.head_dim)
+    if site.endswith(("attn.k", "attn.v")):
+        return (B, T, c.n_kv_heads, c.head_dim)
+    if site.endswith("attn.result"):
+        return (B, T, c.n_heads, c.d_model)
     if site.endswith("mlp.hidden"):
         return (B, T, c.d_mlp)
+    if site.endswith("mlp.pre"):
+        return (B, T, c.d_mlp * (2 if c.activation in GATED else 1))
     return (B, T, c.d_model)
 
 
@@ -143,9 +158,11 @@ def parse_interventions(stack: Any, interventions: Any, B: int, T: int) -> dict[
                             f"got {type(iv).__name__}")
         if not callable(iv.op) and iv.op not in OPS:
             raise ValueError(f"intervention op must be one of {', '.join(OPS)} or a callable; got {iv.op!r}")
-        hit = [n for n in names if isinstance(iv.site, str) and fnmatch.fnmatchcase(n, iv.site)]
+        site = canonical(iv.site)
+        hit = [n for n in names if isinstance(site, str) and fnmatch.fnmatchcase(n, site)]
         if not hit:
-            raise ValueError(f"intervention site {iv.site!r} matches no site of this stack (see site_names())")
+            raise ValueError(f"intervention site {iv.site!r} matches no site of this stack (see site_names())."
+                             + did_you_mean(iv.site, names))
         for n in hit:
             if n.endswith(".scale") or n.startswith("final_norm."):
                 raise ValueError(f"intervention site {n!r} is read only (*.scale and final_norm.* sites)")

@@ -12,15 +12,13 @@ kernels directly.
 from __future__ import annotations
 
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
-from . import _blocks
+from . import _blocks, _fast
 from .. import _validate as _v
-
-if TYPE_CHECKING:
-    from .stack import Stack
+from ._stacklike import StackLike
 
 __all__ = ["BlockCache", "Linearization"]
 
@@ -38,7 +36,7 @@ class BlockCache:
 
     __slots__ = ("_views", "block", "ctx", "data", "h", "stack")
 
-    def __init__(self, stack: Stack, block: int, h: np.ndarray, ctx: Any, data: dict[str, Any]) -> None:
+    def __init__(self, stack: StackLike, block: int, h: np.ndarray, ctx: Any, data: dict[str, Any]) -> None:
         self.stack, self.block, self.h, self.ctx, self.data = stack, block, h, ctx, data
         self._views: dict[tuple[str, Any], tuple[Any, dict[str, Any]]] = {}
 
@@ -61,7 +59,7 @@ class BlockCache:
 class Linearization:
     """The block-JVP methods of :class:`~pyengine.models.stack.Stack` (a base class of it)."""
 
-    def _owns(self, cache: Any, k: int, name: str = "cache") -> None:
+    def _owns(self: StackLike, cache: Any, k: int, name: str = "cache") -> None:
         if not isinstance(cache, BlockCache):
             raise TypeError(f"{name} must be a BlockCache from block_forward(..., return_cache=True) or "
                             f"forward(..., cache_from=...); got {type(cache).__name__}")
@@ -69,7 +67,7 @@ class Linearization:
             owner = "this stack" if cache.stack is self else "another stack"
             raise ValueError(f"{name} belongs to block {cache.block} of {owner}, not to block {k} of this stack")
 
-    def _linearize(self, k: Any, h: Any, dh: Any, rows: Callable[[int], int], mode: str,
+    def _linearize(self: StackLike, k: Any, h: Any, dh: Any, rows: Callable[[int], int], mode: str,
                    cache: BlockCache | None, arg: str = "dh") -> tuple[int, np.ndarray, bool, BlockCache]:
         """Checked block index, tangents (K, R, d) in h's dtype, whether dh had K, and the cache.
 
@@ -100,7 +98,7 @@ class Linearization:
                 raise ValueError("cache was computed at a different h (or dtype) than the one given")
         return k, (t if t.ndim == 3 else t[None]), t.ndim == 3, cache
 
-    def block_jvp(self, k: int, h: Any, dh: Any, mode: str = "full", cache: BlockCache | None = None,
+    def block_jvp(self: StackLike, k: int, h: Any, dh: Any, mode: str = "full", cache: BlockCache | None = None,
                   *, start: int = 0) -> np.ndarray:
         """Exact directional derivative of block k at ``h`` in direction(s) ``dh``.
 
@@ -138,11 +136,32 @@ class Linearization:
             return T - start
 
         k, t, many, cache = self._linearize(k, h, dh, rows, mode, cache)
-        ctx, data = cache._rows(start=start)
-        out = _blocks.block_jvp(self._params(t.dtype)[0][k], ctx, t, data, mode)
+        out = self.jvp_rows(cache, t, mode, start)
         return out if many else out[0]
 
-    def block_jvp_diagonal(self, k: int, h: Any, dh: Any, tokens: Any, mode: str = "full",
+    def jvp_rows(self: StackLike, cache: BlockCache, t: np.ndarray, mode: str, start: int = 0) -> np.ndarray:
+        """:meth:`block_jvp` of block ``cache.block`` at ``cache.h`` without its checks.
+
+        The caller guarantees what block_jvp checks: ``t`` (K, T - start, d_model),
+        C-contiguous, in the cache's dtype, finite; ``mode`` valid; ``start`` in [0, T),
+        > 0 only for a causal stack. Returns (K, T - start, d_model).
+        """
+        ctx, data = cache._rows(start=start)
+        return _blocks.block_jvp(self._params(t.dtype)[0][cache.block], ctx, t, data, mode)
+
+    def forward_rows(self: StackLike, past: BlockCache, x: np.ndarray) -> np.ndarray:
+        """:meth:`block_forward` ``(past.block, x, past=past)`` without its checks.
+
+        The caller guarantees what block_forward checks: ``x`` (B, T', d_model),
+        C-contiguous, in past's dtype, finite, T' <= T (T' < T only for a causal stack).
+        Returns (B, T', d_model): the block's output on the last T' rows.
+        """
+        T, n = past.h.shape[0], x.shape[1]
+        ctx = _blocks.make_context(self._config, T, x.dtype, T - n)
+        data = {_fast.DISCARD: True, "attn.past": past.data}
+        return _blocks.block_forward(self._params(x.dtype)[0][past.block], ctx, x, data)
+
+    def block_jvp_diagonal(self: StackLike, k: int, h: Any, dh: Any, tokens: Any, mode: str = "full",
                            cache: BlockCache | None = None) -> np.ndarray:
         """The per-token diagonal blocks of block k's Jacobian at ``h``, applied to ``dh``.
 

@@ -44,7 +44,7 @@ from .config import StackConfig, _check_arrays
 from .stack import Stack
 from .tokenized import TokenizedText, Tokenizing, tokenizer_json
 
-__all__ = ["KNOWN_MODELS", "PretrainedModel", "TokenizedText", "load_pretrained"]
+__all__ = ["KNOWN_MODELS", "PretrainedModel", "TokenizedText", "load_pretrained", "locate_pretrained"]
 
 
 #: name -> (distribution, path of the weights inside it, kind).
@@ -136,6 +136,29 @@ def _locate(name: str) -> str:
     return path
 
 
+def locate_pretrained(name_or_path: str | os.PathLike[str]) -> tuple[str, str]:
+    """The name of a pretrained model and the folder or ``.gguf`` file :func:`load_pretrained`
+    reads it from, found without reading the weights; raises as :func:`load_pretrained` does
+    for an unknown name, a missing package or a folder without a model."""
+    raw = os.fspath(name_or_path)
+    if not isinstance(raw, str):
+        raise TypeError(f"name_or_path must be a str or path; got {type(name_or_path).__name__}")
+    if raw in KNOWN_MODELS or (_known(raw) and not os.path.exists(raw)):  # case-insensitive
+        name = _known(raw)
+        path = _locate(name)
+    elif os.path.exists(raw):
+        path, name = os.path.abspath(raw), os.path.basename(os.path.normpath(raw))
+    else:
+        raise ValueError(f"{raw!r} is neither a known model ({', '.join(map(repr, KNOWN_MODELS))}) "
+                         f"nor an existing folder or .gguf file{_suggest(raw)}")
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
+        if len(ggufs) != 1:
+            raise ValueError(f"folder {path!r} holds no config.json (and not exactly one .gguf file)")
+        path = os.path.join(path, ggufs[0])
+    return name, path
+
+
 def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float32,
                     weights: str = "load") -> PretrainedModel:
     """A real pretrained transformer as a :class:`PretrainedModel`, read offline.
@@ -179,22 +202,7 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
         raise TypeError(f"dtype must be float32 or float64; got {dtype!r}")
     if weights not in ("load", "mmap"):
         raise ValueError(f"weights must be 'load' or 'mmap'; got {weights!r}")
-    raw = os.fspath(name_or_path)
-    if not isinstance(raw, str):
-        raise TypeError(f"name_or_path must be a str or path; got {type(name_or_path).__name__}")
-    if raw in KNOWN_MODELS or (_known(raw) and not os.path.exists(raw)):  # case-insensitive
-        name = _known(raw)
-        path = _locate(name)
-    elif os.path.exists(raw):
-        path, name = os.path.abspath(raw), os.path.basename(os.path.normpath(raw))
-    else:
-        raise ValueError(f"{raw!r} is neither a known model ({', '.join(map(repr, KNOWN_MODELS))}) "
-                         f"nor an existing folder or .gguf file{_suggest(raw)}")
-    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
-        ggufs = sorted(f for f in os.listdir(path) if f.endswith(".gguf"))
-        if len(ggufs) != 1:
-            raise ValueError(f"folder {path!r} holds no config.json (and not exactly one .gguf file)")
-        path = os.path.join(path, ggufs[0])
+    name, path = locate_pretrained(name_or_path)
     if os.path.isfile(path) and weights == "mmap":
         raise ValueError("weights='mmap' streams HF safetensors folders; a .gguf file is dequantized whole")
     if os.path.isfile(path):
@@ -222,6 +230,7 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
         cfg, weights = _hf.bert(hf, _hf.Safetensors(st_path), cfg_path)
     elif weights == "mmap":
         shards = _hf.Shards(path)
+        _families.check_tensors(hf, shards, cfg_path, dt)
         cfg, _ = _families.read_family(hf, shards, cfg_path, dt, layers=(), glob=False)
         new = _streaming.streamed(PretrainedModel).__new__(_streaming.streamed(PretrainedModel))
         new._init_streamed(cfg, hf, shards, cfg_path, dt)
@@ -230,7 +239,9 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
         new.bos_token_id = new.eos_token_id = None
         return new
     else:
-        cfg, weights = _families.read_family(hf, _hf.Shards(path), cfg_path, dt)
+        shards = _hf.Shards(path)
+        _families.check_tensors(hf, shards, cfg_path, dt)
+        cfg, weights = _families.read_family(hf, shards, cfg_path, dt)
     return _finish(cfg, weights, name, path, arch, tokenizer_json(path))
 
 

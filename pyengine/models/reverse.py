@@ -13,16 +13,14 @@ the raw kernels (norm VJPs, activation derivatives, the attention score gradient
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 
 from . import _blocks_vjp
 from .. import _validate as _v
+from ._stacklike import StackLike
 from .linearization import BlockCache
-
-if TYPE_CHECKING:
-    from .stack import Stack
 
 __all__ = ["ReverseMode"]
 
@@ -30,7 +28,7 @@ __all__ = ["ReverseMode"]
 class ReverseMode:
     """The VJP methods of :class:`~pyengine.models.stack.Stack` (a base class of it)."""
 
-    def block_vjp(self: Stack, k: int, h: Any, g: Any, mode: str = "full", cache: BlockCache | None = None,
+    def block_vjp(self: StackLike, k: int, h: Any, g: Any, mode: str = "full", cache: BlockCache | None = None,
                   *, weights: bool = False) -> Any:
         """Vector-Jacobian product of block k at ``h``: ``J^T g``, the transpose of :meth:`block_jvp`.
 
@@ -75,7 +73,7 @@ class ReverseMode:
             raise ValueError("weights=True needs mode='full' (weight gradients of the true block)")
         k, t, many, cache = self._linearize(k, h, g, lambda T: T, mode, cache, arg="g")
         grads: dict[str, np.ndarray] | None = {} if weights else None
-        out = _blocks_vjp.block_vjp(self._params(t.dtype)[0][k], cache.ctx, t, cache.data, mode, grads)
+        out = self.vjp_rows(cache, t, mode, grads)
         out = out if many else out[0]
         if grads is None:
             return out
@@ -87,7 +85,17 @@ class ReverseMode:
                 named[name] = a * a.dtype.type(gs) if name.endswith(".gamma") and gs != 1.0 else a
         return out, named
 
-    def vjp(self: Stack, input_ids: Any, g: Any, from_layer: int = -1, to_layer: int = 0, mode: str = "full",
+    def vjp_rows(self: StackLike, cache: BlockCache, t: np.ndarray, mode: str,
+                  grads: dict[str, np.ndarray] | None = None) -> np.ndarray:
+        """:meth:`block_vjp` of block ``cache.block`` at ``cache.h`` without its checks.
+
+        The caller guarantees what block_vjp checks: ``t`` (K, T, d_model), C-contiguous,
+        in the cache's dtype, finite; ``mode`` valid (and "full" with ``grads``, a dict
+        the weight gradients are written to). Returns (K, T, d_model).
+        """
+        return _blocks_vjp.block_vjp(self._params(t.dtype)[0][cache.block], cache.ctx, t, cache.data, mode, grads)
+
+    def vjp(self: StackLike, input_ids: Any, g: Any, from_layer: int = -1, to_layer: int = 0, mode: str = "full",
             *, caches: Sequence[BlockCache] | None = None) -> np.ndarray:
         """Pull cotangents of hidden state ``from_layer`` back to hidden state ``to_layer``.
 

@@ -28,7 +28,8 @@ from .sites import block_site_names
 
 __all__ = ["injection_sites", "site_forward", "site_jvp", "site_value", "site_width", "write_matrix"]
 
-_NOT_INJECTABLE = ("norm1.scale", "norm2.scale", "attn.scores", "attn.pattern")
+_NOT_INJECTABLE = ("norm1.scale", "norm2.scale", "attn.scores", "attn.pattern", "attn.q", "attn.k", "attn.v",
+                   "attn.result", "mlp.pre")
 _HEADS = ("attn.scores", "attn.pattern", "attn.head_out")
 
 
@@ -61,6 +62,9 @@ class _Hook:
     def __init__(self, name: str, delta: np.ndarray | None) -> None:
         self.name, self.delta, self.value = name, delta, None
         self.heads = self.heads_changed = name in _HEADS
+
+    def wants(self, name: str) -> bool:
+        return name == self.name
 
     def __call__(self, name: str, x: np.ndarray) -> np.ndarray:
         if name != self.name:

@@ -12,12 +12,16 @@ site                                  shape                what it is
 ``blocks.k.norm1.input``              (B, T, d)            input of the first norm (pre-LN: = resid_pre)
 ``blocks.k.norm1.scale``              (B, T)               1/sigma of that input (read only)
 ``blocks.k.norm1.output``             (B, T, d)            the norm's output (gamma, beta applied)
+``blocks.k.attn.q``                   (B, T, H, dh)        queries after rotary, before 1/sqrt(dh)
+``blocks.k.attn.k|v``                 (B, T, Hkv, dh)      keys (after rotary) and values
 ``blocks.k.attn.scores``              (B, H, T, T)         q.k/sqrt(dh), before the causal and padding masks
 ``blocks.k.attn.pattern``             (B, H, T, T)         softmax of the masked scores
 ``blocks.k.attn.head_out``            (B, T, H, dh)        per-head outputs P V (input of w_o)
+``blocks.k.attn.result``              (B, T, H, d)         each head's contribution after w_o (no bias)
 ``blocks.k.attn.out``                 (B, T, d)            attention sublayer output (after w_o, bias)
 ``blocks.k.resid_mid``                (B, T, d)            between the sublayers (sequential layout only)
 ``blocks.k.norm2.input|scale|output``                      the second norm (sequential and parallel2 layouts)
+``blocks.k.mlp.pre``                  (B, T, n_in)         MLP pre-activation (gated: [gate, up], n_in = 2 d_mlp)
 ``blocks.k.mlp.hidden``               (B, T, d_mlp)        MLP activation (gated: act(gate) * up)
 ``blocks.k.mlp.out``                  (B, T, d)            MLP sublayer output (after w_out, bias)
 ``blocks.k.resid_post``               (B, T, d)            output of block k = ``hidden_states()[k + 1]``
@@ -28,12 +32,14 @@ Identities: pre-LN ``resid_mid`` = ``norm2.input``, ``norm1.input`` = ``resid_pr
 post-LN ``resid_mid`` = ``norm1.output`` and ``resid_post`` = ``norm2.output``.
 The sites are what the block forward computes (``_blocks.site`` hook points): nothing is
 recomputed except the ``*.scale`` sites (1/sqrt(var + eps), RMSNorm 1/sqrt(mean x^2 + eps),
-from the captured input, in the compute dtype) and the ``final_norm`` sites.
+from the captured input, in the compute dtype), the ``final_norm`` sites and ``attn.result``
+(``head_out`` through each head's rows of w_o). TransformerLens hook names are aliases
+(:mod:`pyengine.models.tl_names`; docs/guide/sites.md has the table).
 
 Memory: :meth:`Sites.run_with_cache` keeps a copy of each site asked for, nothing
-else: B*T*d values per residual-type site, B*H*T^2 per ``scores``/``pattern``, B*T*d_mlp
-per ``mlp.hidden``; ``sites="*"`` on all L blocks costs about L*(12 d + d_mlp + 2 H T) B*T
-values. :meth:`Sites.site_names` lists the sites of a stack; patterns are ``fnmatch`` globs.
+else: B*T*d values per residual-type site, B*T*H*d per ``attn.result``, B*H*T^2 per
+``scores``/``pattern``, B*T*d_mlp per ``mlp.pre``/``mlp.hidden``; ``sites="*"`` on all L
+blocks costs about L*((15 + H) d + 3 d_mlp + 2 H T) B*T values. :meth:`Sites.site_names` lists the sites of a stack; patterns are ``fnmatch`` globs.
 
 Padded batches: ``attention_mask`` (B, T) (1 = real token, 0 = padding; each row's real
 tokens one contiguous run, i.e. left or right padding) masks padding keys and gives each
@@ -52,29 +58,35 @@ from typing import Any
 
 import numpy as np
 
-from . import _blocks, _fast
+from . import _blocks
+from .. import _validate as _v
+from ._stacklike import StackLike
+from .activation_cache import ActivationCache
 from .interventions import Intervention, parse_interventions
+from .tl_names import canonical, unknown_hint
 
-__all__ = ["Sites", "as_input", "block_site_names", "match_sites"]
+__all__ = ["Sites", "as_input", "block_site_names", "match_sites", "padded_context", "padding"]
 
-_BLOCK = ("resid_pre", "norm1.input", "norm1.scale", "norm1.output", "attn.scores", "attn.pattern",
-          "attn.head_out", "attn.out", "resid_mid", "norm2.input", "norm2.scale", "norm2.output",
-          "mlp.hidden", "mlp.out", "resid_post")
+_BLOCK = ("resid_pre", "norm1.input", "norm1.scale", "norm1.output", "attn.q", "attn.k", "attn.v",
+          "attn.scores", "attn.pattern", "attn.head_out", "attn.result", "attn.out", "resid_mid",
+          "norm2.input", "norm2.scale", "norm2.output", "mlp.pre", "mlp.hidden", "mlp.out", "resid_post")
 _NORM = ("input", "scale", "output")
 
 
 def match_sites(names: list[str], sites: Any, no_match: Callable[[str], str]) -> list[str]:
     """The names of ``names`` that the site names or globs ``sites`` (a str or a list) match,
-    in the order of the patterns, each once; a pattern that is not a str is a TypeError, and
-    one that matches nothing a ValueError with the message ``no_match(pattern)``."""
+    in the order of the patterns, each once; TransformerLens names are accepted
+    (:mod:`pyengine.models.tl_names`). A pattern that is not a str is a TypeError, and one
+    that matches nothing a ValueError: ``no_match(pattern)`` and the closest valid names."""
     pats = [sites] if isinstance(sites, str) else list(sites)
     out: list[str] = []
     for p in pats:
         if not isinstance(p, str):
             raise TypeError(f"sites must be site names or globs (str); got {type(p).__name__}")
-        hit = [n for n in names if fnmatch.fnmatchcase(n, p)]
+        c = canonical(p)
+        hit = [n for n in names if fnmatch.fnmatchcase(n, c)]
         if not hit:
-            raise ValueError(no_match(p))
+            raise ValueError(no_match(p) + unknown_hint(p, c, names))
         out += [n for n in hit if n not in out]
     return out
 
@@ -123,6 +135,23 @@ def _check_mask(mask: Any, shape: tuple[int, ...]) -> np.ndarray:
     return m2
 
 
+def padding(attention_mask: Any, shape: tuple[int, ...]) -> tuple[np.ndarray, np.ndarray]:
+    """Each token's position among the real ones, (B, T) int, and the checked mask, (B, T) bool."""
+    m = _check_mask(attention_mask, shape)
+    return np.maximum(np.cumsum(m, axis=1) - 1, 0), m
+
+
+def padded_context(ctx: Any, pos: np.ndarray, mask: np.ndarray, dtype: np.dtype) -> Any:
+    """A block context for a padded batch: padding keys masked, rotary tables at the positions ``pos``."""
+    cfg = ctx.cfg
+    ctx = ctx._replace(key_mask=~mask[:, None, None, None, :])
+    if cfg.positions == "rotary":
+        cos, sin = (t[pos][:, None] for t in _blocks.rope_tables(mask.shape[1], _blocks.inv_freq(cfg), dtype))
+        scale = 1.0 / math.sqrt(cfg.head_dim)
+        ctx = ctx._replace(rope_q=(cos * scale, sin * scale), rope_k=(cos, sin))
+    return ctx
+
+
 class _Hooks:
     """Interventions and recording at the sites, for one run."""
 
@@ -149,27 +178,34 @@ class _Hooks:
 
 
 #: Sites inside the attention heads: only the unfused products expose them.
-_HEAD_SITES = ("attn.scores", "attn.pattern", "attn.head_out")
+_HEAD_SITES = ("attn.q", "attn.k", "attn.v", "attn.scores", "attn.pattern", "attn.head_out", "attn.result")
+#: Sites wider than d_model or split by head: no logit lens.
+_NOT_STREAM = _HEAD_SITES + ("mlp.pre", "mlp.hidden")
 
 
 class _BlockHook:
     """The hook of one block: ``hook(name, x)``. ``heads``: a site inside the attention heads is
     read or changed; ``heads_changed``: changed by an intervention, so attention must run
-    unfused (models/_attention.py); reading alone keeps the forward's own (fused) output."""
+    unfused (models/_attention.py); reading alone keeps the forward's own (fused) output.
+    ``wants(name)``: the site is read or changed (sites that cost extra work ask first)."""
 
     def __init__(self, hooks: _Hooks, pre: str) -> None:
         self.hooks, self.pre = hooks, pre
-        self.heads = any(pre + n in hooks.want or pre + n in hooks.ivs for n in _HEAD_SITES)
+        self.heads = any(self.wants(n) for n in _HEAD_SITES)
         self.heads_changed = any(pre + n in hooks.ivs for n in _HEAD_SITES)
+
+    def wants(self, name: str) -> bool:
+        return self.pre + name in self.hooks.want or self.pre + name in self.hooks.ivs
 
     def __call__(self, name: str, x: np.ndarray) -> np.ndarray:
         return self.hooks.at(self.pre + name, x)
 
 
 class Sites:
-    """Sites, caching, interventions, padding, logit lens: a base class of :class:`~pyengine.Stack`."""
+    """Sites, caching, interventions, padding, read-out (logits, logit lens): a base class of
+    :class:`~pyengine.Stack` (``self`` is typed by :class:`~pyengine.models._stacklike.StackLike`)."""
 
-    def site_names(self) -> list[str]:
+    def site_names(self: StackLike) -> list[str]:
         """Every site name of this stack, in forward order (see the module's table)."""
         cfg = self.config
         out = ["embed"] + ([f"embed.norm.{n}" for n in _NORM] if cfg.embed_norm else [])
@@ -177,102 +213,12 @@ class Sites:
             out += [f"blocks.{k}.{n}" for n in block_site_names(cfg)]
         return out + ([f"final_norm.{n}" for n in _NORM] if cfg.final_norm else [])
 
-    def _match_sites(self, sites: Any) -> list[str]:
+    def _match_sites(self: StackLike, sites: Any) -> list[str]:
         return match_sites(self.site_names(), sites,
                            lambda p: f"sites: {p!r} matches no site of this stack (see site_names(); e.g. "
-                                     f"'blocks.0.resid_mid', 'blocks.*.attn.pattern')")
+                                     f"'blocks.0.resid_mid', 'blocks.*.attn.pattern').")
 
-    def _embed_input(self, x: Any, dtype: Any, attention_mask: Any, token_type_ids: Any
-                     ) -> tuple[np.ndarray, bool, np.ndarray | None, np.ndarray | None]:
-        """Checked input as (B, T, d) embeddings (no positions), batched?, positions, key mask."""
-        x = as_input(x)
-        ids = None
-        if np.asarray(x).dtype.kind in "iu":
-            ids = np.asarray(x)
-            emb = self.embed(ids, dtype, token_type_ids)
-            h, batched = (emb if emb.ndim == 3 else emb[None]), emb.ndim == 3
-        else:
-            h, batched = self.as_stream(x, "input_ids", dtype)
-        if ids is None and token_type_ids is not None:
-            raise ValueError("token_type_ids go with token ids, not with a float residual stream")
-        B, T = h.shape[:2]
-        pos = mask = None
-        if attention_mask is not None:
-            m = _check_mask(attention_mask, (B, T) if batched else (T,))
-            pos, mask = np.maximum(np.cumsum(m, axis=1) - 1, 0), m
-        return h, batched, pos, mask
-
-    def _token_types(self, emb: np.ndarray, token_type_ids: Any) -> np.ndarray:
-        """Token embeddings (..., T, d) plus the token-type rows (BERT; HF order: word + type)."""
-        table = getattr(self, "token_type_embeddings", None)
-        if table is None:
-            if token_type_ids is not None:
-                raise ValueError("token_type_ids: this stack has no token-type embedding")
-            return emb
-        if token_type_ids is None:
-            return emb + table[0].astype(emb.dtype, copy=False)
-        tt = np.asarray(as_input(token_type_ids, "token_type_ids"))
-        if tt.dtype.kind not in "iu" or tt.shape != emb.shape[:-1]:
-            raise ValueError(f"token_type_ids must be integers of the ids' shape {emb.shape[:-1]}; "
-                             f"got {tt.dtype} {tt.shape}")
-        if tt.size and (tt.min() < 0 or tt.max() >= table.shape[0]):
-            raise ValueError(f"token_type_ids must lie in [0, {table.shape[0]})")
-        return emb + table.astype(emb.dtype, copy=False)[tt]
-
-    def _run(self, x: Any, dtype: Any = None, attention_mask: Any = None, token_type_ids: Any = None,
-             hooks: _Hooks | None = None, first: int | None = None, pre: tuple | None = None
-             ) -> tuple[np.ndarray, bool, Any, list[dict]]:
-        """The forward of every entry point: (L+1, B, T, d) states, batched?, context, kept block data.
-
-        ``pre``: the result of :meth:`_embed_input` when the caller checked the input already.
-        """
-        cfg = self.config
-        h, batched, pos, mask = pre if pre is not None else self._embed_input(x, dtype, attention_mask, token_type_ids)
-        if first is not None and (batched or mask is not None):
-            raise ValueError("input_ids must be one sequence (T,) of ids or (T, d_model) floats, without "
-                             "attention_mask, to keep block caches (strip the padding: unpad())")
-        B, T = h.shape[:2]
-        blocks, glob = self._params(h.dtype)
-        hk = hooks if hooks is not None and hooks.active else None
-        if hk is not None:
-            h = hk.at("embed", h)
-        out = np.empty((cfg.n_layers + 1,) + h.shape, h.dtype)
-        if cfg.positions in ("learned", "sinusoidal"):
-            n = T if pos is None else int(pos.max()) + 1
-            if cfg.positions == "learned" and n > cfg.max_seq_len:
-                raise ValueError(f"input_ids has T = {n} tokens, more than max_seq_len = {cfg.max_seq_len} learned positions")
-            table = (glob["embed.positions"] if cfg.positions == "learned"
-                     else _blocks.sinusoidal_positions(n, cfg.d_model, h.dtype))
-            np.add(h, table[:T] if pos is None else table[pos], out=out[0])
-        else:
-            out[0] = h
-        if cfg.embed_norm:
-            e = out[0] if hk is None else hk.at("embed.norm.input", out[0])
-            e = self._norm(glob, "embed.norm", e)
-            out[0] = e if hk is None else hk.at("embed.norm.output", e)
-        ctx = _blocks.make_context(cfg, T, h.dtype)
-        if mask is not None:
-            ctx = ctx._replace(key_mask=~mask[:, None, None, None, :])
-            if cfg.positions == "rotary":
-                cos, sin = (t[pos][:, None] for t in _blocks.rope_tables(T, _blocks.inv_freq(cfg), h.dtype))
-                scale = 1.0 / math.sqrt(cfg.head_dim)
-                ctx = ctx._replace(rope_q=(cos * scale, sin * scale), rope_k=(cos, sin))
-        kept: list[dict[str, Any]] = []
-        for k in range(cfg.n_layers):
-            # Blocks whose data nobody keeps may skip what only a JVP needs (the fused float32 head).
-            data: dict[str, Any] = {} if first is not None and k >= first else {_fast.DISCARD: True}
-            bh = None if hk is None else hk.block(k)
-            if bh is not None:
-                out[k] = bh("resid_pre", out[k])
-            y = _blocks.block_forward(blocks[k], ctx if bh is None else ctx._replace(hook=bh), out[k], data)
-            out[k + 1] = y if bh is None else bh("resid_post", y)
-            if first is not None and k >= first:
-                kept.append(data)
-        if hk is not None and any(n.startswith("final_norm.") for n in hk.want):
-            hk.at("final_norm.output", self._norm(glob, "final_norm", hk.at("final_norm.input", out[-1])))
-        return out, batched, ctx, kept
-
-    def _prepare(self, x: Any, sites: Any, interventions: Any, dtype: Any, attention_mask: Any,
+    def _prepare(self: StackLike, x: Any, sites: Any, interventions: Any, dtype: Any, attention_mask: Any,
                  token_type_ids: Any) -> tuple[_Hooks, tuple]:
         """Every argument checked (input, mask, sites, interventions) before any forward."""
         pre = self._embed_input(x, dtype, attention_mask, token_type_ids)
@@ -280,29 +226,51 @@ class Sites:
         B, T = pre[0].shape[:2]
         return _Hooks(self, want, parse_interventions(self, interventions, B, T)), pre
 
-    def run_with_cache(self, input_ids: Any, sites: Any = "*", *, attention_mask: Any = None,
+    def run_with_cache(self: StackLike, input_ids: Any, sites: Any = "*", *, attention_mask: Any = None,
                        token_type_ids: Any = None, dtype: Any = None, interventions: Any = None
-                       ) -> tuple[np.ndarray, dict[str, np.ndarray]]:
-        """The hidden states and the activations at ``sites`` (names or globs; default all).
+                       ) -> tuple[np.ndarray, ActivationCache]:
+        """The model's output and the activations at ``sites`` (names or globs; default all).
 
-        Returns ``(hidden, cache)``: hidden as :meth:`hidden_states`, cache a dict site ->
-        array (the module's table; no batch axis for one sequence), copies, only the sites
-        asked for. ``interventions`` as in :meth:`run` (the cache then holds the changed
-        values). Every argument is checked before the forward runs.
+        Returns ``(out, cache)``. ``out``: the logits (B, T, vocab_size) (as :meth:`logits`)
+        when the stack has a language-model head; for an encoder without one
+        (``config.lm_head == "none"``), the last hidden state (B, T, d_model)
+        (``hidden_states()[-1]``). ``cache``: an :class:`ActivationCache` site -> array (the
+        module's table; no batch axis for one sequence), copies, only the sites asked for;
+        lookups also take TransformerLens names, and ``cache.stack("blocks.*.resid_post")``
+        stacks sites in block order. ``sites`` may be TransformerLens names too.
+        ``interventions`` as in :meth:`run` (the cache then holds the changed values). Every
+        argument is checked before the forward runs.
         """
         hooks, pre = self._prepare(input_ids, sites, interventions, dtype, attention_mask, token_type_ids)
         out, batched, _, _ = self._run(input_ids, hooks=hooks, pre=pre)
         order = {n: i for i, n in enumerate(self.site_names())}
         cache = {n: (a if batched else a[0]) for n, a in sorted(hooks.got.items(), key=lambda kv: order[kv[0]])}
-        return (out if batched else out[:, 0]), cache
+        return self._output(out[-1] if batched else out[-1, 0]), ActivationCache(cache)
 
-
-    def run(self, input_ids: Any, interventions: Any = None, *, attention_mask: Any = None,
+    def run(self: StackLike, input_ids: Any, interventions: Any = None, *, attention_mask: Any = None,
             token_type_ids: Any = None, dtype: Any = None) -> np.ndarray:
-        """:meth:`hidden_states` with interventions (see :mod:`pyengine.models.interventions`)."""
+        """The forward with interventions (see :mod:`pyengine.models.interventions`).
+
+        Returns the logits (T, vocab_size) or (B, T, vocab_size) (as :meth:`logits`); for an
+        encoder without a language-model head, the last hidden state (T, d_model) or
+        (B, T, d_model).
+        """
         hooks, pre = self._prepare(input_ids, None, interventions, dtype, attention_mask, token_type_ids)
         out, batched, _, _ = self._run(input_ids, hooks=hooks, pre=pre)
-        return out if batched else out[:, 0]
+        return self._output(out[-1] if batched else out[-1, 0])
+
+    def _output(self: StackLike, h: np.ndarray) -> np.ndarray:
+        """The logits of the last hidden state ``h``, or ``h`` itself without an LM head."""
+        return h if self._config.lm_head == "none" else self._read_out(h)
+
+    def _read_out(self: StackLike, h: np.ndarray) -> np.ndarray:
+        """Final norm (if any) and the read-out ``@ W.T`` of a stream (..., d_model), in h's dtype."""
+        cfg = self._config
+        glob = self._params(h.dtype)[1]
+        if cfg.final_norm:
+            h = self._norm(glob, "final_norm", h)
+        w = glob["lm_head.weight" if cfg.lm_head == "separate" else "embed.tokens"]
+        return (h.reshape(-1, cfg.d_model) @ w.T).reshape(h.shape[:-1] + (cfg.vocab_size,))
 
     def unpad(self, input_ids: Any, attention_mask: Any) -> list[np.ndarray]:
         """The real tokens of each row of a padded batch (B, T) (or (B, T, d) streams)."""
@@ -312,7 +280,62 @@ class Sites:
         m = _check_mask(attention_mask, x.shape[:2])
         return [x[i][m[i]] for i in range(x.shape[0])]
 
-    def logit_lens(self, input_ids: Any, sites: Any = "blocks.*.resid_post", *, attention_mask: Any = None,
+    def apply_final_norm(self: StackLike, h: Any) -> np.ndarray:
+        """The final norm (gamma scaled by gamma_scale) of a stream (..., d_model), in h's dtype."""
+        if not self._config.final_norm:
+            raise ValueError("this stack has no final norm (config.final_norm is False)")
+        x = _v.float_array("h", h)
+        if x.ndim < 1 or x.shape[-1] != self._config.d_model:
+            raise ValueError(f"h must have shape (..., {self._config.d_model}); got {x.shape}")
+        return self._norm(self._params(x.dtype)[1], "final_norm", x)
+
+    def logits(self: StackLike, input_ids: Any, dtype: Any = None, *, interventions: Any = None,
+               attention_mask: Any = None, token_type_ids: Any = None) -> np.ndarray:
+        """Language-model logits: the final norm (if any), then the read-out ``@ W.T``.
+
+        Parameters
+        ----------
+        input_ids : array_like
+            Integer token ids (T,) or (B, T): the whole stack runs first and its last
+            hidden state is read out. Or a float residual stream (..., d_model),
+            read out as it is (final norm, then W: the "logit lens" of any layer).
+        dtype : {None, float32, float64}
+            Compute dtype; default the input's dtype (float input) or the stack's (ids).
+        interventions : optional
+            As in :meth:`run` (token ids only).
+        attention_mask, token_type_ids : array_like (B, T), optional
+            As in :meth:`hidden_states` (token ids only).
+
+        Returns
+        -------
+        ndarray, (T, vocab_size), (B, T, vocab_size) or (..., vocab_size)
+            W is ``lm_head.weight`` (lm_head "separate") or ``embed.tokens`` ("tied").
+
+        Raises
+        ------
+        ValueError
+            If the stack has no language-model head (config.lm_head == "none"), for
+            interventions or a mask with a float stream, and for the input errors of
+            :meth:`hidden_states`.
+        """
+        cfg = self._config
+        if cfg.lm_head == "none":
+            raise ValueError("this stack has no language-model head (config.lm_head is 'none')")
+        x = as_input(input_ids)
+        if np.asarray(x).dtype.kind in "iu":
+            return self.run(x, interventions, attention_mask=attention_mask, token_type_ids=token_type_ids,
+                            dtype=dtype)
+        if interventions is not None or attention_mask is not None or token_type_ids is not None:
+            raise ValueError("interventions, attention_mask and token_type_ids go with token ids; a float "
+                             "input_ids is a residual stream read out as it is")
+        h = _v.float_array("input_ids", x)
+        if h.ndim < 1 or h.shape[-1] != cfg.d_model:
+            raise ValueError(f"input_ids must have shape (..., {cfg.d_model}) (or be integer token ids); got {h.shape}")
+        h = np.ascontiguousarray(h, dtype=h.dtype if dtype is None else _v.float_dtype("dtype", dtype))
+        _v.finite("input_ids", h)
+        return self._read_out(h)
+
+    def logit_lens(self: StackLike, input_ids: Any, sites: Any = "blocks.*.resid_post", *, attention_mask: Any = None,
                    dtype: Any = None) -> Any:
         """Final norm + read-out of a residual stream (the "logit lens").
 
@@ -326,7 +349,7 @@ class Sites:
         if np.asarray(x).dtype.kind not in "iu":
             return self.logits(x, dtype)
         names = [n for n in self._match_sites(sites) if n.rsplit(".", 1)[-1] not in ("scale",)
-                 and not any(t in n for t in ("attn.scores", "attn.pattern", "attn.head_out", "mlp.hidden"))]
+                 and not n.endswith(_NOT_STREAM)]
         if not names:
             raise ValueError(f"sites: {sites!r} matches no residual-type site (d_model wide)")
         _, cache = self.run_with_cache(x, names, attention_mask=attention_mask, dtype=dtype)

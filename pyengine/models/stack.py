@@ -15,8 +15,9 @@ gradients) and :meth:`Stack.vjp` (a chain of them) run in reverse mode
 (:mod:`pyengine.models.reverse`). Inputs are checked once there; the block code
 (``_blocks.py``, ``_blocks_vjp.py``) then runs the kernels directly.
 
-Named activation sites, :meth:`Stack.run_with_cache`, interventions (:meth:`Stack.run`),
-padded batches (``attention_mask``) and the logit lens come from the base class
+Every forward (:meth:`Stack.forward`, :meth:`Stack.run`, ...) runs ``Stack._run`` here. Named
+activation sites, :meth:`Stack.run_with_cache`, interventions (:meth:`Stack.run`), padded batches
+(``attention_mask``) and the read-out (:meth:`Stack.logits`, logit lens) come from the base class
 :class:`~pyengine.models.sites.Sites` (see :mod:`pyengine.models.sites`).
 """
 
@@ -36,7 +37,7 @@ from ..kernels.layernorm import layer_norm, rms_norm
 from .config import StackConfig, _check_arrays, expected_arrays
 from .linearization import BlockCache, Linearization
 from .reverse import ReverseMode
-from .sites import Sites, as_input
+from .sites import _Hooks, Sites, as_input, padded_context, padding
 
 __all__ = ["BlockCache", "Stack"]
 
@@ -168,14 +169,7 @@ class Stack(Sites, Linearization, ReverseMode):
         V = self._config.vocab_size
         if V == 0:
             raise ValueError("this stack has no token embedding (vocab_size = 0); pass residual streams instead")
-        ids = np.asarray(as_input(input_ids))
-        if ids.dtype.kind not in "iu":
-            raise TypeError(f"input_ids must be an integer array; got dtype {ids.dtype}")
-        if ids.ndim not in (1, 2) or ids.shape[-1] < 1:
-            raise ValueError(f"input_ids must have shape (T,) or (B, T) with T >= 1; got {ids.shape}")
-        if ids.size and (ids.min() < 0 or ids.max() >= V):
-            bad = ids[(ids < 0) | (ids >= V)].flat[0]
-            raise ValueError(f"input_ids must lie in [0, vocab_size = {V}); got {bad}")
+        ids = _v.token_ids("input_ids", as_input(input_ids), V)
         dt = self.dtype if dtype is None else _v.float_dtype("dtype", dtype)
         return self._token_types(self._params(dt)[1]["embed.tokens"][ids], token_type_ids)
 
@@ -214,10 +208,8 @@ class Stack(Sites, Linearization, ReverseMode):
         """
         return self.forward(input_ids, dtype, attention_mask=attention_mask, token_type_ids=token_type_ids)[0]
 
-    def forward(
-        self, input_ids: Any, dtype: Any = None, *, cache_from: int | None = None, attention_mask: Any = None,
-        token_type_ids: Any = None,
-    ) -> tuple[np.ndarray, list[BlockCache]]:
+    def forward(self, input_ids: Any, dtype: Any = None, *, cache_from: int | None = None, attention_mask: Any = None,
+                token_type_ids: Any = None) -> tuple[np.ndarray, list[BlockCache]]:
         """:meth:`hidden_states`, and the block caches of the run for analyses that linearize at it.
 
         Parameters
@@ -296,63 +288,96 @@ class Stack(Sites, Linearization, ReverseMode):
         base.flags.writeable = False
         return out, BlockCache(self, k, base, ctx, data)
 
-    # ------------------------------------------------------------------ read-out and files
+    def _embed_input(self, x: Any, dtype: Any, attention_mask: Any, token_type_ids: Any
+                     ) -> tuple[np.ndarray, bool, np.ndarray | None, np.ndarray | None]:
+        """Checked input as (B, T, d) embeddings (no positions), batched?, positions, key mask."""
+        x = as_input(x)
+        ids = None
+        if np.asarray(x).dtype.kind in "iu":
+            ids = np.asarray(x)
+            emb = self.embed(ids, dtype, token_type_ids)
+            h, batched = (emb if emb.ndim == 3 else emb[None]), emb.ndim == 3
+        else:
+            h, batched = self.as_stream(x, "input_ids", dtype)
+        if ids is None and token_type_ids is not None:
+            raise ValueError("token_type_ids go with token ids, not with a float residual stream")
+        B, T = h.shape[:2]
+        pos, mask = (None, None) if attention_mask is None else padding(attention_mask, (B, T) if batched else (T,))
+        return h, batched, pos, mask
 
-    def apply_final_norm(self, h: Any) -> np.ndarray:
-        """The final norm (gamma scaled by gamma_scale) of a stream (..., d_model), in h's dtype."""
-        if not self._config.final_norm:
-            raise ValueError("this stack has no final norm (config.final_norm is False)")
-        x = _v.float_array("h", h)
-        if x.ndim < 1 or x.shape[-1] != self._config.d_model:
-            raise ValueError(f"h must have shape (..., {self._config.d_model}); got {x.shape}")
-        return self._norm(self._params(x.dtype)[1], "final_norm", x)
+    def _token_types(self, emb: np.ndarray, token_type_ids: Any) -> np.ndarray:
+        """Token embeddings (..., T, d) plus the token-type rows (BERT; HF order: word + type)."""
+        table = getattr(self, "token_type_embeddings", None)
+        if table is None:
+            if token_type_ids is not None:
+                raise ValueError("token_type_ids: this stack has no token-type embedding")
+            return emb
+        if token_type_ids is None:
+            return emb + table[0].astype(emb.dtype, copy=False)
+        tt = np.asarray(as_input(token_type_ids, "token_type_ids"))
+        if tt.dtype.kind not in "iu" or tt.shape != emb.shape[:-1]:
+            raise ValueError(f"token_type_ids must be integers of the ids' shape {emb.shape[:-1]}; "
+                             f"got {tt.dtype} {tt.shape}")
+        if tt.size and (tt.min() < 0 or tt.max() >= table.shape[0]):
+            raise ValueError(f"token_type_ids must lie in [0, {table.shape[0]})")
+        return emb + table.astype(emb.dtype, copy=False)[tt]
+
+    def _run(self, x: Any, dtype: Any = None, attention_mask: Any = None, token_type_ids: Any = None,
+             hooks: _Hooks | None = None, first: int | None = None, pre: tuple | None = None
+             ) -> tuple[np.ndarray, bool, Any, list[dict]]:
+        """The forward of every entry point: (L+1, B, T, d) states, batched?, context, kept block data.
+
+        ``pre``: the result of :meth:`_embed_input` when the caller checked the input already.
+        """
+        cfg = self.config
+        h, batched, pos, mask = pre if pre is not None else self._embed_input(x, dtype, attention_mask, token_type_ids)
+        if first is not None and (batched or mask is not None):
+            raise ValueError("input_ids must be one sequence (T,) of ids or (T, d_model) floats, without "
+                             "attention_mask, to keep block caches (strip the padding: unpad())")
+        B, T = h.shape[:2]
+        blocks, glob = self._params(h.dtype)
+        hk = hooks if hooks is not None and hooks.active else None
+        if hk is not None:
+            h = hk.at("embed", h)
+        out = np.empty((cfg.n_layers + 1,) + h.shape, h.dtype)
+        if cfg.positions in ("learned", "sinusoidal"):
+            n = T if pos is None else int(pos.max()) + 1
+            if cfg.positions == "learned" and n > cfg.max_seq_len:
+                raise ValueError(f"input_ids has T = {n} tokens, more than max_seq_len = {cfg.max_seq_len} learned positions")
+            table = (glob["embed.positions"] if cfg.positions == "learned"
+                     else _blocks.sinusoidal_positions(n, cfg.d_model, h.dtype))
+            np.add(h, table[:T] if pos is None else table[pos], out=out[0])
+        else:
+            out[0] = h
+        if cfg.embed_norm:
+            e = out[0] if hk is None else hk.at("embed.norm.input", out[0])
+            e = self._norm(glob, "embed.norm", e)
+            out[0] = e if hk is None else hk.at("embed.norm.output", e)
+        ctx = _blocks.make_context(cfg, T, h.dtype)
+        if mask is not None:
+            ctx = padded_context(ctx, pos, mask, h.dtype)
+        kept: list[dict[str, Any]] = []
+        for k in range(cfg.n_layers):
+            # Blocks whose data nobody keeps may skip what only a JVP needs (the fused float32 head).
+            data: dict[str, Any] = {} if first is not None and k >= first else {_fast.DISCARD: True}
+            bh = None if hk is None else hk.block(k)
+            if bh is not None:
+                out[k] = bh("resid_pre", out[k])
+            y = _blocks.block_forward(blocks[k], ctx if bh is None else ctx._replace(hook=bh), out[k], data)
+            out[k + 1] = y if bh is None else bh("resid_post", y)
+            if first is not None and k >= first:
+                kept.append(data)
+        if hk is not None and any(n.startswith("final_norm.") for n in hk.want):
+            hk.at("final_norm.output", self._norm(glob, "final_norm", hk.at("final_norm.input", out[-1])))
+        return out, batched, ctx, kept
+
+    # ------------------------------------------------------------------ norms and files
 
     def _norm(self, glob: dict[str, np.ndarray], name: str, x: np.ndarray) -> np.ndarray:
         """The global norm ``name`` ("final_norm", "embed.norm") of x in x's dtype (weights from ``glob``)."""
         if self._config.norm == "layernorm":
             return layer_norm(x, glob[name + ".gamma"], glob[name + ".beta"], self._config.eps)
         return rms_norm(x, glob[name + ".gamma"], self._config.eps)
-
-    def logits(self, input_ids: Any, dtype: Any = None) -> np.ndarray:
-        """Language-model logits: the final norm (if any), then the read-out ``@ W.T``.
-
-        Parameters
-        ----------
-        input_ids : array_like
-            Integer token ids (T,) or (B, T): the whole stack runs first and its last
-            hidden state is read out. Or a float residual stream (..., d_model),
-            read out as it is (final norm, then W: the "logit lens" of any layer).
-        dtype : {None, float32, float64}
-            Compute dtype; default the input's dtype (float input) or the stack's (ids).
-
-        Returns
-        -------
-        ndarray, (T, vocab_size), (B, T, vocab_size) or (..., vocab_size)
-            W is ``lm_head.weight`` (lm_head "separate") or ``embed.tokens`` ("tied").
-
-        Raises
-        ------
-        ValueError
-            If the stack has no language-model head (config.lm_head == "none"),
-            and for the input errors of :meth:`hidden_states`.
-        """
-        cfg = self._config
-        if cfg.lm_head == "none":
-            raise ValueError("this stack has no language-model head (config.lm_head is 'none')")
-        x = as_input(input_ids)
-        if np.asarray(x).dtype.kind in "iu":
-            h = self.hidden_states(x, dtype)[-1]
-        else:
-            h = _v.float_array("input_ids", x)
-            if h.ndim < 1 or h.shape[-1] != cfg.d_model:
-                raise ValueError(f"input_ids must have shape (..., {cfg.d_model}) (or be integer token ids); got {h.shape}")
-            h = np.ascontiguousarray(h, dtype=h.dtype if dtype is None else _v.float_dtype("dtype", dtype))
-            _v.finite("input_ids", h)
-        glob = self._params(h.dtype)[1]
-        if cfg.final_norm:
-            h = self._norm(glob, "final_norm", h)
-        w = glob["lm_head.weight" if cfg.lm_head == "separate" else "embed.tokens"]
-        return (h.reshape(-1, cfg.d_model) @ w.T).reshape(h.shape[:-1] + (cfg.vocab_size,))
 
     def save(self, path: str | os.PathLike[str]) -> None:
         """Write an uncompressed ``.npz`` (the arrays and the config JSON), atomically."""

@@ -1,5 +1,8 @@
 """Numba attention kernels on head-sized problems as BLAS products, as ``csrc/attention_blas.hpp``.
 
+Longer than ~400 lines by exception: a single algorithm (forward, score gradient and backward
+of one head tiling) whose docstring is its specification, the twin of one C++ header.
+
 The per-head products (b = u vᵀ; s = q kᵀ and o = p v in the forward pass; s, dp = d_o vᵀ,
 dv = pᵀ d_o, dq = g k and dk = gᵀ q in the backward pass) are ``np.dot`` calls, which Numba
 sends to SciPy's BLAS (``scipy.linalg.cython_blas``); the row epilogues run on a block of

@@ -1,5 +1,9 @@
 """Row reductions shared by the Numba kernels: float64 sums in lanes, in a fixed order.
 
+Longer than ~400 lines by exception: every helper follows the one summation order and scratch
+layout (``LANES``, ``acc``) that this docstring specifies, and moving Numba helpers between
+modules has changed the callers' speed (see ``layernorm.py``), so they stay together.
+
 Used by :mod:`pyengine.kernels._numba.layernorm` and :mod:`.rmsnorm` (row statistics and
 the JVP/VJP sums: :func:`_sum` .. :func:`_sum_sq_dot_gu`, :func:`_sum_sq_f32`), the
 attention kernels (:func:`_dot_lanes`, :func:`_sum_lanes` over padded rows) and

@@ -51,7 +51,7 @@ _TANH_A = 0.044715
 
 #: erfcx(z) = exp(z^2) erfc(z) on [0, inf) as sum_k c_k t^k, t = (z - 4)/(z + 4), lowest
 #: degree first: a degree-24 Chebyshev fit (mpmath.chebyfit, 50 digits), max error
-#: 1.5e-18. Identical to ``kErfcxCoef`` in csrc/activations.hpp.
+#: 1.5e-18. Identical to ``kErfcxCoef`` in csrc/vmath.hpp (tests/test_vmath_tables.py).
 ERFCX_COEF = (
     0.13699945762506138, -0.2590680487601717, 0.21871967891826488,
     -0.16425781669730535, 0.10896317739890565, -0.06310781563985407,

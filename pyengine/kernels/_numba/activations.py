@@ -21,7 +21,7 @@ from __future__ import annotations
 import numpy as np
 from numba import prange
 
-from ...backends import register
+from ...backends import ACTIVATION_KERNELS, register
 from ._jit import fma_pjit
 from ._vecmath import (
     _gelu_grad1,
@@ -35,16 +35,8 @@ from ._vecmath import (
     silu_gated_t,
 )
 
-__all__ = [
-    "gelu",
-    "gelu_grad",
-    "gelu_tanh",
-    "gelu_tanh_grad",
-    "relu",
-    "relu_grad",
-    "silu_gated",
-    "silu_gated_grad",
-]
+#: Every activation kernel id but the softmax pair (in softmax.py).
+__all__ = [k for k in ACTIVATION_KERNELS if not k.startswith("softmax")]
 
 _f64 = np.float64
 

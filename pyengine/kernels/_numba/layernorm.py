@@ -35,33 +35,24 @@ and each thread gets its own scratch (``kernel.parallel_diagnostics(level=4)``
 reports it under "Allocation hoisting"). ``numba.get_num_threads()`` cannot be used
 to preallocate instead: it makes a function uncacheable.
 
-The cores are plain ``jit`` functions; LLVM decides whether to inline them. Numba's
-``inline="always"`` on all of them made compilation about 35 % slower and the kernels no
-faster (one call per row costs nanoseconds next to the microseconds of the row). Two
-helpers of LayerNorm's forward row are the exception, ``inline``: its statistics
-(:func:`_ln_stats`) and its float32 writing pass (:func:`_layer_norm_write_f32`), which
-LLVM left as calls with their exploded array arguments: a row of d = 768 in L1 took 390
-ns with the calls and 304 without (C++ about 210); ``layer_norm`` at (2048, 768) float32
-0.37-0.40 -> 0.34 ms (C++ 0.23-0.25), at (8192, 768) 1.44 -> 1.30 ms. The row sums of
-:mod:`._reduce` and RMSNorm's statistics are inlined too (the JVP/VJP kernels 2-6 % faster,
-``rms_norm`` 0.335 -> 0.29-0.31 ms at (2048, 768)); the whole JVP row inlined into its batch
-kernel gave nothing and stays a call.
-The batch kernels share the rows out in ``_CHUNKS`` chunks of contiguous rows, so the
-row a core prefetches is almost always its own thread's next one. Outputs are written with
-plain stores, except the dense Jacobians' (streamed, see :func:`_dense_jacobian`) and the
-rows of large outputs (:data:`STREAM_SHORT_ROW_MIN_BYTES`, :data:`STREAM_ROW_MIN_BYTES`), which the norm kernels stream
-out with non-temporal stores straight from the registers. Every writing pass is a
-:func:`._formula.block_writer` (the row's formula as 4-wide LLVM vector code, plain or streaming
-stores) called once per block of ``_BLOCK`` values, between the block's prefetches.
-An earlier streamed variant sent each row out whole after its writing pass, for every large
-output: it was slower everywhere, 1.36-1.64x of C++ without it against 1.91-2.67x with it at
-(8192, 768) float32, and no better at (2048, 4096) or (8192, 4096).
+The cores are plain ``jit`` functions; LLVM decides whether to inline them (inlining all
+of them made compilation slower and the kernels no faster). LayerNorm's forward statistics
+(:func:`_ln_stats`) and its float32 writing pass (:func:`_layer_norm_write_f32`) are
+``inline``, as are the row sums of :mod:`._reduce` and RMSNorm's statistics: LLVM left them
+as calls with their exploded array arguments, measurably slower on short rows
+(docs/design.md). The batch kernels share the rows out in ``_CHUNKS`` chunks of contiguous
+rows, so the row a core prefetches is almost always its own thread's next one. Outputs are
+written with plain stores, except the dense Jacobians' (streamed, see
+:func:`_dense_jacobian`) and the rows of large outputs (:data:`STREAM_SHORT_ROW_MIN_BYTES`,
+:data:`STREAM_ROW_MIN_BYTES`), which the norm kernels stream out with non-temporal stores
+straight from the registers. Every writing pass is a :func:`._formula.block_writer` (the
+row's formula as 4-wide LLVM vector code, plain or streaming stores) called once per block
+of ``_BLOCK`` values, between the block's prefetches.
 
 Longer than ~400 lines by exception: the row schedule (``_BLOCK``, ``_CHUNKS``,
 ``_WRITE_AHEAD``, the ``STREAM_*`` thresholds, the prefetch helpers), which RMSNorm, the
-softmax and the score gradient import from here, once moved into a module of its own with the
-same code, made ``layer_norm`` (8192, 768) float32 5-7 % slower (``pyengine bench
---compare-rev``, 16 rounds; benchmarks/PERFORMANCE.md, sixteenth session), so it stays here.
+softmax and the score gradient import from here, stays in this module: moved into a module
+of its own with the same code, it made ``layer_norm`` slower (docs/design.md).
 """
 
 from __future__ import annotations
@@ -176,10 +167,8 @@ _CHUNKS = 256
 #: Bytes ahead of the element being written at which the writing pass asks for its output
 #: lines (:func:`._intrinsics.prefetch_write`). A plain store to a line that is not in cache first
 #: reads it (read-for-ownership), and without the hint those reads start one line at a
-#: time as the stores reach them, so memory waits: RMSNorm's JVP at (2048, 4096) float32
-#: ran 2.9 ms with its output rows in cache and 4.2-4.5 ms writing to memory (C++, which
-#: streams, 2.8). With the hint: 256 B ahead 4.1 ms, 512 B 3.7, 1-8 KiB 3.4-3.8; all six
-#: norm kernels 10-25 % faster at (8192, 4096) and (2048, 4096), float32 and float64. A
+#: time as the stores reach them, so memory waits (the six norm kernels are 10-25 % faster
+#: with it when writing to memory; docs/design.md). A
 #: row's first bytes are asked for before its statistics (:func:`_prefetch_out_head`);
 #: asking for the next row's instead, from inside the loop, made the loop 2x slower in
 #: cache (a second output array in the loop).
@@ -249,45 +238,20 @@ def _prefetch_out_head(out, stream):
 #: the write prefetch (:data:`_WRITE_AHEAD`). A plain store first reads its line, so a norm
 #: kernel writing to memory moves 3 bytes for every 2 it needs (4 for 3 with a tangent).
 #: Streamed, the writing pass sends each vector out as it is computed
-#: (:func:`._formula.block_writer`), as the C++ kernels do. Until the fourteenth session it
-#: computed each block of ``_BLOCK`` values into the thread's scratch row (in L1) and copied
-#: it out with an intrinsic, ``_jit.stream_span`` (Numba emits no streaming store from a loop); from the
-#: registers, ``rms_norm`` float32 took 1.35 / 1.08 ms against 1.76 / 1.77 at (2048, 4096),
-#: 1.50 / 1.08 against 1.73 / 1.50 at (1024, 8192), 1.37 / 1.02 against 1.99 / 1.83 at
-#: (4096, 2048), C++ 1.33 / 1.06, 1.30 / 1.00, 1.32 / 1.04 (two runs, medians of interleaved
-#: calls). The figures below are of the scratch-row kernel. Against plain stores, on Zen 4,
-#: 2 threads, ``pyengine bench --compare-rev`` (interleaved, new / old time) at (2048, 4096):
-#: ``layer_norm`` 0.70-0.85 (float32) and 0.82-0.84 (float64), ``rms_norm`` 0.78-0.92 and
-#: 0.77-0.82, their JVPs and VJPs 0.87-0.95 (LayerNorm's float32 JVP and VJP 0.91-1.04). Rows of
-#: d = 768 float32 (3 KiB) lost, streamed, even in an output 1.5 times the last-level cache
-#: (``rms_norm`` (16384, 768) 3.1 -> 4.3 ms, (8192, 768) 1.45 -> 2.17 ms, whose 24 MiB the
-#: plain stores leave in the 32 MiB L3; scratch tests, medians of interleaved calls), and
-#: streaming stores alone filled rows of 3 and 4 KiB slower than plain ones (26-49 against
-#: 33-66 GB/s); 8 KiB rows ((4096, 2048)) came out between 2 % slower and 24 % faster in
-#: three runs. Why short rows lose (twelfth session, ``rms_norm`` (8192, 768) float32, medians
-#: of interleaved calls): there the kernel is bound by its arithmetic, and streamed its time is
-#: the sum of the arithmetic and the streaming stores, not the larger of the two. Without any
-#: store to ``out`` it takes 1.15-1.18 ms, streaming stores alone fill the 24 MiB in
-#: 0.94-1.01 ms, streamed it takes 1.85-2.16 ms (plain 1.27-1.37, C++ 0.80-0.95, which
-#: overlaps the two). Neither interleaving nor timing changed that: each block streamed one
-#: block late 1.82-1.83 ms, no prefetch of the next row 1.70-2.03, the next row's sums
-#: computed inside this row's writing pass (the C++ pipeline) 1.56-1.95 (plain 1.41-1.54),
-#: and in that variant blocks of 16 or 32 values streamed at a time 3.36 / 2.04.
-#: LayerNorm's forward pass keeps that threshold. The other norm kernels stream from 2 KiB
+#: (:func:`._formula.block_writer`), as the C++ kernels do. LayerNorm's forward pass keeps
+#: this threshold: on rows of d = 768 float32 it is bound by its arithmetic, and streamed its
+#: time is the sum of the arithmetic and the streaming stores, not the larger of the two
+#: (docs/design.md). The other norm kernels stream from 2 KiB
 #: (:data:`STREAM_SHORT_ROW_MIN_BYTES`).
 STREAM_ROW_MIN_BYTES = 8 << 10
 
 #: Rows of at least this many bytes, in outputs of at least :data:`STREAM_MIN_BYTES`, are
 #: streamed by all norm kernels but LayerNorm's forward pass (:data:`STREAM_ROW_MIN_BYTES`).
-#: Streamed from the registers (fourteenth session), rows of d = 768 float32 (3 KiB) came out
-#: faster in a large output where they had lost through a scratch row: ``pyengine bench
-#: --compare-rev`` (new / old time, 2 KiB against 8 KiB, (8192, 768) float32, 24 MiB; two runs)
-#: ``rms_norm`` 0.83 / 0.93, its JVP 0.92 / 0.92, its VJP 1.02 / 0.94, LayerNorm's JVP 0.97 /
-#: 0.97 and VJP 0.96 / 0.99, but ``layer_norm`` 1.20-1.26 slower (its float32 pass computes in
-#: float32, too little arithmetic to hide the streaming stores behind). Small gains, within
-#: this host's swings for some rows (the unchanged (2048, 4096) rows read 0.98-1.13 in the same
-#: runs); it also makes the kernels stream where the C++ kernels do (every output of 16 MiB or
-#: more), at the cost of leaving a 24 MiB output out of the 32 MiB L3 for the caller.
+#: Streamed from the registers, rows of d = 768 float32 (3 KiB) in a large output come out
+#: slightly faster for every norm kernel but ``layer_norm`` (its float32 pass has too little
+#: arithmetic to hide the streaming stores behind), and the kernels stream where the C++
+#: kernels do (every output of 16 MiB or more), at the cost of leaving such an output out of
+#: the last-level cache for the caller (docs/design.md).
 STREAM_SHORT_ROW_MIN_BYTES = 2 << 10
 
 
@@ -513,40 +477,51 @@ def layer_norm(x, gamma, beta, eps, out):
     return nbad
 
 
+def _tangent_batch(core):
+    """The batch kernel of a JVP or VJP row core (LayerNorm's or RMSNorm's), the only part they differ in.
+
+    ``core(x, t, gamma, eps, frozen, out, x_next, t_next, stream)`` computes one row and
+    returns True for a bad row. Returns a ``pjit`` function ``(x, t, gamma, eps, frozen, out)``
+    -> the number of bad rows, which the registered kernel calls under its own parameter
+    names (``v`` or ``u``: the registry checks them against the reference). Each call makes
+    a new function closing over its own core: Numba's on-disk cache keys it by the closure's
+    contents too, so the kernels' cached machine code stays apart.
+    """
+
+    @pjit
+    def batch(x, t, gamma, eps, frozen, out):
+        n = x.shape[0]
+        nbad = 0
+        nc = min(n, _CHUNKS)
+        stream = _stream_rows(out, STREAM_SHORT_ROW_MIN_BYTES)
+        for c in prange(nc):
+            for r in range(c * n // nc, (c + 1) * n // nc):
+                nx = min(r + 1, n - 1)
+                if core(x[r], t[r], gamma, eps, frozen, out[r], x[nx], t[nx], stream):
+                    nbad += 1
+            if stream:
+                store_fence()
+        return nbad
+
+    return batch
+
+
+_layer_norm_jvp_batch = _tangent_batch(_layer_norm_jvp_row)
+_layer_norm_vjp_batch = _tangent_batch(_layer_norm_vjp_row)
+
+
 @register("layer_norm_jvp", "numba")
-@pjit
+@jit
 def layer_norm_jvp(x, v, gamma, eps, frozen, out):
     """x, v, out : (n, d); gamma : (d,). Returns the number of bad rows."""
-    n = x.shape[0]
-    nbad = 0
-    nc = min(n, _CHUNKS)
-    stream = _stream_rows(out, STREAM_SHORT_ROW_MIN_BYTES)
-    for c in prange(nc):
-        for r in range(c * n // nc, (c + 1) * n // nc):
-            nx = min(r + 1, n - 1)
-            if _layer_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], x[nx], v[nx], stream):
-                nbad += 1
-        if stream:
-            store_fence()
-    return nbad
+    return _layer_norm_jvp_batch(x, v, gamma, eps, frozen, out)
 
 
 @register("layer_norm_vjp", "numba")
-@pjit
+@jit
 def layer_norm_vjp(x, u, gamma, eps, frozen, out):
     """x, u, out : (n, d); gamma : (d,). Returns the number of bad rows."""
-    n = x.shape[0]
-    nbad = 0
-    nc = min(n, _CHUNKS)
-    stream = _stream_rows(out, STREAM_SHORT_ROW_MIN_BYTES)
-    for c in prange(nc):
-        for r in range(c * n // nc, (c + 1) * n // nc):
-            nx = min(r + 1, n - 1)
-            if _layer_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], x[nx], u[nx], stream):
-                nbad += 1
-        if stream:
-            store_fence()
-    return nbad
+    return _layer_norm_vjp_batch(x, u, gamma, eps, frozen, out)
 
 
 @register("layer_norm_jacobian", "numba")

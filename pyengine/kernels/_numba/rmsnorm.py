@@ -29,6 +29,7 @@ from .layernorm import (
     _prefetch_out,
     _prefetch_out_head,
     _stream_rows,
+    _tangent_batch,
 )
 
 __all__ = ["rms_norm", "rms_norm_jacobian", "rms_norm_jvp", "rms_norm_vjp"]
@@ -146,40 +147,22 @@ def rms_norm(x, gamma, eps, out):
     return nbad
 
 
+_rms_norm_jvp_batch = _tangent_batch(_rms_norm_jvp_row)
+_rms_norm_vjp_batch = _tangent_batch(_rms_norm_vjp_row)
+
+
 @register("rms_norm_jvp", "numba")
-@pjit
+@jit
 def rms_norm_jvp(x, v, gamma, eps, frozen, out):
     """x, v, out : (n, d); gamma : (d,). Returns the number of bad rows."""
-    n = x.shape[0]
-    nbad = 0
-    nc = min(n, _CHUNKS)
-    stream = _stream_rows(out, STREAM_SHORT_ROW_MIN_BYTES)
-    for c in prange(nc):
-        for r in range(c * n // nc, (c + 1) * n // nc):
-            nx = min(r + 1, n - 1)
-            if _rms_norm_jvp_row(x[r], v[r], gamma, eps, frozen, out[r], x[nx], v[nx], stream):
-                nbad += 1
-        if stream:
-            store_fence()
-    return nbad
+    return _rms_norm_jvp_batch(x, v, gamma, eps, frozen, out)
 
 
 @register("rms_norm_vjp", "numba")
-@pjit
+@jit
 def rms_norm_vjp(x, u, gamma, eps, frozen, out):
     """x, u, out : (n, d); gamma : (d,). Returns the number of bad rows."""
-    n = x.shape[0]
-    nbad = 0
-    nc = min(n, _CHUNKS)
-    stream = _stream_rows(out, STREAM_SHORT_ROW_MIN_BYTES)
-    for c in prange(nc):
-        for r in range(c * n // nc, (c + 1) * n // nc):
-            nx = min(r + 1, n - 1)
-            if _rms_norm_vjp_row(x[r], u[r], gamma, eps, frozen, out[r], x[nx], u[nx], stream):
-                nbad += 1
-        if stream:
-            store_fence()
-    return nbad
+    return _rms_norm_vjp_batch(x, u, gamma, eps, frozen, out)
 
 
 @register("rms_norm_jacobian", "numba")

@@ -255,6 +255,9 @@ def _power_row(centre, x, g, eps, frozen, v0, tol, max_iter, v, acc):
         sxv += (_f64(x[i]) - mu) * inv * t
     if not np.isfinite(vv):
         return True, np.nan, np.nan, 0
+    # LayerNorm with eps = 0 and d = 2 (full mode): J = 0 exactly; sigma 0, residual 0, 0 iterations
+    if centre and not frozen and eps == 0.0 and d == 2:
+        return False, 0.0, 0.0, 0
     if vv == 0.0:
         return False, 0.0, np.inf, 0
     alpha = 1.0 / math.sqrt(vv)
@@ -274,7 +277,7 @@ def _power_row(centre, x, g, eps, frozen, v0, tol, max_iter, v, acc):
             res = np.inf
             break
         res = math.sqrt(rr) / rho
-        if res <= tol:
+        if res <= tol or ww == 0.0:  # J^T J v = 0 exactly: no next vector (not converged)
             break
         alpha = 1.0 / math.sqrt(ww)
     return False, sigma, res, k

@@ -334,6 +334,9 @@ def _lanczos_row(centre, x, gamma, eps, frozen, v0, tol, max_iter, Q, vec, tri, 
         top = max(top, a)
     if not finite:
         return True, np.nan, np.nan, 0
+    # LayerNorm with eps = 0 and d = 2 (full mode): J = 0 exactly; sigma 0, residual 0, 0 iterations
+    if centre and full and eps == 0.0 and d == 2:
+        return False, 0.0, 0.0, 0
     if top == 0.0:
         return False, 0.0, np.inf, 0
     q0 = Q[0]

@@ -11,3 +11,4 @@ from . import activations  # noqa: F401  (registers the softmax and activation k
 from . import attention  # noqa: F401  (registers the attention backward kernels)
 from . import orthogonalize  # noqa: F401  (registers the Newton–Schulz kernel)
 from . import linear  # noqa: F401  (registers the dense-layer kernels)
+from . import linear_attention  # noqa: F401  (registers the block engine's attention heads)

@@ -62,20 +62,9 @@ import math
 import numpy as np
 from scipy import special
 
-from ...backends import register
+from ...backends import ACTIVATION_KERNELS, register
 
-__all__ = [
-    "softmax",
-    "softmax_jvp",
-    "gelu",
-    "gelu_grad",
-    "gelu_tanh",
-    "gelu_tanh_grad",
-    "relu",
-    "relu_grad",
-    "silu_gated",
-    "silu_gated_grad",
-]
+__all__ = list(ACTIVATION_KERNELS)  # one reference per kernel id of the family
 
 _INV_SQRT_2PI = 1.0 / math.sqrt(2.0 * math.pi)
 #: GELU tanh approximation (Hendrycks & Gimpel): z = C (x + A x^3).

@@ -1,4 +1,4 @@
-"""Reference dense-layer kernels: ``linear``, ``linear_act``, ``linear_mul`` (issue 18).
+"""Reference dense-layer kernels: ``linear``, ``linear_act``, ``linear_mul``.
 
 The contract every backend follows, for x (N, k), w (k, n), of one dtype (float32 or
 float64), C-contiguous, and out (N, n):

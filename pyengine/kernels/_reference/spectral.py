@@ -46,7 +46,10 @@ J^T J), rho = |u|^2 (the Rayleigh quotient), residual = |w - rho v| / rho; stop 
 residual <= tol, else v = w/|w|. Outputs: sigma = |J v| = sqrt(rho) for the last unit v
 (a lower bound of sigma_max up to rounding), the residual at exit, and k (the number of
 products). A zero Rayleigh quotient (v in the null space of J, e.g. v0 constant for
-LayerNorm) or a zero v0 stops with sigma = 0 and residual = inf: not converged.
+LayerNorm) or a zero v0 stops with sigma = 0 and residual = inf: not converged; so does
+w = 0 exactly (no next vector). The zero operator (LayerNorm, eps = 0, d = 2, full mode: J = 0)
+gives sigma = 0, residual = 0 (converged) and 0 iterations, as the exact method; every other
+row reports iterations in [1, max_iter].
 Internal arithmetic is float64.
 """
 
@@ -210,7 +213,10 @@ def _power_iteration(norm, x, gamma, eps, frozen, v0, tol, max_iter, sigma, resi
     sigma[...] = 0.0
     residual[...] = np.inf
     iterations[...] = 0
-    active = np.flatnonzero(~bad & (norm0 > 0))
+    zero = norm == "layer_norm" and not frozen and eps == 0 and d == 2  # J = 0 exactly: 0 iterations
+    if zero:
+        sigma[~bad], residual[~bad] = 0.0, 0.0
+    active = np.flatnonzero(~bad & (norm0 > 0) & (not zero))
     u = np.empty((n, d))
     w = np.empty((n, d))
     for k in range(1, max_iter + 1):
@@ -229,8 +235,8 @@ def _power_iteration(norm, x, gamma, eps, frozen, v0, tol, max_iter, sigma, resi
         sigma[active] = np.sqrt(rho)
         residual[active] = res
         iterations[active] = k
-        go = (res > tol) & (rho > 0)
         wn = np.sqrt(np.einsum("nd,nd->n", wa, wa))
+        go = (res > tol) & (rho > 0) & (wn > 0)  # wn = 0: J^T J v = 0 exactly, no next vector
         if whole and go.all():
             np.divide(wa, wn[:, None], out=v)
         else:

@@ -5,7 +5,8 @@ float32/float64, ``gamma`` (d,) of its dtype, ``v0`` (n, d) float64 start vector
 the generic solver, ``spectral_norm``), outputs ``sigma``, ``residual`` (n,) float64 and
 ``iterations`` (n,) int64; returns the number of bad rows (non-finite statistics, NaN/Inf in
 v0, zero scale), whose outputs are NaN with 0 iterations. A zero v0 gives sigma 0,
-residual inf (not converged).
+residual inf (not converged); the zero operator (LayerNorm, eps = 0, d = 2, full mode)
+sigma 0, residual 0 and 0 iterations.
 
 The algorithm, per token, is stated in :mod:`pyengine.kernels._numba.spectral_lanczos`
 (symmetric Lanczos on K^T K, K = s J, with full reorthogonalization, the Ritz pair
@@ -76,6 +77,9 @@ def _token(centre, x, g, eps, frozen, v0, tol, max_iter):
     top = np.abs(v0).max()
     if not np.isfinite(top):
         return True, np.nan, np.nan, 0
+    # LayerNorm with eps = 0 and d = 2 (full mode): J = 0 exactly; sigma 0, residual 0, 0 iterations
+    if centre and not frozen and eps == 0 and d == 2:
+        return False, 0.0, 0.0, 0
     if top == 0:
         return False, 0.0, np.inf, 0
     q = v0 / top

@@ -14,6 +14,11 @@ import pytest
 from pyengine import cli
 from pyengine.experiments import attention_dynamics, format_attention_table, write_attention_report
 from pyengine.experiments.attention_dynamics import (
+    HELDOUT_OFFSET,
+    M_STEP_RIDGE,
+    VALIDATION_OFFSET,
+    EvalSet,
+    Evaluator,
     Model,
     bayes_entropy,
     init_params,
@@ -130,30 +135,44 @@ def test_float32_default_agrees_with_float64():
     assert attention_dynamics.__kwdefaults__["dtype"] == "float32"
     for arm in runs[0].arms:
         np.testing.assert_allclose(runs[0].metrics[arm]["loss"], runs[1].metrics[arm]["loss"], rtol=0, atol=1e-6)
+        np.testing.assert_allclose(runs[0].curves[arm]["heldout_loss"], runs[1].curves[arm]["heldout_loss"], rtol=0,
+                                   atol=1e-5)
 
 
 def test_report_has_every_metric_and_the_paired_comparison(small_report, tmp_path):
     rep = small_report
     assert rep.arms == ("gd", "value_lr", "m_step") and rep.seeds == (1, 2)
     for arm in rep.arms:
-        for m in ("loss", "accuracy", "pred_entropy", "attn_entropy", "adv_spread"):
+        for m in ("loss", "accuracy", "pred_entropy", "attn_entropy", "adv_spread", "key_orth"):
             a = rep.metrics[arm][m]
             assert a.shape == (2, 13) and np.isfinite(a).all()
         assert rep.value_pca[arm].shape == (2, 2)
+        assert rep.curves[arm]["heldout_loss"].shape == (2, 12) and rep.curves[arm]["heldout_each"].shape == (2, 12, 4)
+        assert all(rep.changes[arm][k].shape == (2, 12) for k in ("routing_move", "value_move", "routing_change"))
+    assert rep.schedule.tolist() == list(range(11)) + [12]
     # same initialization and data for every arm of a seed: the same step-0 metrics (m_step forms
     # O as Z W_V instead of attending over X W_V: equal up to rounding)
     np.testing.assert_array_equal(rep.metrics["gd"]["loss"][:, 0], rep.metrics["value_lr"]["loss"][:, 0])
     np.testing.assert_allclose(rep.metrics["gd"]["loss"][:, 0], rep.metrics["m_step"]["loss"][:, 0], rtol=1e-13)
     assert (rep.steps_to_gd_final("gd") <= 12).all()
     pair = rep.paired("m_step")
-    assert pair["n"] == 2 and math.isfinite(pair["mean_diff"])
+    assert pair["n"] == 2 and math.isfinite(pair["heldout"]["mean"])
     text = format_attention_table(rep)
-    assert "Bayes floor" in text and "m_step" in text
+    assert "Bayes floor" in text and "m_step" in text and text.splitlines()[-1].startswith("verdict: ")
+    assert "300 parameters" in text and "T = 80 tokens" in text
+    assert f"m_step ridge {M_STEP_RIDGE:g}: the default, chosen on the validation" in text
     paths = write_attention_report(rep, str(tmp_path), plots=True)
     assert {os.path.basename(p) for p in paths} == {"attention.json", "attention.csv", "attention_loss.png",
                                                     "attention_heatmaps.png", "attention_value_pca.png"}
     data = json.loads((tmp_path / "attention.json").read_text())
     assert abs(data["bayes_entropy"] - rep.bayes_entropy) < 1e-12
+    for arm in rep.arms:
+        assert data["final"][arm]["heldout_loss"] == rep.final(arm).tolist()
+        assert data["final"][arm]["train_loss"] == rep.metrics[arm]["loss"][:, -1].tolist()
+        assert data["curves"][arm]["steps"] == rep.schedule.tolist()
+        assert data["curves"][arm]["heldout_loss"] == rep.curves[arm]["heldout_loss"].tolist()
+        assert data["curves"][arm]["train_loss"] == rep.metrics[arm]["loss"][:, rep.schedule].tolist()
+    assert data["verdict"] == text.splitlines()[-1]
     lines = (tmp_path / "attention.csv").read_text().splitlines()
     assert len(lines) == 1 + 3 * 2 * 13
 
@@ -202,6 +221,9 @@ def test_worker_processes_give_the_serial_report_exactly():
         for m in serial.metrics[arm]:
             np.testing.assert_array_equal(par.metrics[arm][m], serial.metrics[arm][m])
         np.testing.assert_array_equal(par.value_pca[arm], serial.value_pca[arm])
+        for d in (par.curves, par.changes):
+            for k, v in d[arm].items():
+                np.testing.assert_array_equal(v, (serial.curves if d is par.curves else serial.changes)[arm][k])
         for step, h in serial.heatmaps[arm].items():
             np.testing.assert_array_equal(par.heatmaps[arm][step], h)
     np.testing.assert_array_equal(par.m_step_skipped, serial.m_step_skipped)
@@ -214,3 +236,105 @@ def test_cli_workers_flag(tmp_path, capsys):
     assert cli.main(["attention", "--steps", "2", "--seeds", "5,6", "--T", "30", "--workers", "2",
                      "--out", str(tmp_path), "--no-plots", "--progress", "never"]) == 0
     assert "2 worker(s)" in capsys.readouterr().out
+
+
+def test_evaluator_is_the_training_forward_on_each_sequence(backend):
+    P, mu = markov_chain(8, 0.3), np.random.default_rng(0).standard_normal((8, 20))
+    seqs = [make_data(P, 37, mu, np.random.default_rng(s)) for s in (1, 2, 3)]
+    W = {k: 3 * v for k, v in init_params(np.random.default_rng(4), 8, "float64").items()}
+    ev = Evaluator(np.stack([x for x, _ in seqs]), np.stack([y for _, y in seqs]), 8, backend)
+    want = [Model(x, y, 8, backend).step(W)[0]["loss"] for x, y in seqs]
+    np.testing.assert_allclose(ev.losses(W), want, rtol=1e-12)
+    with pytest.raises(ValueError, match="X must be"):
+        Evaluator(seqs[0][0], seqs[0][1], 8)
+
+
+def test_heldout_and_validation_sequences_are_fresh_draws_of_the_same_chain():
+    P, mu = markov_chain(8, 0.3), np.random.default_rng(0).standard_normal((8, 20))
+    ev = EvalSet(7, P, 50, mu, 3, "float64", "auto")
+    assert ev.X.shape == (4, 50, 20)
+    for i, s in enumerate([7 + HELDOUT_OFFSET, 7 + HELDOUT_OFFSET + 1, 7 + HELDOUT_OFFSET + 2, 7 + VALIDATION_OFFSET]):
+        X, y = make_data(P, 50, mu, np.random.default_rng(s))
+        np.testing.assert_array_equal(ev.X[i], X)
+        np.testing.assert_array_equal(ev.evaluator.y[i], y)
+    train, _ = make_data(P, 50, mu, np.random.default_rng(7))
+    assert not any(np.array_equal(train, x) for x in ev.X)
+
+
+def test_heldout_losses_stay_above_the_floor_while_the_m_step_fits_the_sample():
+    """Reduced configuration (T = 300 < W_V's 300 parameters, no ridge): the M-step drives the training
+    loss below the Bayes floor, but no arm's held-out loss goes below the floor minus its sampling error
+    (the standard error over the held-out sequences) at any evaluated step."""
+    rep = attention_dynamics(seeds=(1, 2), steps=15, T=300, m_step_ridge=0.0, eval_every=5)
+    floor = rep.bayes_entropy
+    assert (rep.below_floor("m_step") < floor).all()  # the sample is fitted
+    for arm in rep.arms:
+        each = rep.curves[arm]["heldout_each"]
+        se = each.std(axis=2, ddof=1) / math.sqrt(each.shape[2])
+        assert (rep.curves[arm]["heldout_loss"] >= floor - se).all(), arm
+    assert "FLAG m_step" in format_attention_table(rep)
+
+
+def test_m_step_with_ridge_reaches_the_penalized_minimizer():
+    """Iterated with routing and W_O fixed, the ridge M-step converges to the minimizer of mean CE +
+    ridge / 2 |W_V|^2, found independently by L-BFGS on a torch-autograd objective."""
+    import torch
+    from scipy.optimize import minimize
+
+    model, W = _model(T=64)
+    ridge = 0.05
+    Z = model.attend(W, V=model.X)[3].copy()
+    for _ in range(30):
+        new_v, taken, before, after = m_step(model, W, 1e-3, Z, ridge=ridge)
+        assert after <= before
+        W = dict(W, W_V=new_v)
+    Zt, Wo, y = torch.from_numpy(Z), torch.from_numpy(W["W_O"]), torch.from_numpy(model.y)
+
+    def f(v):
+        wv = torch.tensor(v.reshape(20, 15), requires_grad=True)
+        loss = torch.nn.functional.cross_entropy(Zt @ wv @ Wo, y) + 0.5 * ridge * (wv ** 2).sum()
+        loss.backward()
+        return loss.item(), wv.grad.numpy().ravel().copy()
+
+    res = minimize(f, np.zeros(300), jac=True, method="L-BFGS-B", options={"gtol": 1e-12, "ftol": 1e-15})
+    assert abs(f(W["W_V"].ravel())[0] - res.fun) < 1e-10
+    np.testing.assert_allclose(W["W_V"].ravel(), res.x, atol=1e-5)
+    assert np.linalg.norm(f(W["W_V"].ravel())[1]) < 1e-9
+
+
+def test_cli_toy_preset_and_ridge_flag(tmp_path, capsys):
+    assert cli.main(["attention", "--preset", "toy", "--seeds", "5", "--T", "24", "--arms", "gd,m_step",
+                     "--m-step-ridge", "0.1", "--out", str(tmp_path), "--no-plots", "--progress", "never"]) == 0
+    assert "(toy)" in capsys.readouterr().out
+    data = json.loads((tmp_path / "attention.json").read_text())
+    assert data["config"]["steps"] == 100 and data["config"]["m_step_ridge"] == 0.1
+    assert data["curves"]["gd"]["steps"] == list(range(101))
+    with pytest.raises(SystemExit):
+        cli.main(["attention", "--m-step-ridge", "-1"])
+    assert "must be a number >= 0" in capsys.readouterr().err
+
+
+def test_step_zero_analyses_are_the_direct_computations():
+    """Key orthogonality, the value manifold and the first routing / value moves of the gd arm at step 0,
+    recomputed from the seed's data and initial weights with plain NumPy loops and eigh."""
+    rep = attention_dynamics(seeds=(3,), arms=("gd",), steps=2, T=60, n_heldout=2, dtype="float64")
+    P, mu = markov_chain(8, 0.3), np.random.default_rng(0).standard_normal((8, 20))
+    rng = np.random.default_rng(3)
+    X, y = make_data(P, 60, mu, rng)
+    W = init_params(rng, 8, "float64")
+    K = mu @ W["W_K"]
+    cos = [abs(K[a] @ K[b]) / np.linalg.norm(K[a]) / np.linalg.norm(K[b]) for a in range(8) for b in range(8) if a != b]
+    assert abs(rep.metrics["gd"]["key_orth"][0, 0] - np.mean(cos)) < 1e-14
+    Xh, _ = make_data(P, 60, mu, np.random.default_rng(3 + HELDOUT_OFFSET))
+    V = Xh @ W["W_V"]
+    lik = np.exp(-0.5 * ((Xh[:, None, :] - mu[None]) ** 2).sum(axis=2)) * stationary(P)
+    post = lik / lik.sum(axis=1, keepdims=True)
+    h = -(post * np.log(post)).sum(axis=1)
+    evals, evecs = np.linalg.eigh(np.cov(V.T))
+    score = (V - V.mean(axis=0)) @ evecs[:, -1]
+    assert abs(rep.curves["gd"]["value_pc1"][0, 0] - evals[-1] / evals.sum()) < 1e-12
+    assert abs(rep.curves["gd"]["value_rho"][0, 0] - abs(np.corrcoef(score, h)[0, 1])) < 1e-10
+    _, g, _ = Model(X, y, 8).step(W)
+    R0, R1 = W["W_Q"] @ W["W_K"].T, (W["W_Q"] - 0.01 * g["W_Q"]) @ (W["W_K"] - 0.01 * g["W_K"]).T
+    assert abs(rep.changes["gd"]["routing_move"][0, 0] - np.linalg.norm(R1 - R0)) < 1e-14
+    assert abs(rep.changes["gd"]["value_change"][0, 0] - 0.01 * np.linalg.norm(g["W_V"]) / np.linalg.norm(W["W_V"])) < 1e-14

@@ -98,15 +98,33 @@ def _positive_float(text: str) -> float:
     return value
 
 
+def _nonnegative_float(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0; got {text}") from None
+    if not value >= 0:
+        raise argparse.ArgumentTypeError(f"must be a number >= 0; got {text}")
+    return value
+
+
 def add_parser(subparsers) -> argparse.ArgumentParser:
     """Add ``attention`` to the ``pyengine`` subcommands."""
     a = subparsers.add_parser(
         "attention", help="attention gradient dynamics on a sticky Markov chain: EM-style value updates vs GD",
         description="Train a single causal attention head full-batch on a sticky Markov chain (8 symbols) with "
-                    "three arms: gd (lr on all weights), value_lr (10x lr on W_V) and m_step (a damped Newton "
-                    "M-step on W_V with routing fixed), over several seeds; print the table, write JSON, CSV "
-                    "and plots.")
-    a.add_argument("--steps", type=_positive, default=1000, help="training steps per run (default 1000)")
+                    "three arms: gd (lr on all weights), value_lr (10x lr on W_V) and m_step (a damped, ridge-"
+                    "penalized Newton M-step on W_V with routing fixed), over several seeds; evaluate every arm on "
+                    "held-out sequences of the same chain; print the table and the verdict, write JSON, CSV and "
+                    "plots.")
+    a.add_argument("--preset", choices=["default", "toy"], default="default",
+                   help="default: 1000 steps, held-out losses at steps 0-10 and every 20th; toy: the short run, "
+                        "100 steps, held-out losses at every step (--steps and --eval-every override either)")
+    a.add_argument("--steps", type=_positive, default=None, help="training steps per run (default: the preset's)")
+    a.add_argument("--eval-every", type=_positive, default=None,
+                   help="held-out evaluation every this many steps, and at steps 0-10 (default: the preset's)")
+    a.add_argument("--n-heldout", type=_positive, default=4,
+                   help="held-out sequences per seed, seeds seed + 10000 + i (default 4)")
     a.add_argument("--seeds", type=_ints, default=[42, 2024, 1337, 7777, 9999],
                    help="comma-separated seeds (default 42,2024,1337,7777,9999)")
     a.add_argument("--arms", type=_arms, default=["gd", "value_lr", "m_step"],
@@ -118,6 +136,9 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help="value_lr arm: factor on W_V's learning rate (default 10)")
     a.add_argument("--newton-damping", type=_positive_float, default=1e-3,
                    help="m_step arm: damping relative to the Hessian's mean eigenvalue (default 1e-3)")
+    a.add_argument("--m-step-ridge", type=_nonnegative_float, default=None,
+                   help="m_step arm: ridge penalty r / 2 |W_V|^2 in the M-step (default: the one chosen on the "
+                        "validation sequences, see the experiment's docstring)")
     a.add_argument("--dtype", choices=["float32", "float64"], default="float32",
                    help="dtype of the data, weights and attention kernels (default float32: about twice as "
                         "fast as float64; the final losses agree to ~1e-7)")
@@ -138,13 +159,19 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
 def run(args: argparse.Namespace) -> int:
     """Run the experiment with the parsed arguments; print the table and write the outputs."""
     from ..experiments import attention_dynamics, format_attention_table, write_attention_report
+    from ..experiments.attention_dynamics import M_STEP_RIDGE, PRESETS
 
+    preset = PRESETS[args.preset]
+    steps = args.steps if args.steps is not None else preset["steps"]
+    every = args.eval_every if args.eval_every is not None else preset["eval_every"]
+    ridge = args.m_step_ridge if args.m_step_ridge is not None else M_STEP_RIDGE
     try:
-        print(f"pyengine attention: {len(args.seeds)} seed(s) x {len(args.arms)} arm(s) x {args.steps} steps, "
-              f"T = {args.T}, {args.dtype}, {args.workers} worker(s); output folder {args.out}", flush=True)
-        rep = attention_dynamics(seeds=args.seeds, arms=args.arms, steps=args.steps, T=args.T, stay=args.stay,
+        print(f"pyengine attention ({args.preset}): {len(args.seeds)} seed(s) x {len(args.arms)} arm(s) x {steps} "
+              f"steps, T = {args.T}, {args.dtype}, {args.workers} worker(s); output folder {args.out}", flush=True)
+        rep = attention_dynamics(seeds=args.seeds, arms=args.arms, steps=steps, T=args.T, stay=args.stay,
                                  lr=args.lr, value_lr_factor=args.value_lr_factor,
-                                 newton_damping=args.newton_damping, dtype=args.dtype, backend=args.backend,
+                                 newton_damping=args.newton_damping, m_step_ridge=ridge, n_heldout=args.n_heldout,
+                                 eval_every=every, dtype=args.dtype, backend=args.backend,
                                  progress=_held(_Bar(args.progress)), workers=args.workers)
         print(format_attention_table(rep))
         prov = block(args, seeds=list(args.seeds), dtype=args.dtype, backend=args.backend,

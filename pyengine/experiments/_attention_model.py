@@ -2,8 +2,9 @@
 
 :class:`Model` holds the data and the fused attention kernels (forward and backward)
 and computes the metrics and the exact gradient of the mean cross-entropy at given
-weights; :func:`m_step` is the damped Newton (IRLS) step in W_V with routing and W_O
-held fixed, :func:`value_hessian` its Hessian. The protocol, the M-step's definition and
+weights; :class:`Evaluator` the forward-only loss on held-out sequences (one fused
+kernel call for all of them); :func:`m_step` is the damped Newton (IRLS) step in W_V
+with routing and W_O held fixed, :func:`value_hessian` its Hessian. The protocol, the M-step's definition and
 the constants are documented in the experiment's module docstring; they are re-exported
 there (import them from ``attention_dynamics``).
 """
@@ -18,7 +19,7 @@ from scipy.linalg.blas import dsyrk  # imported at load: threadpool_limits only 
 
 from ..backends import resolve
 
-__all__ = ["D_IN", "D_K", "D_V", "LINE_SEARCH", "Model", "m_step", "value_hessian"]
+__all__ = ["D_IN", "D_K", "D_V", "LINE_SEARCH", "Evaluator", "Model", "m_step", "value_hessian"]
 
 D_IN, D_K, D_V = 20, 10, 15
 #: Halvings of the Newton step before the M-step gives up on a step.
@@ -119,6 +120,40 @@ class Model:
         return metrics, grads, Z
 
 
+class Evaluator:
+    """The mean cross-entropy of the head on B sequences of equal length, forward only.
+
+    Parameters
+    ----------
+    X : ndarray, shape (B, T, d_in), float32 or float64
+        The inputs; the kernels compute in X's dtype.
+    y : ndarray, shape (B, T), int
+        The targets.
+    """
+
+    def __init__(self, X: np.ndarray, y: np.ndarray, n_symbols: int, backend: str = "auto") -> None:
+        if X.ndim != 3 or y.shape != X.shape[:2]:
+            raise ValueError(f"X must be (B, T, d) and y (B, T); got {X.shape} and {y.shape}")
+        self.X, self.y = np.ascontiguousarray(X), y
+        B, T = y.shape
+        self.scale = 1.0 / math.sqrt(D_K)
+        self.fwd = resolve("attention_forward", backend)
+        self.lse, self.ent = np.empty((B, T)), np.empty((B, T))
+        self.out = np.empty((B, T, n_symbols), X.dtype)
+        self._pick = (y, np.arange(B)[:, None], np.arange(T)[None, :])
+
+    def losses(self, W: dict[str, np.ndarray]) -> np.ndarray:
+        """(B,) float64: each sequence's mean cross-entropy at the weights W (the training step's forward)."""
+        X = self.X
+        Q, K = X @ W["W_Q"], X @ W["W_K"]
+        Vo = (X @ W["W_V"]) @ W["W_O"]  # attend over V W_O, as Model.step does
+        if self.fwd(Q, K, np.ascontiguousarray(Vo), 0, self.scale, self.out, self.lse, self.ent):
+            raise FloatingPointError("the attention scores overflowed")
+        # (n_out, B, T) layout in float64: reductions over the 8 logits of a token are cheap across tokens
+        logp = _log_softmax_cols(np.ascontiguousarray(self.out.transpose(2, 0, 1), dtype=np.float64))[0]
+        return -logp[self._pick].mean(axis=1)
+
+
 def value_hessian(Z: np.ndarray, p: np.ndarray, Wo: np.ndarray) -> np.ndarray:
     """The Hessian in vec(W_V) (row-major) of the mean cross-entropy of Z W_V Wo: J H_L J^T.
 
@@ -139,10 +174,12 @@ def value_hessian(Z: np.ndarray, p: np.ndarray, Wo: np.ndarray) -> np.ndarray:
     return 0.5 * (H + H.T)  # symmetric to the last bit (the contraction order is not)
 
 
-def m_step(model: Model, W: dict[str, np.ndarray], damping: float, Z: np.ndarray | None = None
-           ) -> tuple[np.ndarray, bool, float, float]:
-    """One damped Newton step in W_V with routing and W_O fixed: (new W_V, taken, loss before, after).
+def m_step(model: Model, W: dict[str, np.ndarray], damping: float, Z: np.ndarray | None = None,
+           ridge: float = 0.0) -> tuple[np.ndarray, bool, float, float]:
+    """One damped Newton step in W_V with routing and W_O fixed: (new W_V, taken, objective before, after).
 
+    The objective is the mean cross-entropy plus ``ridge`` / 2 |W_V|_F^2 (a ridge penalty:
+    its gradient ridge W_V and Hessian ridge I are added to the cross-entropy's).
     ``Z`` = softmax(Q K^T / sqrt(dk), causal) X at W (from ``Model.step(W, want_z=True)``;
     computed here if None).
     """
@@ -154,16 +191,17 @@ def m_step(model: Model, W: dict[str, np.ndarray], damping: float, Z: np.ndarray
     base = Z @ Wv @ Wo
     logp = _log_softmax(base)
     p = np.exp(logp)
-    f0 = float(-(logp * model.Y).sum() / T)
-    g = Z.T @ ((p - model.Y) @ Wo.T) / T  # (dz, dv)
+    f0 = float(-(logp * model.Y).sum() / T) + 0.5 * ridge * float((Wv * Wv).sum())
+    g = Z.T @ ((p - model.Y) @ Wo.T) / T + ridge * Wv  # (dz, dv)
     H = value_hessian(Z, p, Wo)
     lam = damping * np.trace(H) / H.shape[0] + 1e-12
-    H[np.diag_indices_from(H)] += lam
+    H[np.diag_indices_from(H)] += lam + ridge
     delta = -cho_solve(cho_factor(H), g.reshape(-1)).reshape(dz, dv)
     dlog = Z @ delta @ Wo
     t = 1.0
     for _ in range(LINE_SEARCH):
-        f = model.loss(base + t * dlog)
+        cand = Wv + t * delta
+        f = model.loss(base + t * dlog) + 0.5 * ridge * float((cand * cand).sum())
         if f <= f0:
             return (Wv + t * delta).astype(W["W_V"].dtype), True, f0, f
         t *= 0.5

@@ -34,7 +34,7 @@ def _init(q: Any) -> None:
     set_num_threads(1)
 
 
-def _work(run_seed: Callable[..., dict], seed: int, arm: str, job: tuple) -> tuple[int, str, dict]:
+def _work(run_seed: Callable[..., dict], seed: int, arm: str, cfg: dict) -> tuple[int, str, dict]:
     from threadpoolctl import threadpool_limits
 
     count = [0]
@@ -46,15 +46,15 @@ def _work(run_seed: Callable[..., dict], seed: int, arm: str, job: tuple) -> tup
             count[0] = 0
 
     with threadpool_limits(1):  # BLAS loaded after the initializer (scipy's) is limited too
-        out = run_seed(seed, (arm,), *job[1:], tick=tick)[arm]
+        out = run_seed(seed, (arm,), cfg, tick=tick)[arm]
     if count[0]:
         _QUEUE.put((f"seed {seed} arm {arm}", count[0]))
     return seed, arm, out
 
 
-def run_seeds(run_seed: Callable[..., dict], seeds: Sequence[int], job: tuple, workers: int,
+def run_seeds(run_seed: Callable[..., dict], seeds: Sequence[int], arms: Sequence[str], cfg: dict, workers: int,
               tick: Callable[..., None], results: dict[int, Any]) -> None:
-    """Run ``run_seed(seed, *job)`` (a module-level function: it is pickled by name) for every seed in ``workers`` processes into ``results`` (as they finish).
+    """Run ``run_seed(seed, arms, cfg)`` (a module-level function: it is pickled by name) for every seed in ``workers`` processes into ``results`` (as they finish).
 
     The tasks are (seed, arm) pairs (an arm depends on its seed only: the data and the
     initialization are drawn from it), the M-step arms first (the longest), so that 5 seeds x
@@ -66,12 +66,11 @@ def run_seeds(run_seed: Callable[..., dict], seeds: Sequence[int], job: tuple, w
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(seeds) * len(job[0])), mp_context=ctx, initializer=_init,
+    pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(seeds) * len(arms)), mp_context=ctx, initializer=_init,
                                   initargs=(q,))
     try:
-        arms = job[0]
         order = sorted(arms, key=lambda a: a != "m_step")
-        pending = {pool.submit(_work, run_seed, s, a, job) for a in order for s in seeds}
+        pending = {pool.submit(_work, run_seed, s, a, cfg) for a in order for s in seeds}
         parts: dict[int, dict[str, Any]] = {s: {} for s in seeds}
         while pending:
             done, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)

@@ -164,6 +164,8 @@ def run(args: argparse.Namespace) -> int:
     finally:
         if client is not None:
             client.close()  # also stops a LocalCluster it started
+    for msg in res.damaged.values():
+        print(f"recomputed: {msg}")
     print(f"{len(res.points)} points ({res.computed} computed now, {len(res.points) - res.computed} stored before) "
           f"in {res.tasks} tasks, {res.seconds:.2f} s")
     _summary(load(out), out, getattr(args, "format", "png"))

@@ -13,13 +13,15 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 import numpy as np
 
 from .._figures import COLUMN, log_axis, save, styled, subplots
 from .._progress import Progress
-from ..distributed import load, local_client, scan
+from ..distributed import Store, load, local_client, scan
+from ..distributed.cluster import close_client
 from ._args import add_format_option, floats, non_negative, positive, positive_float
 from ._provenance import block, named_model_fields
 from ._stages import hold
@@ -133,6 +135,13 @@ def _provenance(args: argparse.Namespace, grid: dict[str, Any]) -> dict[str, Any
     return block(args, seeds=seeds, inputs=(getattr(args, "corpus", None), getattr(args, "prompts", None)), **fields)
 
 
+def _kept(out: str) -> str:
+    """What an interrupted scan kept: the point files in the store ``out``."""
+    n = len(Store(out).done(sys.maxsize)) if os.path.isdir(out) else 0
+    return (f"the {n} finished point(s) are in the store {out} (continue with --resume)" if n
+            else "no point had finished")
+
+
 def run(args: argparse.Namespace) -> int:
     out = args.out or f"scan-{args.job}"
     grid = _grid(args)
@@ -140,30 +149,27 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError(f"--workers must be >= 0; got {args.workers}")
     prov = _provenance(args, grid)
     bar = Progress(args.progress, label=f"scan {args.job}", unit="points")
-    client = None
+    client, interrupted = None, False
     try:
         if args.scheduler or args.workers:
             client = local_client(args.workers or 1, scheduler=args.scheduler)
         where = args.scheduler or (f"LocalCluster of {args.workers} workers on 127.0.0.1" if client else "in-process")
         print(f"pyengine scan {args.job}: {where}, out {out}")
-        done = [0]
 
         def progress(n: int, total: int) -> None:  # a point is in the store before it is counted
-            done[0] = n
             bar.count(n, total)
             if n:
                 hold()
 
-        try:
-            res = scan(args.job, grid, client=client, out=out, chunk=args.chunk, resume=args.resume,
-                       memory_budget=int(args.memory_budget * 2**20), progress=progress, provenance=prov)
-        except KeyboardInterrupt:
-            kept = (f"the {done[0]} finished point(s) are in the store {out} (continue with --resume)" if done[0]
-                    else "no point had finished")
-            raise KeyboardInterrupt(kept) from None
+        res = scan(args.job, grid, client=client, out=out, chunk=args.chunk, resume=args.resume,
+                   memory_budget=int(args.memory_budget * 2**20), progress=progress, provenance=prov)
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         if client is not None:
-            client.close()  # also stops a LocalCluster it started
+            interrupted = close_client(client) or interrupted
+    if interrupted:  # also a Ctrl-C while the cluster closed after the last point
+        raise KeyboardInterrupt(_kept(out))
     for msg in res.damaged.values():
         print(f"recomputed: {msg}")
     print(f"{len(res.points)} points ({res.computed} computed now, {len(res.points) - res.computed} stored before) "

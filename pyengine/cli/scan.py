@@ -22,7 +22,7 @@ from .._figures import COLUMN, log_axis, save, styled, subplots
 from .._progress import Progress
 from ..distributed import Store, load, local_client, scan
 from ..distributed.cluster import close_client
-from ._args import add_format_option, floats, non_negative, positive, positive_float
+from ._args import add_format_option, floats, non_negative, positive, positive_float, positive_floats, width
 from ._provenance import block, named_model_fields
 from ._stages import hold
 
@@ -117,7 +117,10 @@ def _grid(args: argparse.Namespace) -> dict[str, Any]:
     if args.job == "attention":
         return {"seeds": args.seeds, "lrs": args.lrs, "steps": args.steps, "T": args.T}
     if args.job == "stability":
-        return {"schemes": args.schemes.split(","), "depth": args.depth, "width": args.width, "seed": args.seed}
+        schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+        if not schemes:
+            raise ValueError(f"--schemes needs at least one initialization scheme; got {args.schemes!r}")
+        return {"schemes": schemes, "depth": args.depth, "width": args.width, "seed": args.seed}
     return {"seeds": list(range(args.points)), "tokens": args.tokens, "d": args.d}
 
 
@@ -135,6 +138,16 @@ def _provenance(args: argparse.Namespace, grid: dict[str, Any]) -> dict[str, Any
     return block(args, seeds=seeds, inputs=(getattr(args, "corpus", None), getattr(args, "prompts", None)), **fields)
 
 
+def _note_repeats(args: argparse.Namespace) -> None:
+    """Say on stderr when --tokens is more than the corpus has: the job repeats the text."""
+    from ..distributed.model_jobs import corpus_size
+
+    n = corpus_size(args.model, args.corpus)
+    if 0 < n < args.tokens:
+        print(f"pyengine scan spectral: note: the corpus has {n} tokens for {args.model}; --tokens {args.tokens} "
+              f"repeats it {args.tokens / n:.1f} times (give a longer --corpus, or fewer --tokens)", file=sys.stderr)
+
+
 def _kept(out: str) -> str:
     """What an interrupted scan kept: the point files in the store ``out``."""
     n = len(Store(out).done(sys.maxsize)) if os.path.isdir(out) else 0
@@ -147,6 +160,8 @@ def run(args: argparse.Namespace) -> int:
     grid = _grid(args)
     if args.workers < 0:
         raise ValueError(f"--workers must be >= 0; got {args.workers}")
+    if args.job == "spectral":
+        _note_repeats(args)
     prov = _provenance(args, grid)
     bar = Progress(args.progress, label=f"scan {args.job}", unit="points")
     client, interrupted = None, False
@@ -214,7 +229,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     rc.add_argument("--prompts", metavar="FILE", help="one prompt per line")
     rc.add_argument("--layers", type=_ints, default=[2], help="comma-separated injection layers (default 2)")
     rc.add_argument("--directions", type=positive, default=4, help="seeded random directions (default 4)")
-    rc.add_argument("--scales", type=floats, default=[1.0, 4.0, 16.0],
+    rc.add_argument("--scales", type=positive_floats, default=[1.0, 4.0, 16.0],
                     help="comma-separated injection scales (default 1,4,16)")
     rc.add_argument("--linearized", action="store_true", help="also the linearized propagation")
     rc.add_argument("--seed", type=non_negative, default=0, help="seed of the random directions")
@@ -228,7 +243,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     st.add_argument("--schemes", default="kaiming_normal,xavier_normal,torch_default,orthogonal",
                     help="comma-separated initialization schemes")
     st.add_argument("--depth", type=positive, default=48, help="layers (default 48)")
-    st.add_argument("--width", type=positive, default=768, help="d_model (default 768)")
+    st.add_argument("--width", type=width, default=768, help="d_model (default 768)")
     st.add_argument("--seed", type=non_negative, default=0, help="seed of the weights")
     nm = jobs.add_parser("norms", parents=[common], help="synthetic small tasks (benchmark of the machinery)")
     nm.add_argument("--points", type=positive, default=1000, help="grid points (default 1000)")

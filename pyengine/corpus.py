@@ -35,7 +35,7 @@ def load_corpus(path: str | os.PathLike[str] | None = None) -> list[str]:
     """The sentences of the built-in corpus (``path=None``) or of a UTF-8 text file.
 
     One sentence per line; blank lines and lines starting with ``#`` are skipped.
-    FileNotFoundError if ``path`` does not exist; ValueError if it holds no sentence.
+    FileNotFoundError if ``path`` does not exist; ValueError if it is not UTF-8 or holds no sentence.
     """
     if path is None:
         text = resources.files("pyengine").joinpath("data", "corpus.txt").read_text(encoding="utf-8")
@@ -45,9 +45,12 @@ def load_corpus(path: str | os.PathLike[str] | None = None) -> list[str]:
             raise TypeError(f"path must be a file path or None; got {type(path).__name__}")
         if not os.path.isfile(path):
             raise FileNotFoundError(f"path: no such corpus file {os.fspath(path)!r}")
-        with open(path, encoding="utf-8") as f:
-            text = f.read()
         where = f"corpus file {os.fspath(path)!r}"
+        try:
+            with open(path, encoding="utf-8") as f:
+                text = f.read()
+        except UnicodeDecodeError as exc:
+            raise ValueError(f"path: {where} is not UTF-8 text (byte {exc.start}: {exc.reason})") from None
     out = _parse(text)
     if not out:
         raise ValueError(f"path: {where} holds no sentence (one per line; '#' lines are comments)")

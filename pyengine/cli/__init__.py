@@ -12,7 +12,8 @@
                    condition of a model, steepest descent under norms.
 ``pyengine backends``  which backends load, and why not.
 
-Bad arguments never end in a traceback: one line on stderr and exit status 2;
+Bad arguments never end in a traceback: one line on stderr (with a "did you mean" for a
+mistyped option) and exit status 2;
 Ctrl-C ends the run with one line and exit status 130.
 
 One module per subcommand, named as the subcommand, in :data:`COMMANDS`; each has
@@ -49,9 +50,47 @@ def _commands() -> dict[str, ModuleType]:
     return {name: importlib.import_module(f"{__name__}.{name}") for name in COMMANDS}
 
 
+class _Parser(argparse.ArgumentParser):
+    """An ``ArgumentParser`` whose errors are one line, ``<prog>: error: <message>``, exit status 2
+    (no usage dump: ``--help`` shows it); its subparsers are of this class too."""
+
+    def error(self, message: str):  # type: ignore[override]
+        import difflib
+
+        bad = re.search(r"invalid choice: '([^']*)' \(choose from (.*)\)", message)
+        if bad and (m := difflib.get_close_matches(bad[1], re.findall(r"'([^']*)'", bad[2]), 1)):
+            message += f"; did you mean {m[0]!r}?"
+        end_line()
+        print(f"{self.prog}: error: {message}", file=sys.stderr)
+        sys.exit(2)
+
+
+def _options(p: argparse.ArgumentParser, args: argparse.Namespace) -> tuple[argparse.ArgumentParser, list[str]]:
+    """The innermost subparser chosen in ``args`` and its option strings."""
+    while True:
+        subs = [a for a in p._actions if isinstance(a, argparse._SubParsersAction)]
+        chosen = getattr(args, subs[0].dest, None) if subs else None
+        if chosen is None or chosen not in subs[0].choices:
+            return p, [o for a in p._actions for o in a.option_strings]
+        p = subs[0].choices[chosen]
+
+
+def _parse(p: argparse.ArgumentParser, argv: list[str]) -> argparse.Namespace:
+    """``p.parse_args(argv)``, with a "did you mean" for a mistyped option of the subcommand."""
+    import difflib
+
+    args, extra = p.parse_known_args(argv)
+    if extra:
+        sub, options = _options(p, args)
+        hints = [f"{a} (did you mean {m[0]}?)" if a.startswith("-")
+                 and (m := difflib.get_close_matches(a.split("=")[0], options, 1)) else a for a in extra]
+        sub.error(f"unrecognized arguments: {' '.join(hints)}")
+    return args
+
+
 def parser() -> argparse.ArgumentParser:
     """The argument parser of the ``pyengine`` command, with every subcommand of :data:`COMMANDS`."""
-    p = argparse.ArgumentParser(prog="pyengine", description=_plain(__doc__.split("\n\n")[0]),
+    p = _Parser(prog="pyengine", description=_plain(__doc__.split("\n\n")[0]),
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 epilog=_plain(__doc__.split("\n\n")[2]))
     p.add_argument("--version", action="version", version=f"pyengine {__version__}")
@@ -105,7 +144,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     """Run the ``pyengine`` command with ``argv`` (default: ``sys.argv[1:]``); the exit status."""
     _thread_pools()
     argv = sys.argv[1:] if argv is None else list(argv)
-    args = parser().parse_args(_join_dash_values(argv))
+    args = _parse(parser(), _join_dash_values(argv))
     setattr(args, ARGV, ["pyengine", *argv])  # the provenance of the JSON files this run writes
     try:
         return _commands()[args.command].run(args)

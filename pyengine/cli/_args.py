@@ -11,7 +11,7 @@ import argparse
 import math
 
 __all__ = ["add_format_option", "count_or_npy", "fraction", "floats", "non_negative", "non_negative_float",
-           "positions", "positive", "positive_float"]
+           "positions", "positive", "positive_float", "positive_floats", "width"]
 
 
 def _int(text: str, what: str, low: int) -> int:
@@ -37,6 +37,11 @@ def _float(text: str, what: str, ok) -> float:
 def positive(text: str) -> int:
     """A positive integer."""
     return _int(text, "a positive integer", 1)
+
+
+def width(text: str) -> int:
+    """An integer >= 2 (a width d: a normalization needs two features)."""
+    return _int(text, "an integer >= 2 (a width)", 2)
 
 
 def non_negative(text: str) -> int:
@@ -69,6 +74,14 @@ def floats(text: str) -> list[float]:
         raise argparse.ArgumentTypeError("needs at least one number")
     if not all(math.isfinite(v) for v in vals):
         raise argparse.ArgumentTypeError(f"must be finite numbers; got {text}")
+    return vals
+
+
+def positive_floats(text: str) -> list[float]:
+    """Comma-separated finite numbers > 0, at least one (injection scales)."""
+    vals = floats(text)
+    if any(v <= 0 for v in vals):
+        raise argparse.ArgumentTypeError(f"must be positive numbers; got {text}")
     return vals
 
 

@@ -21,6 +21,17 @@ def _names(text: str) -> tuple[str, ...]:
     return names
 
 
+def _backends(text: str) -> tuple[str, ...]:
+    from ..backends import BACKENDS
+
+    names = _names(text)
+    unknown = [n for n in names if n not in BACKENDS]
+    if unknown:
+        raise argparse.ArgumentTypeError(f"must be comma-separated backends out of {', '.join(BACKENDS)}; "
+                                         f"got {unknown[0]!r}")
+    return names
+
+
 def _rounds(text: str) -> int:
     try:
         value = int(text)
@@ -46,7 +57,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    help=f"relative speed drop that counts, in [0, 1) (default {bench.THRESHOLD} with --compare, "
                         f"{bench.AB_THRESHOLD} with --compare-rev)")
     b.add_argument("--kernels", type=_names, metavar="K1,K2", help="only these benchmark cases")
-    b.add_argument("--backends", type=_names, metavar="B1,B2", help="only these backends (NumPy is still timed)")
+    b.add_argument("--backends", type=_backends, metavar="B1,B2", help="only these backends (NumPy is still timed)")
     b.add_argument("--rounds", type=_rounds, help="A/B rounds per row (default 8 quick, 12 standard)")
     b.add_argument("--repo", default=".", help="git checkout --compare-rev reads REV from (default: .)")
     b.add_argument("--ab-cache", default=os.environ.get("PYENGINE_BENCH_AB_CACHE"),

@@ -11,7 +11,7 @@ import numpy as np
 from .._progress import Progress
 from ._provenance import block, model_fields
 from ._stages import Stages, write_stage
-from ._args import add_format_option, count_or_npy, floats, non_negative, positions, positive, positive_float
+from ._args import add_format_option, count_or_npy, non_negative, positions, positive, positive_float, positive_floats
 
 __all__ = ["add_parser", "load_model", "run", "write_stage"]
 
@@ -28,7 +28,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                    "attn.head_out, mlp.hidden, mlp.out); --directions then have the site's width")
     r.add_argument("--scale", type=positive_float, default=6.0,
                    help="the protocol scale: fits and the table use it (default 6)")
-    r.add_argument("--scales", type=floats, default=None,
+    r.add_argument("--scales", type=positive_floats, default=None,
                    help="comma-separated scales of the sweep (default 0.01,0.03,...,30)")
     r.add_argument("--directions", type=count_or_npy, default=4,
                    help="how many random unit directions (default 4), or a .npy file of directions (d,) or (K, d)")
@@ -82,6 +82,26 @@ def _array_sha256(a: np.ndarray) -> str:
     return hashlib.sha256(np.ascontiguousarray(a).tobytes()).hexdigest()
 
 
+def _check_positions(model, args: argparse.Namespace) -> None:
+    """--positions and --spectral-tokens against the length of the tokenized --text, named as
+    options (the experiment's own check names its parameter); ``model`` None: the default
+    model, which reads text as UTF-8 bytes."""
+    from ..analysis import resolve_positions
+    from ..experiments.recovery import DEFAULT_TEXT, byte_ids
+
+    text = DEFAULT_TEXT if args.text is None else args.text
+    if model is not None and not hasattr(model, "tokenize") and model.config.vocab_size < 256:
+        return  # the experiment says why this model cannot read text
+    T = len(model.tokenize(text) if hasattr(model, "tokenize") else byte_ids(text))
+    for option, value in (("--positions", args.positions), ("--spectral-tokens", args.spectral_tokens)):
+        try:
+            resolve_positions(value, T)
+        except ValueError as exc:
+            msg = str(exc)
+            raise ValueError(f"{option} {msg[len('positions '):] if msg.startswith('positions ') else msg}") \
+                from None
+
+
 def run(args: argparse.Namespace) -> int:
     from ..experiments import format_table, recovery, write_report
 
@@ -96,6 +116,7 @@ def run(args: argparse.Namespace) -> int:
     layer = args.site if args.site is not None else 2 if args.layer is None else args.layer
     # the default model is built by recovery itself, which then knows (and says) that its weights are seeded
     model, name = (None, None) if args.model == "default" else load_model(args.model, args.seed)
+    _check_positions(model, args)
     synthetic = f"synthetic: default (seeded GPT-2-small-shaped pre-LN stack, seed {args.seed})"
     prov = block(args, seeds=[args.seed], dtype=args.dtype,
                  extra={"directions_sha256": _array_sha256(args.directions)} if given else None,

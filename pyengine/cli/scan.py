@@ -13,14 +13,16 @@ from __future__ import annotations
 
 import argparse
 import os
+import sys
 from typing import Any
 
 import numpy as np
 
 from .._figures import COLUMN, log_axis, save, styled, subplots
 from .._progress import Progress
-from ..distributed import load, local_client, scan
-from ._args import add_format_option, floats, non_negative, positive, positive_float
+from ..distributed import Store, load, local_client, scan
+from ..distributed.cluster import close_client
+from ._args import add_format_option, floats, non_negative, positive, positive_float, positive_floats, width
 from ._provenance import block, named_model_fields
 from ._stages import hold
 
@@ -115,7 +117,10 @@ def _grid(args: argparse.Namespace) -> dict[str, Any]:
     if args.job == "attention":
         return {"seeds": args.seeds, "lrs": args.lrs, "steps": args.steps, "T": args.T}
     if args.job == "stability":
-        return {"schemes": args.schemes.split(","), "depth": args.depth, "width": args.width, "seed": args.seed}
+        schemes = [s.strip() for s in args.schemes.split(",") if s.strip()]
+        if not schemes:
+            raise ValueError(f"--schemes needs at least one initialization scheme; got {args.schemes!r}")
+        return {"schemes": schemes, "depth": args.depth, "width": args.width, "seed": args.seed}
     return {"seeds": list(range(args.points)), "tokens": args.tokens, "d": args.d}
 
 
@@ -133,37 +138,55 @@ def _provenance(args: argparse.Namespace, grid: dict[str, Any]) -> dict[str, Any
     return block(args, seeds=seeds, inputs=(getattr(args, "corpus", None), getattr(args, "prompts", None)), **fields)
 
 
+def _note_repeats(args: argparse.Namespace) -> None:
+    """Say on stderr when --tokens is more than the corpus has: the job repeats the text."""
+    from ..distributed.model_jobs import corpus_size
+
+    n = corpus_size(args.model, args.corpus)
+    if 0 < n < args.tokens:
+        print(f"pyengine scan spectral: note: the corpus has {n} tokens for {args.model}; --tokens {args.tokens} "
+              f"repeats it {args.tokens / n:.1f} times (give a longer --corpus, or fewer --tokens)", file=sys.stderr)
+
+
+def _kept(out: str) -> str:
+    """What an interrupted scan kept: the point files in the store ``out``."""
+    n = len(Store(out).done(sys.maxsize)) if os.path.isdir(out) else 0
+    return (f"the {n} finished point(s) are in the store {out} (continue with --resume)" if n
+            else "no point had finished")
+
+
 def run(args: argparse.Namespace) -> int:
     out = args.out or f"scan-{args.job}"
     grid = _grid(args)
     if args.workers < 0:
         raise ValueError(f"--workers must be >= 0; got {args.workers}")
+    if args.job == "spectral":
+        _note_repeats(args)
     prov = _provenance(args, grid)
     bar = Progress(args.progress, label=f"scan {args.job}", unit="points")
-    client = None
+    client, interrupted = None, False
     try:
         if args.scheduler or args.workers:
             client = local_client(args.workers or 1, scheduler=args.scheduler)
         where = args.scheduler or (f"LocalCluster of {args.workers} workers on 127.0.0.1" if client else "in-process")
         print(f"pyengine scan {args.job}: {where}, out {out}")
-        done = [0]
 
         def progress(n: int, total: int) -> None:  # a point is in the store before it is counted
-            done[0] = n
             bar.count(n, total)
             if n:
                 hold()
 
-        try:
-            res = scan(args.job, grid, client=client, out=out, chunk=args.chunk, resume=args.resume,
-                       memory_budget=int(args.memory_budget * 2**20), progress=progress, provenance=prov)
-        except KeyboardInterrupt:
-            kept = (f"the {done[0]} finished point(s) are in the store {out} (continue with --resume)" if done[0]
-                    else "no point had finished")
-            raise KeyboardInterrupt(kept) from None
+        res = scan(args.job, grid, client=client, out=out, chunk=args.chunk, resume=args.resume,
+                   memory_budget=int(args.memory_budget * 2**20), progress=progress, provenance=prov)
+    except KeyboardInterrupt:
+        interrupted = True
     finally:
         if client is not None:
-            client.close()  # also stops a LocalCluster it started
+            interrupted = close_client(client) or interrupted
+    if interrupted:  # also a Ctrl-C while the cluster closed after the last point
+        raise KeyboardInterrupt(_kept(out))
+    for msg in res.damaged.values():
+        print(f"recomputed: {msg}")
     print(f"{len(res.points)} points ({res.computed} computed now, {len(res.points) - res.computed} stored before) "
           f"in {res.tasks} tasks, {res.seconds:.2f} s")
     _summary(load(out), out, getattr(args, "format", "png"))
@@ -206,7 +229,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     rc.add_argument("--prompts", metavar="FILE", help="one prompt per line")
     rc.add_argument("--layers", type=_ints, default=[2], help="comma-separated injection layers (default 2)")
     rc.add_argument("--directions", type=positive, default=4, help="seeded random directions (default 4)")
-    rc.add_argument("--scales", type=floats, default=[1.0, 4.0, 16.0],
+    rc.add_argument("--scales", type=positive_floats, default=[1.0, 4.0, 16.0],
                     help="comma-separated injection scales (default 1,4,16)")
     rc.add_argument("--linearized", action="store_true", help="also the linearized propagation")
     rc.add_argument("--seed", type=non_negative, default=0, help="seed of the random directions")
@@ -220,7 +243,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     st.add_argument("--schemes", default="kaiming_normal,xavier_normal,torch_default,orthogonal",
                     help="comma-separated initialization schemes")
     st.add_argument("--depth", type=positive, default=48, help="layers (default 48)")
-    st.add_argument("--width", type=positive, default=768, help="d_model (default 768)")
+    st.add_argument("--width", type=width, default=768, help="d_model (default 768)")
     st.add_argument("--seed", type=non_negative, default=0, help="seed of the weights")
     nm = jobs.add_parser("norms", parents=[common], help="synthetic small tasks (benchmark of the machinery)")
     nm.add_argument("--points", type=positive, default=1000, help="grid points (default 1000)")

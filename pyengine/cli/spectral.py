@@ -139,6 +139,12 @@ def run(args: argparse.Namespace) -> int:
 
     from ..linalg import spectral as sp
 
+    for option, path in (("--json", args.json), ("--csv", args.csv)):
+        folder = os.path.dirname(os.path.abspath(path)) if path else None
+        if folder and not os.path.isdir(folder):
+            raise OSError(f"{option} {path}: the folder {folder} does not exist")
+    if args.text is not None and args.model is None and args.sites is None:
+        raise ValueError("--text is the input of --model (or --sites): give --model, or drop --text")
     sites = None
     if args.model is not None or args.sites is not None:  # norm-input sites of a model
         if args.input is not None or args.gamma is not None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import argparse
 
 from .._progress import Progress
-from ._args import add_format_option, positive
+from ._args import add_format_option, positive, width
 from ._provenance import block, model_fields
 from ._stages import Stages
 
@@ -25,7 +25,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--schemes", default="kaiming_normal,xavier_normal,torch_default,orthogonal",
                    help="comma-separated initialization schemes")
     p.add_argument("--depth", type=positive, default=48, help="layers of the signal-propagation stacks (default 48)")
-    p.add_argument("--width", type=positive, default=768, help="width of the stacks (default 768)")
+    p.add_argument("--width", type=width, default=768, help="width of the stacks (default 768)")
     p.add_argument("--tokens", type=positive, default=128, help="tokens of the input batch (default 128)")
     p.add_argument("--activation", default="relu", choices=("relu", "gelu", "tanh", "linear"),
                    help="activation of the MLP stacks (default relu)")
@@ -48,6 +48,8 @@ def run(args: argparse.Namespace) -> int:
     schemes = tuple(s.strip() for s in args.schemes.split(",") if s.strip())
     from ..models.initialization import ALIASES, SCHEMES
 
+    if not schemes:
+        raise ValueError(f"--schemes needs at least one scheme of {', '.join(SCHEMES)}; got {args.schemes!r}")
     for s in schemes:  # before any work, the default model's loading included
         if s.lower() not in SCHEMES and s.lower() not in ALIASES:
             raise ValueError(f"--schemes: unknown scheme {s!r}; expected one of {', '.join(SCHEMES)}")

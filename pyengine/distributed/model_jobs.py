@@ -49,6 +49,11 @@ def _tokenize(model_name: str, text: str) -> np.ndarray:
     return np.asarray(get_model(model_name).tokenize(text), np.int64)
 
 
+def corpus_size(model_name: str, path: str | None = None) -> int:
+    """How many token ids the corpus has for ``model_name`` (before :func:`corpus_ids` repeats it)."""
+    return int(_tokenize(model_name, corpus_text(path)).size)
+
+
 def corpus_ids(model_name: str, tokens: int, path: str | None = None) -> np.ndarray:
     """``tokens`` token ids of the corpus for ``model_name``, the text repeated if it is shorter."""
     ids = _tokenize(model_name, corpus_text(path))

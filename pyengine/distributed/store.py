@@ -5,7 +5,8 @@ Layout of ``out/``::
     manifest.json        job name, its parameters, the grid points, a fingerprint of both,
                          the ``provenance`` block of the run that created the store and
                          those of the runs that resumed it (``resumed``)
-    points/000042.npz    the metric arrays of grid point 42 (written by whoever computed it)
+    points/000042.npz    the metric arrays of grid point 42 (written by whoever computed it) and
+                         ``__sha256__``, a checksum of their names, dtypes, shapes and bytes
     errors.json          grid points whose computation raised (``errors``: index, point,
                          message) and the ``provenance`` block of the run that wrote it
 
@@ -17,6 +18,13 @@ at any moment leaves only whole files (a half-written temporary is ignored and
 overwritten), so :meth:`Store.done` is exact and a resumed sweep recomputes nothing
 already stored. The manifest's fingerprint stops a resume from mixing two different
 sweeps in one folder; the provenance blocks do not enter it.
+
+Damage. A point file that does not read back whole (empty, truncated, garbage, other
+arrays than were written: its checksum does not match) is damaged: :meth:`Store.read`
+raises a ValueError naming the file, :meth:`Store.damaged` lists such files, and a
+resumed sweep moves them aside (``000042.npz.damaged``) and recomputes those points.
+A manifest or ``errors.json`` that is not the JSON object described above is a
+ValueError naming the file.
 """
 
 from __future__ import annotations
@@ -31,11 +39,13 @@ import numpy as np
 
 from ..provenance import provenance as gather
 
-__all__ = ["Store", "fingerprint"]
+__all__ = ["CHECKSUM", "DamagedFile", "Store", "fingerprint"]
 
 MANIFEST = "manifest.json"
 ERRORS = "errors.json"
 POINTS = "points"
+#: The entry of a point file that holds the checksum of its other arrays.
+CHECKSUM = "__sha256__"
 
 
 def _jsonable(obj: Any) -> Any:
@@ -56,6 +66,20 @@ def fingerprint(job: str, params: dict[str, Any], points: list[dict[str, Any]], 
     doc = json.dumps(_jsonable({"job": job, "params": params, "points": points, "content": content}),
                      sort_keys=True, default=repr)
     return hashlib.sha256(doc.encode()).hexdigest()[:16]
+
+
+def _checksum(arrays: dict[str, np.ndarray]) -> np.ndarray:
+    """sha256 of the arrays' names, dtypes, shapes and bytes, as a (32,) uint8 array."""
+    h = hashlib.sha256()
+    for k in sorted(arrays):
+        a = np.ascontiguousarray(arrays[k])
+        h.update(f"{k}\0{a.dtype.str}\0{a.shape}\0".encode())
+        h.update(a.tobytes())
+    return np.frombuffer(h.digest(), np.uint8).copy()
+
+
+class DamagedFile(ValueError):
+    """A file of a store that does not read back as written (its message names the file)."""
 
 
 class Store:
@@ -103,12 +127,19 @@ class Store:
 
     def manifest(self) -> dict[str, Any]:
         try:
-            with open(os.path.join(self.path, MANIFEST)) as fh:
-                return json.load(fh)
+            with open(os.path.join(self.path, MANIFEST), encoding="utf-8") as fh:
+                doc = json.load(fh)
         except FileNotFoundError:
             raise OSError(f"out {self.path} is not a sweep folder: no {MANIFEST}") from None
-        except json.JSONDecodeError as exc:
-            raise ValueError(f"{os.path.join(self.path, MANIFEST)} is damaged: {exc}") from None
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DamagedFile(f"{os.path.join(self.path, MANIFEST)} is damaged: {exc}") from None
+        kinds = {"job": str, "params": dict, "points": list}
+        bad = [k for k, t in kinds.items() if not isinstance(doc, dict) or not isinstance(doc.get(k), t)]
+        if bad:
+            what = f"a JSON {type(doc).__name__}" if not isinstance(doc, dict) else f"no valid {bad[0]!r}"
+            raise DamagedFile(f"{os.path.join(self.path, MANIFEST)} is damaged: {what} "
+                              "(expected an object with 'job', 'params' and 'points')")
+        return doc
 
     def _write_json(self, name: str, doc: Any) -> None:
         fd, tmp = tempfile.mkstemp(dir=self.path, prefix=f".{name}.")
@@ -136,7 +167,7 @@ class Store:
         fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{index:06d}.", suffix=".npz")
         try:
             with os.fdopen(fd, "wb") as fh:
-                np.savez(fh, **arrays)
+                np.savez(fh, **arrays, **{CHECKSUM: _checksum(arrays)})
             os.replace(tmp, self.point_path(index))
         except BaseException:
             if os.path.exists(tmp):
@@ -144,16 +175,57 @@ class Store:
             raise
 
     def read(self, index: int) -> dict[str, np.ndarray]:
-        with np.load(self.point_path(index), allow_pickle=False) as z:
-            return {k: z[k] for k in z.files}
+        """The arrays of point ``index``; :class:`DamagedFile` (a ValueError naming the file)
+        if the file does not read back whole or its checksum does not match."""
+        path = self.point_path(index)
+        with open(path, "rb") as fh:  # np.load leaves a path it opened open when the data is garbage
+            try:
+                z = np.load(fh, allow_pickle=False)
+                arrays = {k: z[k] for k in z.files} if hasattr(z, "files") else z
+            except Exception as exc:  # empty, truncated or garbage files fail in many ways
+                raise DamagedFile(f"point file {path} is damaged ({type(exc).__name__}: {exc})") from None
+        if not isinstance(arrays, dict):  # np.load returns an array for a lone .npy file
+            raise DamagedFile(f"point file {path} is damaged (not an .npz archive)")
+        stored = arrays.pop(CHECKSUM, None)
+        if stored is None:
+            raise DamagedFile(f"point file {path} is damaged (no {CHECKSUM} checksum entry)")
+        if not np.array_equal(stored, _checksum(arrays)):
+            raise DamagedFile(f"point file {path} is damaged (its arrays {sorted(arrays)} do not match "
+                              "their checksum)")
+        return arrays
+
+    def damaged(self, n_points: int) -> dict[int, str]:
+        """Stored points whose file is damaged: index -> the message of :meth:`read`."""
+        out = {}
+        for i in sorted(self.done(n_points)):
+            try:
+                self.read(i)
+            except DamagedFile as exc:
+                out[i] = str(exc)
+        return out
+
+    def set_aside(self, index: int) -> str:
+        """Rename the (damaged) file of point ``index`` to ``<name>.damaged``; the new path."""
+        path = self.point_path(index)
+        os.replace(path, path + ".damaged")
+        return path + ".damaged"
 
     def write_errors(self, errors: list[dict[str, Any]]) -> None:
         self._write_json(ERRORS, {"errors": _jsonable(errors), "provenance": self.provenance or gather()})
 
     def errors(self) -> list[dict[str, Any]]:
+        """The failed points of ``errors.json`` ([] without it); :class:`DamagedFile` if damaged."""
+        path = os.path.join(self.path, ERRORS)
         try:
-            with open(os.path.join(self.path, ERRORS)) as fh:
+            with open(path, encoding="utf-8") as fh:
                 doc = json.load(fh)
         except FileNotFoundError:
             return []
-        return doc["errors"] if isinstance(doc, dict) else doc  # a bare list: a store written before
+        except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+            raise DamagedFile(f"{path} is damaged: {exc}") from None
+        errs = doc.get("errors") if isinstance(doc, dict) else doc  # a bare list: a store written before
+        if not isinstance(errs, list) or not all(isinstance(e, dict) and isinstance(e.get("index"), int)
+                                                 for e in errs):
+            raise DamagedFile(f"{path} is damaged: expected an object with a list 'errors' of "
+                              "{'index', 'point', 'error'}")
+        return errs

@@ -20,6 +20,10 @@ another worker (up to ``distributed.scheduler.allowed-failures`` times, default 
 the sweep completes. A point whose computation raises is recorded (``errors``: its
 index, grid point and message) and the rest of its chunk and of the sweep go on.
 
+Damage. With ``resume`` a stored point whose file is damaged (empty, truncated, not the
+arrays written: :meth:`Store.read`) is moved aside, recomputed and listed in
+:attr:`ScanResult.damaged`; :func:`load` raises a ValueError naming such a file.
+
 Memory. ``memory_budget`` (bytes, default 256 MiB) bounds what one task holds at a
 time: the chunk's input arrays plus one point's working memory as estimated by the
 job (:meth:`Job.point_bytes`); ``chunk`` is at most ``budget // point_bytes`` points,
@@ -38,7 +42,7 @@ from typing import Any
 import numpy as np
 
 from .jobs import Job, get_job
-from .store import Store
+from .store import DamagedFile, Store
 
 __all__ = ["MEMORY_BUDGET", "ScanResult", "load", "run_chunk", "scan"]
 
@@ -52,7 +56,8 @@ TASKS_PER_THREAD = 4
 class ScanResult:
     """A sweep's results: ``metrics`` (name -> array, from :meth:`Job.combine`), the grid
     ``points``, ``params``, ``errors`` (failed points), ``missing`` (indices not stored),
-    the store folder ``out`` (None in memory), and timing of the run (``seconds``, ``tasks``)."""
+    the store folder ``out`` (None in memory), timing of the run (``seconds``, ``tasks``), and
+    ``damaged``: the damaged point files a resumed run set aside and recomputed (index -> message)."""
 
     job: str
     params: dict[str, Any]
@@ -64,6 +69,7 @@ class ScanResult:
     seconds: float = 0.0
     tasks: int = 0
     computed: int = 0
+    damaged: dict[int, str] = dataclasses.field(default_factory=dict)
 
     @property
     def complete(self) -> bool:
@@ -106,13 +112,21 @@ def _threads(client: Any) -> int:
         return 1
 
 
+def _bytes(n: int) -> str:
+    """``n`` bytes in a readable unit: "512 bytes", "3.0 KiB", "1.5 MiB", "2.0 GiB"."""
+    for unit, shift in (("GiB", 30), ("MiB", 20), ("KiB", 10)):
+        if n >= 1 << shift:
+            return f"{n / (1 << shift):.1f} {unit}"
+    return f"{n} bytes"
+
+
 def _chunk_size(job: Job, params: dict[str, Any], points: list[dict[str, Any]], inputs: list[dict[str, np.ndarray]],
                 chunk: int | None, budget: int, threads: int) -> int:
     work = max(job.point_bytes(params, p) for p in points)
     inp = max(sum(a.nbytes for a in i.values()) for i in inputs)
     if work + inp > budget:
-        raise ValueError(f"one grid point needs about {(work + inp) / 2**20:.1f} MiB, more than memory_budget = "
-                         f"{budget / 2**20:.1f} MiB; raise memory_budget or make the points smaller")
+        raise ValueError(f"one grid point needs about {_bytes(work + inp)}, more than memory_budget = "
+                         f"{_bytes(budget)}; raise memory_budget or make the points smaller")
     cap = max(1, (budget - work) // max(inp, 1))
     if chunk is None:
         chunk = max(1, -(-len(points) // (TASKS_PER_THREAD * threads)))
@@ -165,10 +179,14 @@ def scan(job: str | Job, grid: Mapping[str, Any], *, client: Any = None, out: st
         raise TypeError(f"progress must be callable(done, total); got {type(progress).__name__}")
     size = _chunk_size(j, params, points, inputs, chunk, memory_budget, _threads(client) if client else 1)
     store = None
+    damaged: dict[int, str] = {}
     todo = list(range(len(points)))
     if out is not None:
         store = Store(out)
         store.create(j.name, params, points, resume=resume, content=inputs, provenance=provenance)
+        damaged = store.damaged(len(points)) if resume else {}
+        for i in damaged:
+            store.set_aside(i)
         have = store.done(len(points))
         todo = [i for i in todo if i not in have]
     elif resume:
@@ -207,13 +225,17 @@ def scan(job: str | Job, grid: Mapping[str, Any], *, client: Any = None, out: st
                 client.cancel(futures)
     finally:
         if store is not None:
-            old = {e["index"]: e for e in store.errors() if e["index"] not in results}
+            try:
+                old = {e["index"]: e for e in store.errors() if e["index"] not in results}
+            except DamagedFile:  # rewritten below; the points it listed are not done, so they were rerun
+                old = {}
             for i, msg in errors.items():
                 old[i] = {"index": i, "point": points[i], "error": msg}
             done = store.done(len(points))
             store.write_errors([e for i, e in sorted(old.items()) if i not in done])
     res = _result(j, params, points, store, results, errors)
     res.seconds, res.tasks, res.computed = time.perf_counter() - t0, len(chunks), len(todo)
+    res.damaged = damaged
     return res
 
 

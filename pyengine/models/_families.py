@@ -82,7 +82,7 @@ def gpt2(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any = N
     _refuse(hf, where, scale_attn_weights=True, scale_attn_by_inverse_layer_idx=False,
             reorder_and_upcast_attn=False, add_cross_attention=False)
     d, H, L, P, V = (num(hf, k, where) for k in ("n_embd", "n_head", "n_layer", "n_positions", "vocab_size"))
-    n = hf.get("n_inner") or 4 * d
+    n = 4 * d if hf.get("n_inner") is None else num(hf, "n_inner", where)
     act = hf.get("activation_function", "gelu_new")
     if act not in _GPT2_ACT:
         raise ValueError(f"{where}: activation_function {act!r} is not supported ({', '.join(_GPT2_ACT)})")
@@ -115,6 +115,18 @@ def gpt2(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any = N
 # --------------------------------------------------------------------------- GPT-NeoX / Pythia
 
 
+def _rotary_fraction(hf: dict[str, Any], where: str) -> float:
+    """The rotary fraction of a head: ``partial_rotary_factor`` (in ``rope_parameters`` or the
+    config) or ``rotary_pct``, default 1; ValueError naming the field unless a number in [0, 1]."""
+    params = hf.get("rope_parameters") or {}
+    src, key = next(((d, k) for d, k in ((params, "partial_rotary_factor"), (hf, "partial_rotary_factor"),
+                                          (hf, "rotary_pct")) if k in d), ({}, "rotary_pct"))
+    pct = num(src, key, where, real=True, default=1.0)
+    if not 0 <= pct <= 1:
+        raise ValueError(f"{where}: {key!r} must be a number in [0, 1]; got {pct!r}")
+    return pct
+
+
 def _partial_perm(dh: int, r: int) -> np.ndarray:
     """Head-feature order putting NeoX's rotary pairs (j, j + r/2), j < r/2, at (j, j + dh/2)."""
     half = (dh - r) // 2
@@ -132,9 +144,7 @@ def gpt_neox(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any
         raise ValueError(f"{where}: hidden_act {act!r} is not supported ({', '.join(_GPT2_ACT)})")
     dh = d // H
     rope = _rope(hf, where)
-    pct = (hf.get("rope_parameters") or {}).get("partial_rotary_factor",
-                                                hf.get("partial_rotary_factor", hf.get("rotary_pct", 1.0)))
-    r = int(dh * float(pct))  # 0: no rotation at all (transformers rotates nothing), not the whole head
+    r = int(dh * _rotary_fraction(hf, where))  # 0: no rotation (as transformers), not the whole head
     parallel = bool(hf.get("use_parallel_residual", True))
     tied = bool(hf.get("tie_word_embeddings", False))
     cfg = _config(where, d_model=d, n_heads=H, n_layers=L, d_mlp=n, norm="layernorm", placement="pre",
@@ -252,7 +262,7 @@ class _Names:
 
     def get(self, name: str, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
         if name not in self.names:
-            raise ValueError(f"weights in {self.st.where!r} lack tensor {name!r}")
+            raise self.st.lacks(name)
         self.read.add(name)
         return np.broadcast_to(np.zeros((), dtype), shape)
 

@@ -178,9 +178,15 @@ class Shards:
     def info(self, name: str) -> tuple[str, tuple[int, ...]] | None:
         return self.files[self.owner[name]].info[name] if name in self.owner else None
 
+    def lacks(self, name: str) -> ValueError:
+        """The error for a tensor ``name`` that the weights files do not hold (naming them)."""
+        files = [os.path.join(self.where, f) for f in self.files]
+        which = f"weights file {files[0]!r}" if len(files) == 1 else f"weights files {files} (the index)"
+        return ValueError(f"{which} lacks tensor {name!r}")
+
     def get(self, name: str, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
         if name not in self.owner:
-            raise ValueError(f"weights in {self.where!r} lack tensor {name!r}")
+            raise self.lacks(name)
         return self.files[self.owner[name]].get(name, shape, dtype)
 
 

@@ -63,6 +63,8 @@ class Intervention:
                     raise ValueError(f"intervention at {site!r}: the callable returned shape {r.shape}, "
                                      f"the site has {x.shape}")
                 y = np.array(r, dtype=x.dtype)
+            if not np.isfinite(y).all() and np.isfinite(x).all():
+                raise ValueError(f"intervention at {site!r}: the callable returned NaN or Inf")
             return y
         ix = _index(site, y.shape, self.positions, self.heads)
         if self.op == "zero":

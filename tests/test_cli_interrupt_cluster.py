@@ -1,0 +1,67 @@
+"""Ctrl-C of ``pyengine scan`` on a 2-worker LocalCluster: SIGINT to the whole process group
+(as a terminal sends it) at several moments ends the run within seconds, with exit status
+130 and one line on stderr, and every point file in the store is whole.
+
+The moments are read from the store: its manifest (the cluster has started, no point is
+done yet), half of the point files, all of them (the cluster is closing).
+"""
+
+import os
+import signal
+import subprocess
+import sys
+import time
+
+import pytest
+
+from pyengine.distributed import Store
+
+pytestmark = pytest.mark.slow
+
+POINTS = 16
+DEADLINE_S = 5.0
+
+
+def _files(out):
+    try:
+        return [n for n in os.listdir(out / "points") if n.endswith(".npz") and not n.startswith(".")]
+    except FileNotFoundError:
+        return []
+
+
+@pytest.mark.parametrize("moment", ["manifest", "half", "last"])
+def test_ctrl_c_of_a_two_worker_scan(tmp_path, moment):
+    out = tmp_path / "D"
+    cmd = [sys.executable, "-m", "pyengine", "scan", "norms", "--points", str(POINTS), "--tokens", "2000", "--d",
+           "512", "--chunk", "1", "--workers", "2", "--progress", "never", "--out", str(out)]
+    proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            start_new_session=True)
+    target = {"manifest": 0, "half": POINTS // 2, "last": POINTS}[moment]
+    t0 = time.monotonic()
+    try:
+        while proc.poll() is None and time.monotonic() - t0 < 240:
+            if (out / "manifest.json").exists() and len(_files(out)) >= target:
+                break
+            time.sleep(0.005)
+        assert proc.poll() is None, f"the scan ended before the moment {moment}: {proc.communicate()}"
+        os.killpg(proc.pid, signal.SIGINT)
+        sent = time.monotonic()
+        _, err = proc.communicate(timeout=60)
+        took = time.monotonic() - sent
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.communicate()
+    print(f"{moment}: ended {took:.2f} s after SIGINT")
+    assert took < DEADLINE_S, f"the scan took {took:.1f} s to end after Ctrl-C"
+    assert proc.returncode == 130, err
+    assert "Traceback" not in err, err
+    (line,) = err.strip().splitlines()
+    kept = sorted(_files(out))
+    assert line.startswith("pyengine: interrupted; ")
+    assert (f"the {len(kept)} finished point(s) are in the store" in line) if kept else "no point had finished" in line
+    store = Store(out)
+    for name in kept:
+        assert store.read(int(name[:-4]))["sigma"].shape == (2000,)
+    if moment == "last":
+        assert len(kept) == POINTS

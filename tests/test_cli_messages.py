@@ -112,6 +112,9 @@ CASES = [
     (["spectral", "--model", "m.npz", "--jsn", "x.json"], "--jsn (did you mean --json?)", True),
     (["scan", "norms", "--pionts", "3"], "--pionts (did you mean --points?)", True),
     (["specrtal"], "did you mean 'spectral'?", True),
+    (["attention", "--seeds=-1"], "argument --seeds", True),
+    (["attention", "--lr", "inf"], "argument --lr", True),
+    (["attention", "--out", "/proc/nope", "--seeds", "1", "--steps", "5"], "--out /proc/nope", True),
 ]
 
 

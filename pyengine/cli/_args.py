@@ -8,10 +8,11 @@ checks in :mod:`pyengine._validate`, so a bad value stops here, before any work.
 from __future__ import annotations
 
 import argparse
+import os
 import math
 
 __all__ = ["add_format_option", "count_or_npy", "fraction", "floats", "non_negative", "non_negative_float",
-           "positions", "positive", "positive_float", "positive_floats", "width"]
+           "positions", "positive", "positive_float", "positive_floats", "width", "writable_folder"]
 
 
 def _int(text: str, what: str, low: int) -> int:
@@ -127,3 +128,16 @@ def add_format_option(parser: argparse.ArgumentParser) -> None:
 
     parser.add_argument("--format", choices=FORMATS, default="png",
                         help="file format of the figures: png (200 dpi), or pdf or svg (vector) (default png)")
+
+
+def writable_folder(path: str, option: str = "--out") -> None:
+    """Create ``path`` if needed and check that a file can be written there, before any work:
+    an OSError naming ``option`` and the reason otherwise."""
+    import tempfile
+
+    try:
+        os.makedirs(path, exist_ok=True)
+        with tempfile.NamedTemporaryFile(dir=path, prefix=".pyengine-write-check-"):
+            pass
+    except OSError as exc:
+        raise OSError(f"{option} {path}: cannot write there ({exc.strerror or exc})") from None

@@ -8,10 +8,11 @@ after writing what had finished).
 from __future__ import annotations
 
 import argparse
+import math
 import sys
 import time
 
-from ._args import add_format_option
+from ._args import add_format_option, writable_folder
 from ._provenance import block
 from ._stages import hold
 
@@ -74,6 +75,8 @@ def _ints(text: str) -> list[int]:
         raise argparse.ArgumentTypeError(f"must be comma-separated integers; got {text}") from None
     if not vals:
         raise argparse.ArgumentTypeError("needs at least one seed")
+    if min(vals) < 0:
+        raise argparse.ArgumentTypeError(f"seeds must be non-negative integers; got {text}")
     return vals
 
 
@@ -93,8 +96,8 @@ def _positive_float(text: str) -> float:
         value = float(text)
     except ValueError:
         raise argparse.ArgumentTypeError(f"must be a positive number; got {text}") from None
-    if not value > 0:
-        raise argparse.ArgumentTypeError(f"must be a positive number; got {text}")
+    if not (value > 0 and math.isfinite(value)):
+        raise argparse.ArgumentTypeError(f"must be a positive, finite number; got {text}")
     return value
 
 
@@ -166,6 +169,7 @@ def run(args: argparse.Namespace) -> int:
     every = args.eval_every if args.eval_every is not None else preset["eval_every"]
     ridge = args.m_step_ridge if args.m_step_ridge is not None else M_STEP_RIDGE
     try:
+        writable_folder(args.out)  # before the training, not after it
         print(f"pyengine attention ({args.preset}): {len(args.seeds)} seed(s) x {len(args.arms)} arm(s) x {steps} "
               f"steps, T = {args.T}, {args.dtype}, {args.workers} worker(s); output folder {args.out}", flush=True)
         rep = attention_dynamics(seeds=args.seeds, arms=args.arms, steps=steps, T=args.T, stay=args.stay,

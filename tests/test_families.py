@@ -20,6 +20,7 @@ NEW_OPTIONS = [
     dict(activation="gelu_tanh_gated", norm="rmsnorm", positions="rotary"),
     dict(positions="rotary", rotary_dim=4),
     dict(positions="rotary", rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=4),
+    dict(positions="rotary", n_kv_heads=1, sliding_window=3),
 ]
 
 
@@ -60,9 +61,13 @@ def test_unknown_options_are_refused(tmp_path):
             load_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", **{k: v for k, v in llama.items()
                                                                                if k != "model_type"},
-                                                      "use_sliding_window": True}))
-    with pytest.raises(ValueError, match="'use_sliding_window'"):
+                                                      "use_sliding_window": True, "sliding_window": 4,
+                                                      "max_window_layers": 0,
+                                                      "layer_types": ["sliding_attention", "full_attention"]}))
+    with pytest.raises(ValueError, match="'layer_types'"):
         load_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="sliding_window"):
+        StackConfig(d_model=16, n_heads=2, n_layers=1, causal=False, sliding_window=4)
 
 
 # --------------------------------------------------------------------------- against transformers
@@ -84,6 +89,11 @@ def _tiny(family):
                               rope_theta=500000.0, tie_word_embeddings=False, **kw), tr.LlamaForCausalLM
     if family == "qwen2":
         return tr.Qwen2Config(tie_word_embeddings=True, **kw), tr.Qwen2ForCausalLM
+    if family == "qwen2_sliding":  # window 4 < the 10 tokens in every layer (max_window_layers 0)
+        return tr.Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=0, **kw), \
+            tr.Qwen2ForCausalLM
+    if family == "mistral":  # window 4 < the 10 tokens
+        return tr.MistralConfig(sliding_window=4, tie_word_embeddings=False, **kw), tr.MistralForCausalLM
     return tr.GemmaConfig(head_dim=4, hidden_activation="gelu_pytorch_tanh", **kw), tr.GemmaForCausalLM
 
 
@@ -124,7 +134,7 @@ def _rotary_modules(model):
 
 @pytest.mark.fidelity
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "gpt_neox_norope", "gpt_neox_fullrope", "llama3", "qwen2",
-                                    "gemma"])
+                                    "gemma", "mistral", "qwen2_sliding"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_matches_transformers(tmp_path, monkeypatch, family, dtype):
     torch = pytest.importorskip("torch")
@@ -161,6 +171,8 @@ def test_matches_transformers(tmp_path, monkeypatch, family, dtype):
     theirs = [t[0].numpy() for t in out.hidden_states]
     hs = ours.hidden_states(ids)
     tol = 1e-10 if dtype == "float64" else 1e-4
+    if family in ("mistral", "qwen2_sliding"):  # the window is in effect: the loaded Stack slides
+        assert ours.config.sliding_window == 4
     for k in range(len(theirs) - 1):
         assert np.linalg.norm(hs[k] - theirs[k]) <= tol * np.linalg.norm(theirs[k]), f"layer {k}"
     last = ours.apply_final_norm(hs[-1])

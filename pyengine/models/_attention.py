@@ -75,8 +75,14 @@ def check(nbad: int, what: str) -> None:
 
 
 def _softmax_(s: np.ndarray, ctx: Context) -> np.ndarray:
-    """Row softmax of the scores s (..., Tq, Tk) in place, causal rows j <= start + i."""
+    """Row softmax of the scores s (..., Tq, Tk) in place, causal rows j <= start + i; with a
+    sliding window w also j > start + i - w (the keys before it get exactly P = 0, so the JVP
+    and VJP, which multiply by P, need no mask of their own)."""
     tq, tk = s.shape[-2:]
+    w = ctx.cfg.sliding_window
+    if w and ctx.start + tq > w:  # scores far below any other: exp underflows to exactly 0
+        far = np.arange(tk) <= (ctx.start + np.arange(tq))[:, None] - w
+        np.copyto(s, np.finfo(s.dtype).min / 2, where=far)
     s3 = s.reshape(-1, tq, tk)
     check(kernel("softmax")(s3, ctx.start if ctx.cfg.causal else tk - 1, s3), "attention scores")
     return s
@@ -110,7 +116,7 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | 
     changed = hook is not None and getattr(hook, "heads_changed", True)
     site = hook if read else None
     past = cache.pop("attn.past") if ctx.start else None
-    path = forward_path(ctx, a.dtype, changed)
+    path = forward_path(ctx, a.dtype, changed, ctx.start + T)
     if path == "blas":
         buf = attn_blas(cfg, ctx.start, qkv.reshape(B, T, -1, cfg.head_dim), past, check)
         if discard and not read:  # nothing else wanted: no q, k, v arrays, no P

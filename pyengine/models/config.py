@@ -54,7 +54,7 @@ _CHOICES = {
 #: Activations whose ``mlp.w_in`` is [gate | up] (width 2 d_mlp).
 GATED = ("silu_gated", "gelu_tanh_gated")
 _INTS = {"d_model": 2, "n_heads": 1, "n_kv_heads": 1, "d_mlp": 1, "n_layers": 1, "max_seq_len": 1, "vocab_size": 0,
-         "rotary_dim": 0, "rope_original_max_len": 1}
+         "rotary_dim": 0, "rope_original_max_len": 1, "sliding_window": 0}
 _BOOLS = ("residual", "causal", "final_norm", "bias", "embed_norm")
 
 
@@ -113,6 +113,9 @@ class StackConfig:
         "llama3": Llama 3.1's frequency rescaling with ``rope_factor``,
         ``rope_low_freq_factor``, ``rope_high_freq_factor`` and
         ``rope_original_max_len`` (HF's ``rope_scaling`` dict; ignored for "none").
+    sliding_window : int >= 0
+        Sliding-window attention in every block (Mistral): query i sees keys j with
+        i - sliding_window < j <= i; 0 means none. Needs ``causal``.
     """
 
     d_model: int
@@ -142,6 +145,7 @@ class StackConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    sliding_window: int = 0
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -188,6 +192,8 @@ class StackConfig:
                              f"{self.head_dim} (0: the whole head)")
         if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError("StackConfig.rope_high_freq_factor must exceed rope_low_freq_factor for 'llama3'")
+        if self.sliding_window and not self.causal:
+            raise ValueError("StackConfig.sliding_window > 0 needs causal = True")
         if self.layout == "parallel2" and self.placement != "pre":
             raise ValueError("StackConfig.layout = 'parallel2' (two norms, GPT-NeoX) needs placement = 'pre'")
 

@@ -2,7 +2,8 @@
 
 The fused attention head (forward) and the head-major GEMMs (JVP) must compute what the
 batched products compute, to float32 rounding, on every attention variant they serve:
-causal and not, grouped-query heads, rotary positions, a span that starts mid-sequence.
+causal and not, grouped-query heads, rotary positions, q/k norms, a sliding window, a span that
+starts mid-sequence.
 """
 
 from __future__ import annotations
@@ -19,6 +20,8 @@ CONFIGS = [
     dict(n_kv_heads=2, positions="rotary"),
     dict(n_kv_heads=1),
     dict(causal=False, positions="learned"),
+    dict(n_kv_heads=2, positions="rotary", norm="rmsnorm", qk_norm=True),
+    dict(qk_norm=True),
 ]
 
 
@@ -73,7 +76,7 @@ def test_propagate_span_matches_the_generic_path(kw, linearized, monkeypatch):
 def test_sliding_window_fast_paths_match_the_generic_path(linearized, monkeypatch):
     """A window shorter than the sequence sends the forward to the batched products (the compiled
     heads mask causally only); the JVP's fast paths read the window from P's exact zeros."""
-    st = _stack(dict(n_kv_heads=2, positions="rotary", sliding_window=6))
+    st = _stack(dict(n_kv_heads=2, positions="rotary", sliding_window=6, qk_norm=True))
     f32 = np.dtype(np.float32)
     assert fast_module.forward_path(make_context(st.config, 6, f32), f32, False, 6) != "unfused"
     assert fast_module.forward_path(make_context(st.config, 20, f32), f32, False, 20) == "unfused"

@@ -1,6 +1,6 @@
 """More model families: the new StackConfig options stay exact (JVP vs central difference, VJP
-adjoint), and GPT-2, GPT-NeoX, Llama 3, Qwen2 and Gemma folders written by transformers load and
-match transformers itself (float64 <= 1e-10, float32 <= 1e-4)."""
+adjoint), and GPT-2, GPT-NeoX, Llama 3, Mistral, Qwen2, Qwen3 and Gemma folders written by
+transformers load and match transformers itself (float64 <= 1e-10, float32 <= 1e-4)."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """More model families: the new StackConfig options stay exact (JVP vs central difference, VJP
-adjoint), and GPT-2, GPT-NeoX, Llama 3, Qwen2 and Gemma folders written by transformers load and
-match transformers itself (float64 <= 1e-10, float32 <= 1e-4)."""
+adjoint), and GPT-2, GPT-NeoX, Llama 3, Mistral, Qwen2, Qwen3 and Gemma folders written by
+transformers load and match transformers itself (float64 <= 1e-12, float32 <= 1e-4)."""
 
 from __future__ import annotations
 
@@ -20,6 +20,9 @@ NEW_OPTIONS = [
     dict(activation="gelu_tanh_gated", norm="rmsnorm", positions="rotary"),
     dict(positions="rotary", rotary_dim=4),
     dict(positions="rotary", rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=4),
+    dict(positions="rotary", n_kv_heads=1, sliding_window=3),
+    dict(positions="rotary", norm="rmsnorm", qk_norm=True),
+    dict(positions="none", qk_norm=True, sliding_window=2),
 ]
 
 
@@ -42,6 +45,23 @@ def test_new_options_jvp_and_vjp_exact(opts):
     assert abs(lhs - rhs) <= 1e-12 * (abs(lhs) + np.linalg.norm(g) * np.linalg.norm(u))
 
 
+def test_qk_norm_weight_gradients_match_finite_differences():
+    s = _stack(positions="rotary", norm="rmsnorm", qk_norm=True, n_kv_heads=1)
+    rng = np.random.default_rng(4)
+    h, g = (0.3 + rng.standard_normal((2, 6, 16)) for _ in range(2))
+    _, grads = s.block_vjp(0, h[0], g, weights=True)
+    for name in ("blocks.0.attn.q_norm", "blocks.0.attn.k_norm"):
+        e = rng.standard_normal(8)
+
+        def f(t):
+            w = dict(s.weights)
+            w[name] = w[name] + t * e
+            return float(np.sum(g.sum(0) * type(s)(s.config, w).block_forward(0, h[0])))
+
+        fd = (f(1e-5) - f(-1e-5)) / 2e-5
+        assert abs(np.sum(grads[name] * e) - fd) <= 1e-7 * abs(fd), name
+
+
 def test_unknown_options_are_refused(tmp_path):
     with pytest.raises(ValueError, match="rotary_dim"):
         StackConfig(d_model=16, n_heads=2, n_layers=1, positions="rotary", rotary_dim=3)
@@ -60,9 +80,13 @@ def test_unknown_options_are_refused(tmp_path):
             load_pretrained(tmp_path)
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "qwen2", **{k: v for k, v in llama.items()
                                                                                if k != "model_type"},
-                                                      "use_sliding_window": True}))
-    with pytest.raises(ValueError, match="'use_sliding_window'"):
+                                                      "use_sliding_window": True, "sliding_window": 4,
+                                                      "max_window_layers": 0,
+                                                      "layer_types": ["sliding_attention", "full_attention"]}))
+    with pytest.raises(ValueError, match="'layer_types'"):
         load_pretrained(tmp_path)
+    with pytest.raises(ValueError, match="sliding_window"):
+        StackConfig(d_model=16, n_heads=2, n_layers=1, causal=False, sliding_window=4)
 
 
 # --------------------------------------------------------------------------- against transformers
@@ -84,6 +108,14 @@ def _tiny(family):
                               rope_theta=500000.0, tie_word_embeddings=False, **kw), tr.LlamaForCausalLM
     if family == "qwen2":
         return tr.Qwen2Config(tie_word_embeddings=True, **kw), tr.Qwen2ForCausalLM
+    if family == "qwen2_sliding":  # window 4 < the 10 tokens in every layer (max_window_layers 0)
+        return tr.Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=0, **kw), \
+            tr.Qwen2ForCausalLM
+    if family == "qwen3":  # q/k norms; a window in every layer
+        return tr.Qwen3Config(head_dim=4, use_sliding_window=True, sliding_window=4, max_window_layers=0,
+                              tie_word_embeddings=False, **kw), tr.Qwen3ForCausalLM
+    if family == "mistral":  # window 4 < the 10 tokens
+        return tr.MistralConfig(sliding_window=4, tie_word_embeddings=False, **kw), tr.MistralForCausalLM
     return tr.GemmaConfig(head_dim=4, hidden_activation="gelu_pytorch_tanh", **kw), tr.GemmaForCausalLM
 
 
@@ -124,7 +156,7 @@ def _rotary_modules(model):
 
 @pytest.mark.fidelity
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "gpt_neox_norope", "gpt_neox_fullrope", "llama3", "qwen2",
-                                    "gemma"])
+                                    "gemma", "mistral", "qwen2_sliding", "qwen3"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_matches_transformers(tmp_path, monkeypatch, family, dtype):
     torch = pytest.importorskip("torch")
@@ -160,7 +192,9 @@ def test_matches_transformers(tmp_path, monkeypatch, family, dtype):
         out = model(torch.tensor(ids)[None], output_hidden_states=True)
     theirs = [t[0].numpy() for t in out.hidden_states]
     hs = ours.hidden_states(ids)
-    tol = 1e-10 if dtype == "float64" else 1e-4
+    tol = 1e-12 if dtype == "float64" else 1e-4
+    if family in ("mistral", "qwen2_sliding", "qwen3"):  # the window is in effect: the loaded Stack slides
+        assert ours.config.sliding_window == 4
     for k in range(len(theirs) - 1):
         assert np.linalg.norm(hs[k] - theirs[k]) <= tol * np.linalg.norm(theirs[k]), f"layer {k}"
     last = ours.apply_final_norm(hs[-1])

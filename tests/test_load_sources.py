@@ -9,7 +9,7 @@ import pytest
 import pyengine as pe
 from pyengine.models.pretrained import load_pretrained, locate_pretrained
 
-FAMILIES = ["gpt2", "gpt_neox", "llama3", "qwen2", "gemma", "bert"]
+FAMILIES = ["gpt2", "gpt_neox", "llama3", "qwen2", "gemma", "mistral", "qwen2_sliding", "qwen3", "bert"]
 
 
 def _model(family, seed=0):

@@ -14,6 +14,8 @@ CONFIGS = {
     "neox_like": dict(layout="parallel2", positions="rotary", rotary_dim=2, causal=True),
     "llama3_rope": dict(norm="rmsnorm", positions="rotary", rope_scaling="llama3", rope_factor=8.0,
                         rope_original_max_len=16, bias=False),
+    "qwen3_sliding": dict(norm="rmsnorm", positions="rotary", activation="silu_gated", bias=False, n_kv_heads=2,
+                          sliding_window=3, qk_norm=True),
 }
 
 

@@ -19,6 +19,7 @@ from ..kernels.attention import kernel as attention_kernel
 from ..kernels.linear import matmul_one_thread
 from ._fast import DISCARD, attn_blas, attn_jvp_blas, attn_jvp_gemm, forward_path, fused_heads, jvp_path
 from ._linear import dense, workspace
+from ._qknorm import qk_norm_, qk_norm_jvp_, qk_norm_vjp_
 
 if TYPE_CHECKING:
     from ._context import Cache, Context, Weights
@@ -75,8 +76,14 @@ def check(nbad: int, what: str) -> None:
 
 
 def _softmax_(s: np.ndarray, ctx: Context) -> np.ndarray:
-    """Row softmax of the scores s (..., Tq, Tk) in place, causal rows j <= start + i."""
+    """Row softmax of the scores s (..., Tq, Tk) in place, causal rows j <= start + i; with a
+    sliding window w also j > start + i - w (the keys before it get exactly P = 0, so the JVP
+    and VJP, which multiply by P, need no mask of their own)."""
     tq, tk = s.shape[-2:]
+    w = ctx.cfg.sliding_window
+    if w and ctx.start + tq > w:  # scores far below any other: exp underflows to exactly 0
+        far = np.arange(tk) <= (ctx.start + np.arange(tq))[:, None] - w
+        np.copyto(s, np.finfo(s.dtype).min / 2, where=far)
     s3 = s.reshape(-1, tq, tk)
     check(kernel("softmax")(s3, ctx.start if ctx.cfg.causal else tk - 1, s3), "attention scores")
     return s
@@ -104,13 +111,15 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | 
     shape = (B * T, w["attn.w_qkv"].shape[1])
     qkv = dense(a.reshape(B * T, d), w["attn.w_qkv"], w["attn.b_qkv"] if cfg.bias else None,
                 out=workspace("attn.qkv", shape, a.dtype) if discard and hook is None else None)
+    if cfg.qk_norm:  # RMSNorm of each query and key head (Qwen3), before rotary
+        cache["attn.qkn"] = qk_norm_(qkv.reshape(B, T, -1, cfg.head_dim), w, cfg)
     # Sites inside the heads (models/sites.py: scores and pattern as (B, H, T, Tk), head_out as
     # (B, T, H, dh)): read, or changed by an intervention (which needs the unfused products).
     read = hook is not None and getattr(hook, "heads", True)
     changed = hook is not None and getattr(hook, "heads_changed", True)
     site = hook if read else None
     past = cache.pop("attn.past") if ctx.start else None
-    path = forward_path(ctx, a.dtype, changed)
+    path = forward_path(ctx, a.dtype, changed, ctx.start + T)
     if path == "blas":
         buf = attn_blas(cfg, ctx.start, qkv.reshape(B, T, -1, cfg.head_dim), past, check)
         if discard and not read:  # nothing else wanted: no q, k, v arrays, no P
@@ -230,6 +239,8 @@ def attn_jvp(w: Weights, ctx: Context, da: np.ndarray, cache: Cache, r: np.ndarr
     H, Hkv = cfg.n_heads, cfg.n_kv_heads
     dqkv = dense(da.reshape(K * T, d), w["attn.w_qkv"], None,
                  out=workspace("attn.dqkv", (K * T, w["attn.w_qkv"].shape[1]), da.dtype))  # used here only
+    if cfg.qk_norm:
+        qk_norm_jvp_(dqkv.reshape(K, T, -1, cfg.head_dim), w, cfg, cache["attn.qkn"])
     path = jvp_path(ctx, da.dtype)
     if path == "generic":
         buf = _jvp_generic(ctx, dqkv, cache, K, T)
@@ -331,6 +342,8 @@ def attn_vjp(w: Weights, ctx: Context, gy: np.ndarray, cache: Cache, grads: dict
     dqkv[:, :, :H] = dq.transpose(0, 2, 1, 3)
     dqkv[:, :, H : H + Hkv] = dk.transpose(0, 2, 1, 3)
     dqkv[:, :, H + Hkv :] = dv.transpose(0, 2, 1, 3)
+    if cfg.qk_norm:
+        qk_norm_vjp_(dqkv, w, cfg, cache["attn.qkn"], grads)
     dqkv2 = dqkv.reshape(K * T, -1)
     if grads is not None:
         gsum, dsum = gy.sum(axis=0), dqkv2.reshape(K, T, -1).sum(axis=0)

@@ -63,7 +63,7 @@ def _take_rows(cache: Cache, idx: Any) -> Cache:
             out[name] = np.ascontiguousarray(a[..., idx, :]) if name == "attn.p" else a[..., idx, :]
         elif name == "mlp.u":  # (T, n_in)
             out[name] = a[idx]
-        elif name == "mlp.coef":  # tuple of (1, T, n)
+        elif name in ("mlp.coef", "attn.qkn"):  # tuples of (1, T, ...)
             out[name] = tuple(c[:, idx] for c in a)
         elif name.startswith("norm"):  # (1, T, d)
             out[name] = a[:, idx]

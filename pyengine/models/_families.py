@@ -1,4 +1,5 @@
-"""HF decoder families -> Stack arrays: GPT-2, GPT-NeoX/Pythia, Llama (incl. Llama 3 rope scaling), Qwen2, Gemma.
+"""HF decoder families -> Stack arrays: GPT-2, GPT-NeoX/Pythia, Llama (incl. Llama 3 rope scaling), Mistral,
+Qwen2, Qwen3, Gemma.
 
 Each reader takes the parsed ``config.json``, a :class:`._hf.Shards` and the storage
 dtype, and returns ``(StackConfig, arrays)``. A config field that would change the
@@ -178,19 +179,40 @@ def gpt_neox(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any
     return cfg, w
 
 
-# --------------------------------------------------------------------------- Llama, Qwen2, Gemma
+# --------------------------------------------------------------------------- Llama, Mistral, Qwen2, Gemma
+
+
+def _window(hf: dict[str, Any], where: str, L: int) -> int:
+    """The sliding window of every block (0: none) as transformers applies it: Mistral slides in
+    every layer when ``sliding_window`` is set; Qwen2 and Qwen3 only with ``use_sliding_window``, in the
+    layers that ``layer_types`` (or, without it, ``max_window_layers``: layers >= it) name
+    "sliding_attention". A window in some layers but not all is refused (one window per Stack)."""
+    family, w = hf["model_type"], hf.get("sliding_window")
+    if family == "mistral":
+        return 0 if w is None else num(hf, "sliding_window", where)
+    if family not in ("qwen2", "qwen3") or not hf.get("use_sliding_window") or w is None:
+        return 0
+    kinds = hf.get("layer_types") or ["sliding_attention" if k >= num(hf, "max_window_layers", where, default=28)
+                                      else "full_attention" for k in range(L)]
+    unknown = set(kinds) - {"sliding_attention", "full_attention"}
+    if unknown or len(kinds) != L:
+        raise ValueError(f"{where}: config field 'layer_types' = {kinds!r} is not supported (one of "
+                         "'sliding_attention', 'full_attention' per layer)")
+    if len(set(kinds)) > 1:
+        raise ValueError(f"{where}: config field 'layer_types' = {kinds!r} mixes sliding and full attention "
+                         "layers; not supported (only all of one kind)")
+    return num(hf, "sliding_window", where) if kinds[0] == "sliding_attention" else 0
 
 
 def llama_like(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any = None,
         glob: bool = True) -> tuple[StackConfig, dict[str, np.ndarray]]:
-    """Llama (and Llama 3's rope scaling), Qwen2 (q/k/v biases), Gemma (1 + w norms, GeGLU, sqrt(d) embeddings)."""
+    """Llama (and Llama 3's rope scaling), Mistral, Qwen2 and Qwen3 (sliding windows; Qwen2's q/k/v
+    biases; Qwen3's q/k norms), Gemma (1 + w norms, GeGLU, sqrt(d) embeddings)."""
     family = hf["model_type"]
     gemma = family == "gemma"
     qkv_bias = family == "qwen2" or bool(hf.get("attention_bias"))
-    if family == "qwen2":
-        _refuse(hf, where, use_sliding_window=False)
     _refuse(hf, where, mlp_bias=False, attention_dropout=0.0)
-    if family == "llama":
+    if family in ("llama", "mistral", "qwen3"):
         _refuse(hf, where, pretraining_tp=1, attention_bias=False)
     d, H, L, n, V = (num(hf, k, where) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
                                                    "intermediate_size", "vocab_size"))
@@ -209,7 +231,9 @@ def llama_like(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: A
     cfg = _config(where, d_model=d, n_heads=H, n_kv_heads=Hkv, n_layers=L, d_mlp=n, norm="rmsnorm", placement="pre",
                   activation=acts[act], positions="rotary", eps=num(hf, "rms_norm_eps", where, real=True, default=1e-6),
                   max_seq_len=num(hf, "max_position_embeddings", where, default=2048), vocab_size=V, bias=qkv_bias,
-                  lm_head="tied" if tied and not gemma else "separate", **_rope(hf, where))
+                  lm_head="tied" if tied and not gemma else "separate", sliding_window=_window(hf, where, L),
+                  qk_norm=family == "qwen3",
+                  **_rope(hf, where))
     one = np.asarray(1.0, dtype)
     norm = (lambda a: a + one) if gemma else (lambda a: a)  # noqa: E731  Gemma: x_hat * (1 + w)
     w: dict[str, np.ndarray] = {}
@@ -230,12 +254,14 @@ def llama_like(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: A
         q, kk, v = (get(p + f"self_attn.{x}_proj.weight", m * dh, d) for x, m in (("q", H), ("k", Hkv), ("v", Hkv)))
         w[b + "attn.w_qkv"] = np.ascontiguousarray(np.concatenate([q, kk, v]).T)
         w[b + "attn.w_o"] = _t(get(p + "self_attn.o_proj.weight", d, H * dh))
+        if family == "qwen3":  # RMSNorm of each query and key head (dh,)
+            w[b + "attn.q_norm"], w[b + "attn.k_norm"] = (get(p + f"self_attn.{x}_norm.weight", dh) for x in "qk")
         w[b + "mlp.w_in"] = np.ascontiguousarray(np.concatenate([get(p + "mlp.gate_proj.weight", n, d),
                                                                  get(p + "mlp.up_proj.weight", n, d)]).T)
         w[b + "mlp.w_out"] = _t(get(p + "mlp.down_proj.weight", d, n))
         w[b + "norm1.gamma"] = norm(get(p + "input_layernorm.weight", d))
         w[b + "norm2.gamma"] = norm(get(p + "post_attention_layernorm.weight", d))
-        if qkv_bias:  # Qwen2: biases on q, k, v only; the Stack's other biases are exact zeros
+        if qkv_bias:  # Qwen2 (or attention_bias): biases on q, k, v only; the Stack's other biases are exact zeros
             w[b + "attn.b_qkv"] = np.concatenate([get(p + f"self_attn.{x}_proj.bias", m * dh)
                                                   for x, m in (("q", H), ("k", Hkv), ("v", Hkv))])
             w[b + "attn.b_o"] = np.zeros(d, dtype)
@@ -243,7 +269,8 @@ def llama_like(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: A
     return cfg, w
 
 
-FAMILIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "llama": llama_like, "qwen2": llama_like, "gemma": llama_like}
+FAMILIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "llama": llama_like, "mistral": llama_like, "qwen2": llama_like,
+            "qwen3": llama_like, "gemma": llama_like}
 
 
 def read_family(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any = None,

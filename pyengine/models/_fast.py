@@ -39,10 +39,11 @@ def fused_dtype(dtype: np.dtype) -> bool:
     return dtype == np.float32
 
 
-def forward_path(ctx: Any, dtype: np.dtype, changed: bool) -> str:
+def forward_path(ctx: Any, dtype: np.dtype, changed: bool, tk: int) -> str:
     """Which path computes the heads of :func:`pyengine.models._attention.attn`, from the call's form.
 
-    ``changed``: a hook may replace the scores, the pattern or the head outputs.
+    ``changed``: a hook may replace the scores, the pattern or the head outputs; ``tk`` the
+    number of keys (the sequence length).
 
     ==========  ===========================================================================
     path        serves
@@ -53,11 +54,13 @@ def forward_path(ctx: Any, dtype: np.dtype, changed: bool) -> str:
     "fused"     the other float32 calls without changes inside the heads or a padding mask
                 (rotary positions, or no compiled kernel): the fused ``attention_forward``
                 head (:func:`fused_heads`), P by a separate product where wanted
-    "unfused"   float64, interventions inside the heads, padding masks: batched products,
-                each site read (and replaced) in turn
+    "unfused"   float64, interventions inside the heads, padding masks, a sliding window
+                shorter than the sequence (the compiled heads know the causal mask only):
+                batched products, each site read (and replaced) in turn
     ==========  ===========================================================================
     """
-    if changed or ctx.key_mask is not None or not fused_dtype(dtype):
+    w = ctx.cfg.sliding_window
+    if changed or ctx.key_mask is not None or not fused_dtype(dtype) or (w and tk > w):
         return "unfused"
     if ctx.rope_q is None and attention_forward_kernel() is not None:
         return "blas"

@@ -15,7 +15,8 @@ Arrays of a Stack (d = d_model, H = n_heads, Hkv = n_kv_heads, dh = d / H):
 - per block k, prefix ``blocks.<k>.``: ``norm1.gamma`` (d,), ``norm1.beta`` (d,)
   (LayerNorm only), the same for ``norm2`` (sequential layout only; the parallel
   layout has one norm per block), ``attn.w_qkv`` (d, (H + 2 Hkv) dh) with columns
-  [q heads | k heads | v heads], ``attn.w_o`` (H dh, d), ``mlp.w_in`` (d, d_mlp)
+  [q heads | k heads | v heads], ``attn.w_o`` (H dh, d), ``attn.q_norm`` and ``attn.k_norm``
+  (head_dim,) if qk_norm, ``mlp.w_in`` (d, d_mlp)
   or (d, 2 d_mlp) as [gate | up] for "silu_gated", ``mlp.w_out`` (d_mlp, d), and
   if ``bias``: ``attn.b_qkv``, ``attn.b_o``, ``mlp.b_in``, ``mlp.b_out``;
 - ``final_norm.gamma`` / ``final_norm.beta`` if final_norm;
@@ -54,8 +55,8 @@ _CHOICES = {
 #: Activations whose ``mlp.w_in`` is [gate | up] (width 2 d_mlp).
 GATED = ("silu_gated", "gelu_tanh_gated")
 _INTS = {"d_model": 2, "n_heads": 1, "n_kv_heads": 1, "d_mlp": 1, "n_layers": 1, "max_seq_len": 1, "vocab_size": 0,
-         "rotary_dim": 0, "rope_original_max_len": 1}
-_BOOLS = ("residual", "causal", "final_norm", "bias", "embed_norm")
+         "rotary_dim": 0, "rope_original_max_len": 1, "sliding_window": 0}
+_BOOLS = ("residual", "causal", "final_norm", "bias", "embed_norm", "qk_norm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -113,6 +114,12 @@ class StackConfig:
         "llama3": Llama 3.1's frequency rescaling with ``rope_factor``,
         ``rope_low_freq_factor``, ``rope_high_freq_factor`` and
         ``rope_original_max_len`` (HF's ``rope_scaling`` dict; ignored for "none").
+    sliding_window : int >= 0
+        Sliding-window attention in every block (Mistral): query i sees keys j with
+        i - sliding_window < j <= i; 0 means none. Needs ``causal``.
+    qk_norm : bool
+        RMSNorm (eps ``eps``) of each query and key head over its head_dim features before
+        rotary (Qwen3), with the arrays ``attn.q_norm`` and ``attn.k_norm`` (head_dim,).
     """
 
     d_model: int
@@ -142,6 +149,8 @@ class StackConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
+    sliding_window: int = 0
+    qk_norm: bool = False
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -188,6 +197,8 @@ class StackConfig:
                              f"{self.head_dim} (0: the whole head)")
         if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError("StackConfig.rope_high_freq_factor must exceed rope_low_freq_factor for 'llama3'")
+        if self.sliding_window and not self.causal:
+            raise ValueError("StackConfig.sliding_window > 0 needs causal = True")
         if self.layout == "parallel2" and self.placement != "pre":
             raise ValueError("StackConfig.layout = 'parallel2' (two norms, GPT-NeoX) needs placement = 'pre'")
 
@@ -246,6 +257,8 @@ def expected_arrays(config: StackConfig) -> dict[str, tuple[int, ...]]:
             norm(p + "norm2")
         out[p + "attn.w_qkv"] = (d, n_qkv)
         out[p + "attn.w_o"] = (c.n_heads * dh, d)
+        if c.qk_norm:
+            out[p + "attn.q_norm"] = out[p + "attn.k_norm"] = (dh,)
         out[p + "mlp.w_in"] = (d, n_in)
         out[p + "mlp.w_out"] = (c.d_mlp, d)
         if c.bias:

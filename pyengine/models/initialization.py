@@ -374,7 +374,7 @@ def init_weights(
     for name, shape in expected_arrays(c).items():
         rng = np.random.default_rng([int(seed), zlib.crc32(name.encode())])
         leaf = name.rsplit(".", 1)[-1]
-        if leaf == "gamma":
+        if leaf in ("gamma", "q_norm", "k_norm"):
             a = 1.0 + gamma_jitter * rng.standard_normal(shape)
         elif leaf == "beta" or leaf.startswith("b_"):
             a = bias_std * rng.standard_normal(shape)

@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 
 import pyengine as pe
-from pyengine.analysis import BlockJacobian
+from pyengine.analysis import BlockJacobian, TokenJacobian
 from pyengine.linalg import operators as po
 from pyengine.linalg.convert import _FromLinearOperator
 from pyengine.linalg.norm_jacobians import _NormJacobian
@@ -46,7 +46,14 @@ FACTORIES = {
     po.Sum: lambda: pe.DenseOperator(W) + pe.LayerNormJacobian(X[:1]),
     po.Product: lambda: pe.DenseOperator(W) @ pe.LayerNormJacobian(X[:1]),
     BlockJacobian: lambda: _block_jacobian(1),
+    TokenJacobian: lambda: _token_jacobian(),
 }
+
+
+def _token_jacobian():
+    st = _stack()
+    h = st.hidden_states(np.random.default_rng(10).integers(0, 11, 3))[1]
+    return TokenJacobian(st, h, 1, "last")
 
 
 def _subclasses(cls):

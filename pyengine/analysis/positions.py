@@ -89,7 +89,7 @@ class PositionalDecomposition:
 
     @property
     def dominant_position(self) -> np.ndarray:
-        """(L,) int: the position holding more than :data:`DOMINANCE` of |h - mu|^2, or -1."""
+        """(L,) int: the position holding more than :data:`DOMINANCE` of ``|h - mu|^2``, or -1."""
         return np.where(self.top_share > DOMINANCE, self.top_position, -1)
 
     def to_dict(self) -> dict[str, Any]:

@@ -47,7 +47,7 @@ class ActivationCache(Mapping[str, np.ndarray]):
     def stack(self, pattern: str) -> np.ndarray:
         """The cached sites matching ``pattern`` (a glob over block indices, e.g.
         ``"blocks.*.resid_post"`` or ``"blocks.*.hook_resid_post"``), stacked along a new
-        leading axis in block order: (n_matched, *site shape).
+        leading axis in block order: ``(n_matched, *site_shape)``.
 
         Raises
         ------

@@ -8,11 +8,10 @@ after writing what had finished).
 from __future__ import annotations
 
 import argparse
-import math
 import sys
 import time
 
-from ._args import add_format_option, writable_folder
+from ._args import add_format_option, positive, positive_float, writable_folder
 from ._provenance import block
 from ._stages import hold
 
@@ -58,15 +57,6 @@ def _held(bar: _Bar):
     return progress
 
 
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be a positive integer; got {text}")
-    return value
-
 
 def _ints(text: str) -> list[int]:
     try:
@@ -91,15 +81,6 @@ def _arms(text: str) -> list[str]:
     return vals
 
 
-def _positive_float(text: str) -> float:
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"must be a positive number; got {text}") from None
-    if not (value > 0 and math.isfinite(value)):
-        raise argparse.ArgumentTypeError(f"must be a positive, finite number; got {text}")
-    return value
-
 
 def _nonnegative_float(text: str) -> float:
     try:
@@ -123,21 +104,21 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--preset", choices=["default", "toy"], default="default",
                    help="default: 1000 steps, held-out losses at steps 0-10 and every 20th; toy: the short run, "
                         "100 steps, held-out losses at every step (--steps and --eval-every override either)")
-    a.add_argument("--steps", type=_positive, default=None, help="training steps per run (default: the preset's)")
-    a.add_argument("--eval-every", type=_positive, default=None,
+    a.add_argument("--steps", type=positive, default=None, help="training steps per run (default: the preset's)")
+    a.add_argument("--eval-every", type=positive, default=None,
                    help="held-out evaluation every this many steps, and at steps 0-10 (default: the preset's)")
-    a.add_argument("--n-heldout", type=_positive, default=4,
+    a.add_argument("--n-heldout", type=positive, default=4,
                    help="held-out sequences per seed, seeds seed + 10000 + i (default 4)")
     a.add_argument("--seeds", type=_ints, default=[42, 2024, 1337, 7777, 9999],
                    help="comma-separated seeds (default 42,2024,1337,7777,9999)")
     a.add_argument("--arms", type=_arms, default=["gd", "value_lr", "m_step"],
                    help="comma-separated arms, gd included (default gd,value_lr,m_step)")
-    a.add_argument("--T", type=_positive, default=2000, help="sequence length (default 2000)")
+    a.add_argument("--T", type=positive, default=2000, help="sequence length (default 2000)")
     a.add_argument("--stay", type=float, default=0.3, help="the chain's stay weight (default 0.3)")
-    a.add_argument("--lr", type=_positive_float, default=0.01, help="learning rate of gd (default 0.01)")
-    a.add_argument("--value-lr-factor", type=_positive_float, default=10.0,
+    a.add_argument("--lr", type=positive_float, default=0.01, help="learning rate of gd (default 0.01)")
+    a.add_argument("--value-lr-factor", type=positive_float, default=10.0,
                    help="value_lr arm: factor on W_V's learning rate (default 10)")
-    a.add_argument("--newton-damping", type=_positive_float, default=1e-3,
+    a.add_argument("--newton-damping", type=positive_float, default=1e-3,
                    help="m_step arm: damping relative to the Hessian's mean eigenvalue (default 1e-3)")
     a.add_argument("--m-step-ridge", type=_nonnegative_float, default=None,
                    help="m_step arm: ridge penalty r / 2 |W_V|^2 in the M-step (default: the one chosen on the "
@@ -147,7 +128,7 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
                         "fast as float64; the final losses agree to ~1e-7)")
     a.add_argument("--backend", choices=["auto", "cpp", "numba", "numpy"], default="auto",
                    help="kernel backend of the attention head (default auto)")
-    a.add_argument("--workers", type=_positive, default=2,
+    a.add_argument("--workers", type=positive, default=2,
                    help="worker processes for the seeds, each single-threaded (default 2; 1: serial in this "
                         "process); the results are identical")
     a.add_argument("--out", default="attention-out", help="output folder (default ./attention-out)")

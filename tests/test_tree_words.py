@@ -1,8 +1,8 @@
 """The tree holds the tool, not its history: no work-item words in code, tests or docs.
 
 Every text file under ``pyengine/``, ``csrc/``, ``tests/`` and ``docs/`` (generated folders
-skipped) and ``README.md`` is searched for an issue reference (``issue 12``, ``issue #12``,
-``#12``), "session" in the sense of a round of work (pytest's ``scope="session"`` is
+skipped) and ``README.md`` is searched for an issue reference (the word issue followed by a number, with or
+without ``#``, or a bare ``#`` and number), "session" in the sense of a round of work (pytest's ``scope="session"`` is
 allowed) and "helper" naming a person or agent (``helper fg``, ``(helper g4``). This
 file itself is not searched (it spells the words out); its own planted lines are built from
 pieces all the same.

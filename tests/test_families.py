@@ -23,6 +23,8 @@ NEW_OPTIONS = [
     dict(positions="rotary", n_kv_heads=1, sliding_window=3),
     dict(positions="rotary", norm="rmsnorm", qk_norm=True),
     dict(positions="none", qk_norm=True, sliding_window=2),
+    dict(positions="rotary", norm="rmsnorm", qk_norm=True, n_kv_heads=1, head_dim=12),  # H dh = 24 != d = 16
+    dict(positions="rotary", head_dim=4),
 ]
 
 

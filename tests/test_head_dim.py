@@ -4,7 +4,9 @@ The config (default, validation, JSON, replace), the arrays (shapes, init, .npz)
 attention path with heads narrower or wider than d / H: a Stack with narrow heads equals one
 with d / H heads whose extra heads write nothing (forward, JVP, VJP, sites; every backend,
 float32 and float64); with wide heads the JVP matches central differences and the VJP is its
-adjoint, and every backend agrees.
+adjoint, and every backend agrees. The transformers comparisons (Llama, Mistral, Qwen3 and Gemma
+with head_dim != hidden_size / heads) are in tests/test_families.py, the HF folder and GGUF
+readers against a hand-written Llama in tests/test_pretrained.py.
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import pytest
 import pyengine as pe
 from pyengine.models.config import StackConfig, expected_arrays
 from pyengine.models.initialization import SCHEMES
+from pyengine.models.pretrained import load_pretrained
 
 D, IDS = 16, np.array([3, 14, 15, 9, 26, 5, 35, 8, 2, 7])
 ATTN = [
@@ -222,3 +225,17 @@ def test_interventions_and_site_propagation_with_wide_heads():
     assert np.abs(cd).max() > 1e-5 * eps
     np.testing.assert_allclose(lin.deltas[1:], cd, rtol=0, atol=1e-6 * np.abs(cd).max())
 
+
+def test_hf_readers_take_head_dim_from_the_config(tmp_path):
+    (tmp_path / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")
+    llama = {"model_type": "qwen3", "hidden_size": 16, "num_attention_heads": 2, "num_hidden_layers": 1,
+             "intermediate_size": 8, "vocab_size": 10}
+    for head_dim, match in ((0, "StackConfig.head_dim must be >= 1"), ("8", "'head_dim' must be an int"),
+                            (5, "even head dim")):
+        (tmp_path / "config.json").write_text(json.dumps({**llama, "head_dim": head_dim}))
+        with pytest.raises(ValueError, match=match):
+            load_pretrained(tmp_path)
+    # a valid head_dim gets as far as the tensors: the wide q_proj the config asks for is missing
+    (tmp_path / "config.json").write_text(json.dumps({**llama, "head_dim": 12}))
+    with pytest.raises(ValueError, match="embed_tokens|q_proj"):
+        load_pretrained(tmp_path)

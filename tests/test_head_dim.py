@@ -20,6 +20,7 @@ import pyengine as pe
 from pyengine.models.config import StackConfig, expected_arrays
 from pyengine.models.initialization import SCHEMES
 from pyengine.models.pretrained import load_pretrained
+from pretrained_files import TINY_LLAMA, need_libs, tiny_llama_tensors, write_llama_gguf
 
 D, IDS = 16, np.array([3, 14, 15, 9, 26, 5, 35, 8, 2, 7])
 ATTN = [
@@ -239,3 +240,15 @@ def test_hf_readers_take_head_dim_from_the_config(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({**llama, "head_dim": 12}))
     with pytest.raises(ValueError, match="embed_tokens|q_proj"):
         load_pretrained(tmp_path)
+
+
+def test_gguf_value_length_other_than_key_length_is_refused(tmp_path, monkeypatch):
+    need_libs()
+    import gguf
+
+    config = TINY_LLAMA | {"head_dim": 6}
+    write_value_length = gguf.GGUFWriter.add_value_length
+    monkeypatch.setattr(gguf.GGUFWriter, "add_value_length", lambda self, n: write_value_length(self, n + 2))
+    path = write_llama_gguf(tmp_path / "v.gguf", tiny_llama_tensors(config=config), config=config)
+    with pytest.raises(ValueError, match=r"attention.value_length 8 != attention.key_length 6 is not supported"):
+        load_pretrained(path)

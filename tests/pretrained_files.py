@@ -88,10 +88,10 @@ def write_bert(folder, W=None, config=None):
     return folder
 
 
-def tiny_llama_tensors(seed=0):
-    c, rng = TINY_LLAMA, np.random.default_rng(seed)
+def tiny_llama_tensors(seed=0, config=TINY_LLAMA):
+    c, rng = config, np.random.default_rng(seed)
     d, n, H, Hkv = c["hidden_size"], c["intermediate_size"], c["num_attention_heads"], c["num_key_value_heads"]
-    dh = d // H
+    dh = c.get("head_dim") or d // H
     shapes = {"model.embed_tokens.weight": (TINY_VOCAB_SIZE, d), "model.norm.weight": (d,)}
     for k in range(c["num_hidden_layers"]):
         p = f"model.layers.{k}."
@@ -123,10 +123,11 @@ def hf_to_gguf_permute(w, n_head):
     return w.reshape(n_head, 2, w.shape[0] // n_head // 2, *w.shape[1:]).swapaxes(1, 2).reshape(w.shape)
 
 
-def write_llama_gguf(path, W, nan_in=None, extra=None):
+def write_llama_gguf(path, W, nan_in=None, extra=None, config=TINY_LLAMA):
     import gguf
 
-    c = TINY_LLAMA
+    c = config
+    dh = c.get("head_dim") or c["hidden_size"] // c["num_attention_heads"]
     wr = gguf.GGUFWriter(str(path), "llama")
     wr.add_block_count(c["num_hidden_layers"])
     wr.add_context_length(c["max_position_embeddings"])
@@ -136,7 +137,10 @@ def write_llama_gguf(path, W, nan_in=None, extra=None):
     wr.add_head_count_kv(c["num_key_value_heads"])
     wr.add_rope_freq_base(c["rope_theta"])
     wr.add_layer_norm_rms_eps(c["rms_norm_eps"])
-    wr.add_rope_dimension_count(c["hidden_size"] // c["num_attention_heads"])
+    wr.add_rope_dimension_count(dh)
+    if "head_dim" in c:  # llama.cpp's head dims, written by its converter when they are not d / H
+        wr.add_key_length(dh)
+        wr.add_value_length(dh)
     tokens, merges = tiny_vocab()
     wr.add_tokenizer_model("gpt2")
     wr.add_tokenizer_pre("smollm")

@@ -23,6 +23,8 @@ NEW_OPTIONS = [
     dict(positions="rotary", n_kv_heads=1, sliding_window=3),
     dict(positions="rotary", norm="rmsnorm", qk_norm=True),
     dict(positions="none", qk_norm=True, sliding_window=2),
+    dict(positions="rotary", norm="rmsnorm", qk_norm=True, n_kv_heads=1, head_dim=12),  # H dh = 24 != d = 16
+    dict(positions="rotary", head_dim=4),
 ]
 
 
@@ -102,6 +104,11 @@ def _tiny(family):
                                 rotary_pct=pct, tie_word_embeddings=False, **common), tr.GPTNeoXForCausalLM
     kw = dict(hidden_size=16, num_attention_heads=4, num_key_value_heads=2, num_hidden_layers=2,
               intermediate_size=24, **common)
+    # "<family>_hd<n>": head_dim n, so 4 heads span 4 n != hidden_size 16 (Qwen3, Mistral-Nemo, Gemma 7B)
+    family, _, hd = family.partition("_hd")
+    hd = int(hd or 4)
+    if family == "llama":
+        return tr.LlamaConfig(head_dim=hd, tie_word_embeddings=False, **kw), tr.LlamaForCausalLM
     if family == "llama3":
         return tr.LlamaConfig(rope_scaling={"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
                                             "high_freq_factor": 4.0, "original_max_position_embeddings": 8},
@@ -112,11 +119,12 @@ def _tiny(family):
         return tr.Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=0, **kw), \
             tr.Qwen2ForCausalLM
     if family == "qwen3":  # q/k norms; a window in every layer
-        return tr.Qwen3Config(head_dim=4, use_sliding_window=True, sliding_window=4, max_window_layers=0,
+        return tr.Qwen3Config(head_dim=hd, use_sliding_window=True, sliding_window=4, max_window_layers=0,
                               tie_word_embeddings=False, **kw), tr.Qwen3ForCausalLM
     if family == "mistral":  # window 4 < the 10 tokens
-        return tr.MistralConfig(sliding_window=4, tie_word_embeddings=False, **kw), tr.MistralForCausalLM
-    return tr.GemmaConfig(head_dim=4, hidden_activation="gelu_pytorch_tanh", **kw), tr.GemmaForCausalLM
+        return tr.MistralConfig(sliding_window=4, head_dim=hd if hd != 4 else None, tie_word_embeddings=False, **kw), \
+            tr.MistralForCausalLM
+    return tr.GemmaConfig(head_dim=hd, hidden_activation="gelu_pytorch_tanh", **kw), tr.GemmaForCausalLM
 
 
 def _rotary_float64(self, x, position_ids):
@@ -156,7 +164,8 @@ def _rotary_modules(model):
 
 @pytest.mark.fidelity
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "gpt_neox_norope", "gpt_neox_fullrope", "llama3", "qwen2",
-                                    "gemma", "mistral", "qwen2_sliding", "qwen3"])
+                                    "gemma", "mistral", "qwen2_sliding", "qwen3",
+                                    "llama_hd6", "mistral_hd2", "qwen3_hd8", "gemma_hd8"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_matches_transformers(tmp_path, monkeypatch, family, dtype):
     torch = pytest.importorskip("torch")
@@ -193,7 +202,7 @@ def test_matches_transformers(tmp_path, monkeypatch, family, dtype):
     theirs = [t[0].numpy() for t in out.hidden_states]
     hs = ours.hidden_states(ids)
     tol = 1e-12 if dtype == "float64" else 1e-4
-    if family in ("mistral", "qwen2_sliding", "qwen3"):  # the window is in effect: the loaded Stack slides
+    if family.startswith(("mistral", "qwen2_sliding", "qwen3")):  # the window is in effect: the loaded Stack slides
         assert ours.config.sliding_window == 4
     for k in range(len(theirs) - 1):
         assert np.linalg.norm(hs[k] - theirs[k]) <= tol * np.linalg.norm(theirs[k]), f"layer {k}"
@@ -201,6 +210,8 @@ def test_matches_transformers(tmp_path, monkeypatch, family, dtype):
     assert np.linalg.norm(last - theirs[-1]) <= tol * np.linalg.norm(theirs[-1])
     lg, lt = ours.logits(ids), out.logits[0].numpy()
     assert np.linalg.norm(lg - lt) <= tol * np.linalg.norm(lt)
+    if "_hd" in family:  # H dh != d, read from the config's head_dim
+        assert ours.config.head_dim == int(family.partition("_hd")[2]) != 16 // 4
 
 
 def test_bf16_and_f16_widen_exactly(tmp_path):

@@ -22,6 +22,8 @@ CONFIGS = [
     dict(causal=False, positions="learned"),
     dict(n_kv_heads=2, positions="rotary", norm="rmsnorm", qk_norm=True),
     dict(qk_norm=True),
+    dict(n_kv_heads=2, positions="rotary", head_dim=24),  # H dh = 96 != d_model = 64
+    dict(head_dim=8),
 ]
 
 

@@ -93,7 +93,7 @@ def naive_llama(W, hf, ids):
     """HF LlamaModel hidden states (n_layers + 1, T, d) and logits (T, V), float64."""
     W = {k: np.asarray(v, np.float64) for k, v in W.items()}
     d, H, Hkv, eps = hf["hidden_size"], hf["num_attention_heads"], hf["num_key_value_heads"], hf["rms_norm_eps"]
-    dh, T = d // H, len(ids)
+    dh, T = hf.get("head_dim") or d // H, len(ids)
     ang = np.arange(T)[:, None] * hf["rope_theta"] ** (-np.arange(0, dh, 2) / dh)[None, :]
     cos, sin = np.cos(np.concatenate([ang, ang], -1)), np.sin(np.concatenate([ang, ang], -1))
 
@@ -256,20 +256,23 @@ def test_tiny_bert_folder_matches_naive(libs, tmp_path):
         m.tokenize("hello")
 
 
-def test_tiny_llama_gguf_and_hf_folder_match_naive(libs, tmp_path):
+@pytest.mark.parametrize("head_dim", [None, 6], ids=["default", "head_dim=6"])  # 6: H dh = 24 != d = 16
+def test_tiny_llama_gguf_and_hf_folder_match_naive(libs, tmp_path, head_dim):
     from safetensors.numpy import save_file
 
-    W = tiny_llama_tensors()
+    config = TINY_LLAMA if head_dim is None else TINY_LLAMA | {"head_dim": head_dim}
+    W = tiny_llama_tensors(config=config)
     ids = np.array([0, 5, 200, 17, 259, 3, 99])
-    ref, ref_logits = naive_llama(W, TINY_LLAMA, ids)
-    g = pe.load_pretrained(write_llama_gguf(tmp_path / "tiny.gguf", W))
+    ref, ref_logits = naive_llama(W, config, ids)
+    g = pe.load_pretrained(write_llama_gguf(tmp_path / "tiny.gguf", W, config=config))
     folder = tmp_path / "hf"
     folder.mkdir()
-    (folder / "config.json").write_text(json.dumps(TINY_LLAMA | {"vocab_size": TINY_VOCAB_SIZE}))
+    (folder / "config.json").write_text(json.dumps(config | {"vocab_size": TINY_VOCAB_SIZE}))
     save_file(W, str(folder / "model.safetensors"))
     f = pe.load_pretrained(folder)
     for m in (g, f):
         assert m.architecture == "llama" and m.config.lm_head == "tied" and m.config.n_kv_heads == 2
+        assert m.config.head_dim == (head_dim or 4)
         np.testing.assert_allclose(m.hidden_states(ids, dtype=np.float64), ref, rtol=0, atol=1e-11 * np.abs(ref).max())
         np.testing.assert_allclose(m.logits(ids, dtype=np.float64), ref_logits, rtol=0,
                                    atol=1e-11 * np.abs(ref_logits).max())

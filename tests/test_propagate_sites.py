@@ -16,6 +16,8 @@ CASES = [
     dict(layout="parallel", placement="post"),
     dict(norm="rmsnorm", positions="rotary", activation="silu_gated", n_kv_heads=2, bias=False),
     dict(causal=False),
+    dict(norm="rmsnorm", positions="rotary", n_kv_heads=2, qk_norm=True, head_dim=6),  # H dh = 24 != d = 16
+    dict(head_dim=2),
 ]
 
 

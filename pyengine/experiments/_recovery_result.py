@@ -141,7 +141,7 @@ class Recovery:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready: settings, table, fits, spectra, ablations, verdicts and both runs."""
         return {
-            "model": self.model, "config": dataclasses.asdict(self.config), "text": self.text,
+            "model": self.model, "config": self.config.to_dict(), "text": self.text,
             "ids": self.ids.tolist(), "tokens": self.tokens, "layer": self.layer, "site": self.site,
             "read": self.read,
             "protocol_scale": self.protocol_scale, "table": self.layer_table(),

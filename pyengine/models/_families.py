@@ -217,9 +217,7 @@ def llama_like(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: A
     d, H, L, n, V = (num(hf, k, where) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
                                                    "intermediate_size", "vocab_size"))
     Hkv = num(hf, "num_key_value_heads", where, default=H)
-    dh = hf.get("head_dim") or d // H
-    if dh * H != d:
-        raise ValueError(f"{where}: head_dim {dh} * num_attention_heads {H} != hidden_size {d} is not supported")
+    dh = num(hf, "head_dim", where) if hf.get("head_dim") is not None else None  # None: d // H
     act = hf.get("hidden_activation") if gemma and hf.get("hidden_activation") else hf.get("hidden_act", "silu")
     acts = {"silu": "silu_gated", "gelu_pytorch_tanh": "gelu_tanh_gated"}
     if gemma and act == "gelu":
@@ -232,8 +230,8 @@ def llama_like(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: A
                   activation=acts[act], positions="rotary", eps=num(hf, "rms_norm_eps", where, real=True, default=1e-6),
                   max_seq_len=num(hf, "max_position_embeddings", where, default=2048), vocab_size=V, bias=qkv_bias,
                   lm_head="tied" if tied and not gemma else "separate", sliding_window=_window(hf, where, L),
-                  qk_norm=family == "qwen3",
-                  **_rope(hf, where))
+                  qk_norm=family == "qwen3", head_dim=dh, **_rope(hf, where))
+    dh = cfg.head_dim
     one = np.asarray(1.0, dtype)
     norm = (lambda a: a + one) if gemma else (lambda a: a)  # noqa: E731  Gemma: x_hat * (1 + w)
     w: dict[str, np.ndarray] = {}

@@ -272,7 +272,7 @@ def llama(dims: dict[str, Any], get: Callable[[str, tuple[int, ...]], np.ndarray
         cfg = StackConfig(d_model=d, n_heads=H, n_kv_heads=Hkv, n_layers=L, d_mlp=n, norm="rmsnorm", placement="pre",
                           layout="sequential", activation="silu_gated", causal=True, positions="rotary",
                           eps=dims["eps"], final_norm=True, max_seq_len=dims["ctx"], vocab_size=V, bias=False,
-                          rope_base=dims["rope_base"], lm_head="tied" if tied else "separate")
+                          rope_base=dims["rope_base"], lm_head="tied" if tied else "separate", head_dim=dims.get("dh"))
     except (TypeError, ValueError) as exc:
         raise ValueError(f"{where}: {exc}") from None
     dh = cfg.head_dim

@@ -7,7 +7,8 @@ names the weight arrays a :class:`~pyengine.models.stack.Stack` with that config
 holds, and ``_check_arrays`` (used by the Stack, initialization and the pretrained
 readers) checks a set of them.
 
-Arrays of a Stack (d = d_model, H = n_heads, Hkv = n_kv_heads, dh = d / H):
+Arrays of a Stack (d = d_model, H = n_heads, Hkv = n_kv_heads, dh = head_dim, by default d / H;
+H dh may differ from d, as in Qwen3 or Mistral-Nemo):
 
 - ``embed.tokens`` (vocab_size, d) if vocab_size > 0; ``embed.positions``
   (max_seq_len, d) if positions == "learned"; ``embed.norm.gamma`` (d,) and
@@ -55,7 +56,7 @@ _CHOICES = {
 #: Activations whose ``mlp.w_in`` is [gate | up] (width 2 d_mlp).
 GATED = ("silu_gated", "gelu_tanh_gated")
 _INTS = {"d_model": 2, "n_heads": 1, "n_kv_heads": 1, "d_mlp": 1, "n_layers": 1, "max_seq_len": 1, "vocab_size": 0,
-         "rotary_dim": 0, "rope_original_max_len": 1, "sliding_window": 0}
+         "rotary_dim": 0, "rope_original_max_len": 1, "sliding_window": 0, "head_dim": 1}
 _BOOLS = ("residual", "causal", "final_norm", "bias", "embed_norm", "qk_norm")
 
 
@@ -66,7 +67,8 @@ class StackConfig:
     Parameters
     ----------
     d_model : int >= 2
-    n_heads : int, divides d_model
+    n_heads : int >= 1
+        Query heads; must divide d_model unless ``head_dim`` is given.
     n_layers : int >= 1
     d_mlp : int, optional
         MLP hidden width (default 4 d_model); for "silu_gated" the width of gate and up each.
@@ -120,6 +122,13 @@ class StackConfig:
     qk_norm : bool
         RMSNorm (eps ``eps``) of each query and key head over its head_dim features before
         rotary (Qwen3), with the arrays ``attn.q_norm`` and ``attn.k_norm`` (head_dim,).
+    head_dim : int >= 1, optional
+        Width of every query, key and value head (default d_model // n_heads, which then
+        must divide exactly). Given, ``n_heads * head_dim`` need not equal d_model: the
+        heads are projected from and back to d_model by ``attn.w_qkv`` (d, (H + 2 Hkv) dh)
+        and ``attn.w_o`` (H dh, d) (Qwen3, Mistral-Nemo, Gemma). :meth:`to_json` writes
+        it only when it differs from the default, and :meth:`replace` recomputes a
+        default head_dim from the new d_model and n_heads.
     """
 
     d_model: int
@@ -151,6 +160,7 @@ class StackConfig:
     rope_original_max_len: int = 8192
     sliding_window: int = 0
     qk_norm: bool = False
+    head_dim: int = None  # type: ignore[assignment]  # None: d_model // n_heads, resolved in __post_init__
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -160,8 +170,11 @@ class StackConfig:
             put("d_mlp", 4 * int(self.d_model))
         if self.n_kv_heads is None:
             put("n_kv_heads", self.n_heads)
+        given = self.head_dim is not None
         for name, low in _INTS.items():
             val = getattr(self, name)
+            if name == "head_dim" and not given:
+                continue
             if isinstance(val, bool) or not isinstance(val, numbers.Integral):
                 raise TypeError(f"StackConfig.{name} must be an int; got {val!r}")
             if val < low:
@@ -181,16 +194,17 @@ class StackConfig:
             if (positive is False and val < 0) or (positive and val <= 0):
                 raise ValueError(f"StackConfig.{name} must be {'> 0' if positive else '>= 0'}; got {val}")
             put(name, float(val))
-        if self.d_model % self.n_heads:
-            raise ValueError(f"StackConfig.n_heads = {self.n_heads} must divide d_model = {self.d_model}")
+        if not given:
+            if self.d_model % self.n_heads:
+                raise ValueError(f"StackConfig.n_heads = {self.n_heads} must divide d_model = {self.d_model} "
+                                 "(or give head_dim)")
+            put("head_dim", self.d_model // self.n_heads)
         if self.n_heads % self.n_kv_heads:
             raise ValueError(f"StackConfig.n_kv_heads = {self.n_kv_heads} must divide n_heads = {self.n_heads}")
         if self.lm_head != "none" and self.vocab_size == 0:
             raise ValueError(f"StackConfig.lm_head = {self.lm_head!r} needs vocab_size > 0 (a vocabulary to read out)")
         if self.positions == "rotary" and self.head_dim % 2:
-            raise ValueError(
-                f"StackConfig.positions = 'rotary' needs an even head dim d_model/n_heads; got {self.head_dim}"
-            )
+            raise ValueError(f"StackConfig.positions = 'rotary' needs an even head dim (head_dim); got {self.head_dim}")
 
         if self.rotary_dim and (self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
             raise ValueError(f"StackConfig.rotary_dim = {self.rotary_dim} must be even and <= the head dim "
@@ -203,12 +217,46 @@ class StackConfig:
             raise ValueError("StackConfig.layout = 'parallel2' (two norms, GPT-NeoX) needs placement = 'pre'")
 
     @property
-    def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+    def head_dim_is_default(self) -> bool:
+        """Whether head_dim is d_model // n_heads with n_heads dividing d_model (H dh = d)."""
+        return self.head_dim * self.n_heads == self.d_model
+
+    def replace(self, **changes: Any) -> StackConfig:
+        """A validated copy with ``changes``; a default head_dim follows a changed d_model or n_heads.
+
+        (``dataclasses.replace`` would keep the old head_dim as if it had been given.)
+        """
+        if "head_dim" not in changes and self.head_dim_is_default:
+            changes = {**changes, "head_dim": None}
+        return dataclasses.replace(self, **changes)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The config as a JSON-ready dict, in field order (every field, defaults resolved;
+        head_dim only if it is not d_model // n_heads, so such configs read as before it existed)."""
+        obj = dataclasses.asdict(self)
+        if self.head_dim_is_default:
+            del obj["head_dim"]
+        return obj
+
+    @classmethod
+    def from_dict(cls, obj: Mapping[str, Any]) -> StackConfig:
+        """Validate :meth:`to_dict` output (or an older one, without newer fields); ValueError/TypeError
+        naming the field."""
+        if not isinstance(obj, Mapping):
+            raise ValueError(f"StackConfig data must be an object (a dict); got {type(obj).__name__}")
+        names = {f.name for f in dataclasses.fields(cls)}
+        unknown = sorted(set(obj) - names)
+        if unknown:
+            raise ValueError(f"StackConfig data has unknown field(s) {unknown}; known: {sorted(names)}")
+        missing = [f.name for f in dataclasses.fields(cls)
+                   if f.default is dataclasses.MISSING and f.name not in obj]
+        if missing:
+            raise ValueError(f"StackConfig data lacks required field(s) {missing}")
+        return cls(**obj)
 
     def to_json(self) -> str:
-        """The config as a JSON object (every field, defaults resolved)."""
-        return json.dumps(dataclasses.asdict(self), sort_keys=True)
+        """:meth:`to_dict` as a JSON object with sorted keys."""
+        return json.dumps(self.to_dict(), sort_keys=True)
 
     @classmethod
     def from_json(cls, text: str | bytes) -> StackConfig:
@@ -217,17 +265,7 @@ class StackConfig:
             obj = json.loads(text)
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
             raise ValueError(f"StackConfig JSON is malformed: {exc}") from None
-        if not isinstance(obj, dict):
-            raise ValueError(f"StackConfig JSON must be an object; got {type(obj).__name__}")
-        names = {f.name for f in dataclasses.fields(cls)}
-        unknown = sorted(set(obj) - names)
-        if unknown:
-            raise ValueError(f"StackConfig JSON has unknown field(s) {unknown}; known: {sorted(names)}")
-        missing = [f.name for f in dataclasses.fields(cls)
-                   if f.default is dataclasses.MISSING and f.name not in obj]
-        if missing:
-            raise ValueError(f"StackConfig JSON lacks required field(s) {missing}")
-        return cls(**obj)
+        return cls.from_dict(obj)
 
 
 def expected_arrays(config: StackConfig) -> dict[str, tuple[int, ...]]:

@@ -368,9 +368,16 @@ def _load_gguf(path: str, name: str) -> PretrainedModel:
         dims["Hkv"] = _hf.num(m, "attention.head_count_kv", where, default=dims["H"])
         tokens = meta.get("tokenizer.ggml.tokens")
         dims["V"] = _hf.num(m, "vocab_size", where, default=len(tokens) if isinstance(tokens, list) else None)
-        if dims["H"] < 1 or dims["d"] % dims["H"]:
+        if "attention.key_length" in m:  # the head dim, when it is not embedding_length / head_count
+            dims["dh"] = _hf.num(m, "attention.key_length", where)
+            if _hf.num(m, "attention.value_length", where, default=dims["dh"]) != dims["dh"]:
+                raise ValueError(f"{where}: attention.value_length {m['attention.value_length']} != "
+                                 f"attention.key_length {dims['dh']} is not supported")
+        elif dims["H"] < 1 or dims["d"] % dims["H"]:
             raise ValueError(f"{where}: attention.head_count {dims['H']} does not divide embedding_length {dims['d']}")
-        if _hf.num(m, "rope.dimension_count", where, default=dims["d"] // dims["H"]) != dims["d"] // dims["H"]:
+        else:
+            dims["dh"] = dims["d"] // dims["H"]
+        if _hf.num(m, "rope.dimension_count", where, default=dims["dh"]) != dims["dh"]:
             raise ValueError(f"{where}: rotary over part of the head (rope.dimension_count) is not supported")
         to_gguf = {**_GGUF_GLOBAL, **{f"model.layers.{k}.{hf}.weight": f"blk.{k}.{gg}.weight"
                                       for k in range(dims["L"]) for hf, gg in _GGUF_BLOCK.items()}}

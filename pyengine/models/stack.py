@@ -24,7 +24,6 @@ activation sites, :meth:`Stack.run_with_cache`, interventions (:meth:`Stack.run`
 from __future__ import annotations
 
 import copy
-import dataclasses
 import os
 import warnings
 from collections.abc import Mapping
@@ -88,9 +87,10 @@ class Stack(Sites, Linearization, ReverseMode):
     def replace(self, **changes: Any) -> Stack:
         """A Stack with config fields changed and the same weights (e.g. ``gamma_scale``, ``causal``).
 
-        The new config must need exactly the same arrays (ValueError otherwise).
+        The new config must need exactly the same arrays (ValueError otherwise). A default
+        head_dim follows a changed d_model or n_heads (:meth:`StackConfig.replace`).
         """
-        cfg = dataclasses.replace(self._config, **changes)
+        cfg = self._config.replace(**changes)
         same = expected_arrays(cfg) == {n: a.shape for n, a in self._weights.items()}
         # The arrays are read-only and already checked: share them.
         return self._with(cfg, self._weights if same else _check_arrays(cfg, self._weights, "weights"))

@@ -140,6 +140,7 @@ def _start(Client: Any, kw: dict[str, Any], got: list[int]) -> Any:
     (recorded in ``got`` by :func:`held_interrupts`) stops the starting worker processes at once,
     so that the start fails fast and quietly. None if it failed after a Ctrl-C."""
     box: dict[str, Any] = {}
+    before = set(multiprocessing.active_children())  # the caller's own processes are left alone
 
     def target() -> None:
         try:
@@ -154,7 +155,7 @@ def _start(Client: Any, kw: dict[str, Any], got: list[int]) -> Any:
         thread.join(0.02)
         if got:  # also the workers that start after the Ctrl-C
             _quiet()
-            for proc in multiprocessing.active_children():
+            for proc in set(multiprocessing.active_children()) - before:
                 proc.terminate()
     if "error" in box:
         if got:  # the workers were stopped by the Ctrl-C while they started

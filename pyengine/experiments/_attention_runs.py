@@ -23,7 +23,7 @@ _PLAIN = ("hist", "pca", "curve", "change")
 
 
 def run_to_arrays(run: Mapping[str, Any]) -> dict[str, np.ndarray]:
-    """The run as flat named arrays (no copies of the big arrays' values are changed)."""
+    """The run as flat named arrays (the run's own arrays, not copies)."""
     out = {k: np.asarray(run[k]) for k in _PLAIN}
     out["skipped"] = np.asarray(run["skipped"], dtype=np.int64)
     out.update({f"W.{k}": np.asarray(v) for k, v in run["W"].items()})

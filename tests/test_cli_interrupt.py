@@ -93,13 +93,60 @@ def test_scan(tmp_path):
     assert "stored before" in done.stdout and " 0 stored before" not in done.stdout
 
 
+ATTENTION = ["attention", "--steps", "60", "--T", "64", "--workers", "1", "--progress", "never", "--no-plots"]
+
+
+def _stored_runs(folder):
+    from pyengine.distributed import Store
+
+    store = Store(folder / "runs")
+    points = store.manifest()["points"]
+    return {(points[i]["seed"], points[i]["arm"]): store.read(i) for i in sorted(store.done(len(points)))}
+
+
+def _without_times(doc):
+    return {k: v for k, v in doc.items() if k not in ("seconds", "provenance")}
+
+
 def test_attention(tmp_path):
-    line = _interrupt(tmp_path, "attention", "--seeds", "1,2", "--arms", "gd", "--steps", "60", "--T", "64",
-                      "--workers", "1", "--progress", "never", "--no-plots", "--out", "o")
-    assert "wrote the seeds that had finished" in line
+    """Held after the first finished run (seed 1's only arm): the report of seed 1, seed 2 missing."""
+    line = _interrupt(tmp_path, *ATTENTION, "--seeds", "1,2", "--arms", "gd", "--out", "o")
+    assert "wrote the report of the seeds whose every arm finished" in line
+    assert "missing runs: seed 2: gd" in line and "the 1 finished run(s) are in o/runs" in line
     rep = json.loads((tmp_path / "o" / "attention.json").read_text())
     assert rep["seeds"] == [1] and rep["interrupted"] is True  # the finished seed, not the running one
+    assert rep["missing"] == {"2": ["gd"]} and rep["partial"] == []
     assert (tmp_path / "o" / "attention.csv").exists()
+    assert set(_stored_runs(tmp_path / "o")) == {(1, "gd")}
+
+
+def test_attention_resume_after_ctrl_c_gives_the_uninterrupted_report(tmp_path):
+    """Ctrl-C after the first of four runs: that run is stored (no seed complete, no report);
+    --resume computes the other three, and the report equals an uninterrupted run's."""
+    args = [*ATTENTION, "--seeds", "1,2", "--arms", "gd,value_lr"]
+    line = _interrupt(tmp_path, *args, "--out", "o")
+    assert "no seed had every arm finished" in line and "the 1 finished run(s) are in o/runs" in line
+    assert "--resume" in line and not (tmp_path / "o" / "attention.json").exists()
+    first = _stored_runs(tmp_path / "o")
+    assert set(first) == {(1, "gd")}
+    run = lambda *extra: subprocess.run([sys.executable, "-m", "pyengine", *args, *extra], cwd=tmp_path,
+                                        capture_output=True, text=True, timeout=240)
+    done = run("--out", "o", "--resume")
+    assert done.returncode == 0, done.stderr
+    assert "1 run(s) stored before" in done.stdout
+    whole = run("--out", "w")
+    assert whole.returncode == 0, whole.stderr
+    resumed, full = _stored_runs(tmp_path / "o"), _stored_runs(tmp_path / "w")
+    assert set(resumed) == set(full) == {(s, a) for s in (1, 2) for a in ("gd", "value_lr")}
+    for key, arrays in full.items():
+        assert arrays.keys() == resumed[key].keys()
+        for name, a in arrays.items():
+            np.testing.assert_array_equal(resumed[key][name], a)
+    for key, arrays in first.items():  # the run stored at Ctrl-C is the uninterrupted run's, bit for bit
+        for name, a in arrays.items():
+            np.testing.assert_array_equal(full[key][name], a)
+    docs = [json.loads((tmp_path / f / "attention.json").read_text()) for f in ("o", "w")]
+    assert _without_times(docs[0]) == _without_times(docs[1])
 
 
 def test_hold_is_inert_without_the_variable(tmp_path, small_npz):

@@ -65,3 +65,54 @@ def test_non_nilpotent_operators_still_use_arnoldi():
     res = pe.spectral_radius(A, tol=1e-9)
     assert res.method.tolist() == ["arnoldi"] and res.all_converged
     np.testing.assert_allclose(res.rho, 1.0, rtol=1e-7)
+
+
+def shift_operator(n, diagonal=None, step=1.0):
+    """The strictly upper-triangular shift (A v)_i = step v_{i+1} (plus ``diagonal``), matrix-free."""
+    from scipy.sparse.linalg import LinearOperator
+
+    d = np.zeros(n) if diagonal is None else diagonal
+
+    def mv(v):
+        v = np.asarray(v).reshape(n, -1)
+        y = d[:, None] * v
+        y[:-1] += step * v[1:]
+        return y
+
+    def rmv(u):
+        u = np.asarray(u).reshape(n, -1)
+        y = d[:, None] * u
+        y[1:] += step * u[:-1]
+        return y
+
+    return LinearOperator((n, n), matvec=mv, matmat=mv, rmatvec=rmv, rmatmat=rmv, dtype=np.float64)
+
+
+def test_nilpotent_operator_above_the_dense_size_has_radius_zero(monkeypatch):
+    """n = 3000 > DENSE_RADIUS_MAX: the stalled shift (nilpotent of index n) is answered by its power
+    sequence reaching a zero image, neither by ARPACK nor by a formed matrix."""
+    from pyengine.linalg import _dense_radius
+
+    n = 3000
+    assert n > _dense_radius.DENSE_RADIUS_MAX
+    monkeypatch.setattr(_solvers, "_arnoldi", lambda *a: pytest.fail("ARPACK was asked"))
+    monkeypatch.setattr(_dense_radius, "dense_matrix", lambda *a: pytest.fail("a matrix was formed"))
+    L = shift_operator(n)
+    single = pe.spectral_radius(L)
+    assert_zero_radius(single)
+    assert single.method.tolist() == ["power"] and single.iterations[0] > 2 * _solvers.STALL_WINDOW
+    batch = pe.spectral_radius(pe.Scaled(np.array([1.0, 2.5, -0.5]), pe.from_linear_operator(L)), seed=3)
+    assert_zero_radius(batch)
+    assert (batch.iterations <= _solvers.STALL_WINDOW * 4 + n).all()
+
+
+def test_stalled_operator_above_the_dense_size_still_goes_to_arnoldi():
+    n = 2100
+    diagonal = np.zeros(n)
+    # tied +-1 (power iteration stalls, rho = 1) and ten more distinct eigenvalues, so ARPACK's
+    # ARNOLDI_WANTED converge: the rest, 0, is a Jordan block of the half shift
+    diagonal[:12] = 1, -1, 0.95, -0.9, 0.85, -0.8, 0.75, -0.7, 0.65, -0.6, 0.55, -0.5
+    res = pe.spectral_radius(shift_operator(n, diagonal, 0.5), tol=1e-9)
+    assert res.method.tolist() == ["arnoldi"] and res.all_converged
+    np.testing.assert_allclose(res.rho, 1.0, rtol=1e-7)
+    assert res.iterations[0] > n  # the zero-image search's n products are counted

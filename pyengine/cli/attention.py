@@ -2,7 +2,8 @@
 
 One module per subcommand: :func:`add_parser` adds the subcommand to the ``pyengine``
 parser and :func:`run` executes it (exit status 0; 2 on bad arguments; 130 on Ctrl-C,
-after writing what had finished).
+after writing what had finished: every finished (seed, arm) run is in ``OUT/runs`` as it ends,
+and ``--resume`` continues from them).
 """
 
 from __future__ import annotations
@@ -41,21 +42,49 @@ class _Bar:
             print(f"[{100 * frac:5.1f}%] {el:6.1f} s  {label}", file=sys.stderr, flush=True)
 
 
-def _held(bar: _Bar):
-    """The progress callback, with the test hook of :mod:`pyengine.cli._stages`: it holds at the
-    first report of a second seed (run serially, the first seed has finished then)."""
-    first: list[str] = []
+#: The store of finished (seed, arm) runs inside the output folder, and its job name.
+RUNS, RUNS_JOB = "runs", "attention-runs"
 
-    def progress(frac: float, label: str) -> None:
-        bar(frac, label)
-        seed = label.split(" arm ")[0]
-        if not first:
-            first.append(seed)
-        elif seed != first[0] and label != "done":
-            hold()
 
-    return progress
+class _Runs:
+    """The finished (seed, arm) runs of one configuration in ``<out>/runs``: a checksummed
+    :class:`~pyengine.distributed.Store` with one point per (seed, arm), each written as the run
+    ends (atomically), so Ctrl-C keeps every finished run and ``--resume`` continues from them.
+    Without ``--resume`` a store of this command is started afresh, as the report files are."""
 
+    def __init__(self, out: str, cfg: dict, seeds: list[int], arms: list[str], resume: bool, prov: dict) -> None:
+        import os
+        import shutil
+
+        from ..distributed import Store
+
+        self.path = os.path.join(out, RUNS)
+        self.store = Store(self.path)
+        self.points = [{"seed": s, "arm": a} for s in seeds for a in arms]
+        self.index = {(p["seed"], p["arm"]): i for i, p in enumerate(self.points)}
+        if not resume and self.store.exists() and self.store.manifest().get("job") == RUNS_JOB:
+            shutil.rmtree(self.path)
+        self.store.create(RUNS_JOB, cfg, self.points, resume=resume, provenance=prov)
+        for i in self.store.damaged(len(self.points)):
+            print(f"recomputed: {self.store.set_aside(i)} did not read back whole")
+
+    def load(self) -> dict:
+        from ..experiments.attention_dynamics import run_from_arrays
+
+        done = self.store.done(len(self.points))
+        return {(p["seed"], p["arm"]): run_from_arrays(self.store.read(i)) for i, p in enumerate(self.points)
+                if i in done}
+
+    def write(self, seed: int, arm: str, run: dict) -> None:
+        from ..experiments.attention_dynamics import run_to_arrays
+
+        self.store.write(self.index[(seed, arm)], run_to_arrays(run))
+        hold()  # the test hook: after the first finished run
+
+    def kept(self) -> str:
+        n = len(self.store.done(len(self.points)))
+        return (f"the {n} finished run(s) are in {self.path} (continue with --resume)" if n
+                else "no run had finished")
 
 
 def _ints(text: str) -> list[int]:
@@ -131,7 +160,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     a.add_argument("--workers", type=positive, default=2,
                    help="worker processes for the seeds, each single-threaded (default 2; 1: serial in this "
                         "process); the results are identical")
-    a.add_argument("--out", default="attention-out", help="output folder (default ./attention-out)")
+    a.add_argument("--out", default="attention-out", help="output folder (default ./attention-out); each "
+                   "finished (seed, arm) run is written to OUT/runs as it ends")
+    a.add_argument("--resume", action="store_true",
+                   help="continue the run stored in OUT/runs (same options): only the missing runs are computed")
     a.add_argument("--no-plots", action="store_true", help="skip the figures")
     add_format_option(a)
     a.add_argument("--progress", choices=["auto", "always", "never"], default="auto",
@@ -151,26 +183,31 @@ def run(args: argparse.Namespace) -> int:
     ridge = args.m_step_ridge if args.m_step_ridge is not None else M_STEP_RIDGE
     try:
         writable_folder(args.out)  # before the training, not after it
-        print(f"pyengine attention ({args.preset}): {len(args.seeds)} seed(s) x {len(args.arms)} arm(s) x {steps} "
-              f"steps, T = {args.T}, {args.dtype}, {args.workers} worker(s); output folder {args.out}", flush=True)
-        rep = attention_dynamics(seeds=args.seeds, arms=args.arms, steps=steps, T=args.T, stay=args.stay,
-                                 lr=args.lr, value_lr_factor=args.value_lr_factor,
-                                 newton_damping=args.newton_damping, m_step_ridge=ridge, n_heldout=args.n_heldout,
-                                 eval_every=every, dtype=args.dtype, backend=args.backend,
-                                 progress=_held(_Bar(args.progress)), workers=args.workers)
-        print(format_attention_table(rep))
+        cfg = {"steps": steps, "T": args.T, "stay": args.stay, "lr": args.lr, "value_lr_factor": args.value_lr_factor,
+               "newton_damping": args.newton_damping, "m_step_ridge": ridge, "n_heldout": args.n_heldout,
+               "eval_every": every, "dtype": args.dtype, "backend": args.backend}
         prov = block(args, seeds=list(args.seeds), dtype=args.dtype, backend=args.backend,
                      model="synthetic: one causal attention head on a sticky Markov chain")
+        runs = _Runs(args.out, cfg, list(args.seeds), list(args.arms), args.resume, prov)
+        before = runs.load()
+        print(f"pyengine attention ({args.preset}): {len(args.seeds)} seed(s) x {len(args.arms)} arm(s) x {steps} "
+              f"steps, T = {args.T}, {args.dtype}, {args.workers} worker(s); output folder {args.out}"
+              + (f"; {len(before)} run(s) stored before" if args.resume else ""), flush=True)
+        try:
+            rep = attention_dynamics(seeds=args.seeds, arms=args.arms, n_heldout=args.n_heldout, eval_every=every,
+                                     progress=_Bar(args.progress), workers=args.workers, on_run=runs.write,
+                                     done_runs=before, **{k: cfg[k] for k in ("steps", "T", "stay", "lr",
+                                     "value_lr_factor", "newton_damping", "m_step_ridge", "dtype", "backend")})
+        except KeyboardInterrupt:
+            raise KeyboardInterrupt(f"no seed had every arm finished; {runs.kept()}") from None
+        print(format_attention_table(rep))
         paths = write_attention_report(rep, args.out, plots=not args.no_plots, fmt=args.format, provenance=prov)
         print(f"time: {rep.seconds['total']:.1f} s ({rep.seconds['per_step_ms']:.2f} ms per step); "
               f"wrote {', '.join(paths)}")
         if rep.interrupted:
-            print("pyengine: interrupted: wrote the seeds that had finished", file=sys.stderr)
-            return 130
+            raise KeyboardInterrupt(f"wrote the report of the seeds whose every arm finished; "
+                                    f"{rep.missing_runs()}; {runs.kept()}")
         return 0
-    except KeyboardInterrupt:
-        print("\npyengine: interrupted before any seed finished; nothing written", file=sys.stderr)
-        return 130
     except (ValueError, TypeError, OSError, MemoryError, ImportError, FloatingPointError) as exc:
         print(f"pyengine: error: {exc}", file=sys.stderr)
         return 2

@@ -2,18 +2,21 @@
 
 Ctrl-C. A terminal sends SIGINT to the whole process group, the workers of a
 ``LocalCluster`` included; a worker killed by it prints a traceback and its nanny logs
-errors while the cluster closes. So the workers of :func:`local_client` ignore SIGINT
-(a worker plugin: the client process alone turns Ctrl-C into KeyboardInterrupt, cancels
-and closes the cluster), an interrupt while the cluster starts is held until it has
-started (worker processes still starting then die of it, and print their own traceback),
-and :func:`close_client` closes a client with SIGINT held, so a second Ctrl-C cannot leave a
-half-closed cluster that keeps the process alive.
+errors while the cluster closes. So the worker processes of :func:`local_client` never see
+SIGINT: they are started with SIGINT blocked (the signal mask of the threads that start them,
+inherited through fork and exec, so a worker still importing cannot die of it), and a worker
+plugin then ignores it; the client process alone turns Ctrl-C into KeyboardInterrupt, cancels
+and closes the cluster. An interrupt while the cluster starts stops its worker processes at
+once (the start then fails, quietly) and raises KeyboardInterrupt; :func:`close_client` closes a client
+with SIGINT held, so a second Ctrl-C cannot leave a half-closed cluster that keeps the process
+alive.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import multiprocessing
 import signal
 import threading
 from collections.abc import Iterator
@@ -35,6 +38,27 @@ def held_interrupts() -> Iterator[list[int]]:
         yield got
     finally:
         signal.signal(signal.SIGINT, old)
+
+
+@contextlib.contextmanager
+def _blocked_for_children() -> Iterator[None]:
+    """Block SIGINT in this thread inside the block: the threads it starts (Dask's event loop)
+    and the processes they start inherit the mask. Leaving it delivers a SIGINT that arrived
+    meanwhile to this process's handler (``held_interrupts`` records it). A no-op outside the
+    main thread and where the platform has no ``pthread_sigmask``."""
+    if threading.current_thread() is not threading.main_thread() or not hasattr(signal, "pthread_sigmask"):
+        yield
+        return
+    # multiprocessing's resource tracker unblocks SIGINT in the thread that first starts it (every
+    # spawned process needs it): start it now, before the mask is set.
+    from multiprocessing import resource_tracker
+
+    resource_tracker.ensure_running()
+    old = signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGINT})
+    try:
+        yield
+    finally:
+        signal.pthread_sigmask(signal.SIG_SETMASK, old)
 
 
 def _ignore_interrupts() -> Any:
@@ -84,7 +108,7 @@ def local_client(workers: int = 2, *, scheduler: str | None = None, threads_per_
     bound to 127.0.0.1 only, no dashboard, owned by the client: ``client.close()`` (or leaving
     a ``with local_client() as client:`` block) stops it. ``memory_limit`` per worker (Dask's
     setting: the nanny restarts a worker that exceeds it). Its worker processes ignore SIGINT;
-    a Ctrl-C while it starts raises KeyboardInterrupt once the cluster is closed again.
+    a Ctrl-C while it starts stops them and raises KeyboardInterrupt (within about a second).
     """
     try:
         from distributed import Client
@@ -97,17 +121,44 @@ def local_client(workers: int = 2, *, scheduler: str | None = None, threads_per_
     if isinstance(workers, bool) or not isinstance(workers, int) or workers < 1:
         raise ValueError(f"workers must be a positive integer; got {workers!r}")
     # The client starts (and on close() stops) its own LocalCluster: it owns it.
+    kw = dict(n_workers=workers, threads_per_worker=threads_per_worker, processes=processes, host="127.0.0.1",
+              dashboard_address=None, memory_limit=memory_limit)
     with held_interrupts() as got:
-        try:
-            client = Client(n_workers=workers, threads_per_worker=threads_per_worker, processes=processes,
-                            host="127.0.0.1", dashboard_address=None, memory_limit=memory_limit)
-        except Exception:
-            if got:  # the workers died of the Ctrl-C while they started
-                raise KeyboardInterrupt from None
-            raise
-        if processes:
+        client = _start(Client, kw, got)
+        if processes and not got:
             client.register_plugin(_ignore_interrupts())
     if got:
-        close_client(client)
+        if client is not None:
+            close_client(client)
         raise KeyboardInterrupt
     return client
+
+
+def _start(Client: Any, kw: dict[str, Any], got: list[int]) -> Any:
+    """``Client(**kw)``, started in a thread with SIGINT blocked (its event loop and the worker
+    processes inherit the mask) while this thread waits for it with SIGINT free: a Ctrl-C
+    (recorded in ``got`` by :func:`held_interrupts`) stops the starting worker processes at once,
+    so that the start fails fast and quietly. None if it failed after a Ctrl-C."""
+    box: dict[str, Any] = {}
+    before = set(multiprocessing.active_children())  # the caller's own processes are left alone
+
+    def target() -> None:
+        try:
+            box["client"] = Client(**kw)
+        except BaseException as exc:  # handed to the waiting thread
+            box["error"] = exc
+
+    with _blocked_for_children():
+        thread = threading.Thread(target=target, name="pyengine-cluster-start", daemon=True)
+        thread.start()
+    while thread.is_alive():
+        thread.join(0.02)
+        if got:  # also the workers that start after the Ctrl-C
+            _quiet()
+            for proc in set(multiprocessing.active_children()) - before:
+                proc.terminate()
+    if "error" in box:
+        if got:  # the workers were stopped by the Ctrl-C while they started
+            return None
+        raise box["error"]
+    return box["client"]

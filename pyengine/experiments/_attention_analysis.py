@@ -188,7 +188,10 @@ class AttentionDynamics:
     ``curves``: on the evaluation ``schedule``, arm -> name -> (n_seeds, len(schedule)) for
     ``heldout_loss`` (the mean over the held-out sequences), ``validation_loss``,
     ``value_pc1`` and ``value_rho``, and ``heldout_each`` (n_seeds, len(schedule), n_heldout);
-    ``changes``: arm -> name of :data:`CHANGES` -> (n_seeds, steps).
+    ``changes``: arm -> name of :data:`CHANGES` -> (n_seeds, steps). An interrupted run
+    (``interrupted``) holds the seeds whose every arm finished; ``missing``: seed -> the arms
+    that did not finish; ``partial``: the finished runs of those seeds, one dict each
+    (:func:`~._attention_runs.partial_summary`).
     """
 
     config: dict[str, Any]
@@ -206,6 +209,20 @@ class AttentionDynamics:
     m_step_skipped: np.ndarray  # (n_seeds,)
     seconds: dict[str, float]
     interrupted: bool = False
+    missing: dict[int, tuple[str, ...]] = dataclasses.field(default_factory=dict)
+    partial: list[dict[str, Any]] = dataclasses.field(default_factory=list)
+
+    def missing_runs(self) -> str:
+        """One line: the runs an interrupted report lacks, seed by seed, with the finished runs of
+        those seeds ("" when none is missing)."""
+        if not self.missing:
+            return ""
+        done = {(p["seed"], p["arm"]) for p in self.partial}
+        parts = []
+        for s, arms in self.missing.items():
+            have = [a for a in self.arms if (s, a) in done]
+            parts.append(f"seed {s}: {', '.join(arms)}" + (f" (finished: {', '.join(have)})" if have else ""))
+        return f"missing runs: {'; '.join(parts)}"
 
     def train_curve(self, arm: str) -> np.ndarray:
         """The training loss on the schedule, (n_seeds, len(schedule))."""

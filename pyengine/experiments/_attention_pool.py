@@ -52,34 +52,30 @@ def _work(run_seed: Callable[..., dict], seed: int, arm: str, cfg: dict) -> tupl
     return seed, arm, out
 
 
-def run_seeds(run_seed: Callable[..., dict], seeds: Sequence[int], arms: Sequence[str], cfg: dict, workers: int,
-              tick: Callable[..., None], results: dict[int, Any]) -> None:
-    """Run ``run_seed(seed, arms, cfg)`` (a module-level function: it is pickled by name) for every seed in ``workers`` processes into ``results`` (as they finish).
+def run_seeds(run_seed: Callable[..., dict], tasks: Sequence[tuple[int, str]], cfg: dict, workers: int,
+              tick: Callable[..., None], record: Callable[[int, str, dict], Any]) -> None:
+    """Run the (seed, arm) ``tasks`` by ``run_seed(seed, (arm,), cfg)`` (a module-level function: it is
+    pickled by name) in ``workers`` processes, calling ``record(seed, arm, run)`` here as each finishes.
 
-    The tasks are (seed, arm) pairs (an arm depends on its seed only: the data and the
-    initialization are drawn from it), the M-step arms first (the longest), so that 5 seeds x
-    3 arms keep 2 workers busy to the end; a seed enters ``results`` when all its arms are done.
+    A task depends on its seed only (the data and the initialization are drawn from it); the
+    M-step tasks go first (the longest), so that 5 seeds x 3 arms keep 2 workers busy to the end.
 
-    ``tick(label, n)`` reports n finished steps. On KeyboardInterrupt the pending seeds are
-    cancelled, the workers stopped, and the exception re-raised (``results`` keeps the
-    seeds that finished).
+    ``tick(label, n)`` reports n finished steps. On KeyboardInterrupt (or an exception from
+    ``record``) the pending tasks are cancelled, the workers stopped, and the exception re-raised.
     """
     ctx = mp.get_context("spawn")
     q = ctx.Queue()
-    pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(seeds) * len(arms)), mp_context=ctx, initializer=_init,
+    pool = cf.ProcessPoolExecutor(max_workers=min(workers, len(tasks)), mp_context=ctx, initializer=_init,
                                   initargs=(q,))
     try:
-        order = sorted(arms, key=lambda a: a != "m_step")
-        pending = {pool.submit(_work, run_seed, s, a, cfg) for a in order for s in seeds}
-        parts: dict[int, dict[str, Any]] = {s: {} for s in seeds}
+        rank = {a: i for i, a in enumerate(dict.fromkeys(a for _, a in tasks))}  # arm by arm, M-step first
+        order = sorted(tasks, key=lambda t: (t[1] != "m_step", rank[t[1]]))
+        pending = {pool.submit(_work, run_seed, s, a, cfg) for s, a in order}
         while pending:
             done, pending = cf.wait(pending, timeout=0.2, return_when=cf.FIRST_COMPLETED)
             _drain(q, tick)
             for f in done:
-                seed, arm, out = f.result()
-                parts[seed][arm] = out
-                if len(parts[seed]) == len(arms):
-                    results[seed] = {a: parts[seed][a] for a in arms}
+                record(*f.result())
         _drain(q, tick)
     except BaseException:
         for p in list(getattr(pool, "_processes", {}).values()):  # stop running seeds now, not at their end

@@ -78,6 +78,7 @@ def format_attention_table(rep: AttentionDynamics) -> str:
         f"sticky Markov chain: {c['n_symbols']} symbols, stay {c['stay']:g} (effective stay probability "
         f"{rep.effective_stay:.4f}); T = {c['T']}; {c['steps']} steps; seeds {', '.join(map(str, rep.seeds))}"
         + (" (interrupted: finished seeds only)" if rep.interrupted else ""),
+        *([rep.missing_runs()] if rep.missing else []),
         protocol_line(rep),
         f"Bayes floor H(Y_t | Y_t-1) = {floor:.4f} nats; log {c['n_symbols']} = "
         f"{math.log(c['n_symbols']):.4f}; {rep.seconds['per_step_ms']:.2f} ms per training step ({c['dtype']})",
@@ -169,6 +170,7 @@ def to_dict(rep: AttentionDynamics) -> dict[str, Any]:
     return _clean({
         "config": rep.config, "protocol": protocol_line(rep), "chain": rep.chain, "effective_stay": rep.effective_stay,
         "bayes_entropy": rep.bayes_entropy, "seeds": rep.seeds, "arms": rep.arms, "interrupted": rep.interrupted,
+        "missing": {str(s): list(a) for s, a in rep.missing.items()}, "partial": rep.partial,
         "seconds": rep.seconds, "m_step_skipped": rep.m_step_skipped, "final": final, "curves": curves,
         "steps_to_gd_final": {a: rep.steps_to_gd_final(a) for a in rep.arms},
         "paired": {a: {**p, "reached": p["reached"].tolist()} for a, p in pairs.items()},

@@ -73,13 +73,14 @@ Protocol (after Agarwal, Dalal & Misra, arXiv 2512.22473, and their public scrip
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from ._attention_analysis import AttentionDynamics, key_orthogonality, posterior_entropy, value_manifold
+from ._attention_runs import missing_arms, partial_summary, run_from_arrays, run_to_arrays
 from ._attention_model import (  # noqa: F401 (re-exported)
     D_IN,
     D_K,
@@ -92,7 +93,7 @@ from ._attention_model import (  # noqa: F401 (re-exported)
 )
 
 __all__ = ["ARMS", "PRESETS", "AttentionDynamics", "attention_dynamics", "bayes_entropy", "eval_schedule",
-           "markov_chain"]
+           "markov_chain", "run_from_arrays", "run_to_arrays"]
 
 ARMS = ("gd", "value_lr", "m_step")
 DEFAULT_SEEDS = (42, 2024, 1337, 7777, 9999)
@@ -257,7 +258,9 @@ def attention_dynamics(*, seeds: Sequence[int] = DEFAULT_SEEDS, arms: Sequence[s
                        value_lr_factor: float = 10.0, newton_damping: float = 1e-3,
                        m_step_ridge: float = M_STEP_RIDGE, n_heldout: int = N_HELDOUT, eval_every: int = 20,
                        mu_seed: int = 0, dtype: str = "float32", backend: str = "auto",
-                       progress: Progress | None = None, workers: int = 1) -> AttentionDynamics:
+                       progress: Progress | None = None, workers: int = 1,
+                       on_run: Callable[[int, str, dict[str, Any]], Any] | None = None,
+                       done_runs: Mapping[tuple[int, str], dict[str, Any]] | None = None) -> AttentionDynamics:
     """Run the experiment (module docstring) and return its report.
 
     ``workers`` > 1 runs the seeds in that many worker processes (spawned), each with
@@ -265,8 +268,16 @@ def attention_dynamics(*, seeds: Sequence[int] = DEFAULT_SEEDS, arms: Sequence[s
     every seed computes exactly what it computes serially (the kernels' results do not
     depend on the thread count), so the report is identical, only sooner.
 
+    ``on_run(seed, arm, run)`` is called (in this process) as each (seed, arm) run finishes,
+    with :func:`run_arm`'s dict (:mod:`._attention_runs` flattens it to arrays, bit for bit), so
+    a caller can store every run as it ends; ``done_runs`` ((seed, arm) -> such a dict) are runs
+    finished before (a resumed run): they are not computed again, and the report is the one an
+    uninterrupted run gives.
+
     Ctrl-C (KeyboardInterrupt) stops it: the report of the seeds finished so far (every
-    arm of each) is returned with ``interrupted = True``; if no seed finished, it re-raises.
+    arm of each) is returned with ``interrupted = True``, ``missing`` (seed -> the arms that did
+    not finish) and ``partial`` (the finished runs of the other seeds); if no seed has every arm
+    finished, it re-raises (``on_run`` has seen every finished run).
     """
     arms = tuple(arms)
     if "gd" not in arms:
@@ -290,12 +301,13 @@ def attention_dynamics(*, seeds: Sequence[int] = DEFAULT_SEEDS, arms: Sequence[s
            "validation_seed": f"seed + {VALIDATION_OFFSET}", "mu_seed": mu_seed, "dtype": dtype,
            "backend": backend, "workers": workers}
     with threadpool_limits(1):  # the GEMMs are small: BLAS threads only contend with the kernel's
-        return _run(cfg, progress)
+        return _run(cfg, progress, on_run, dict(done_runs or {}))
 
 
-def run_seed(seed: int, arms: Sequence[str], cfg: dict[str, Any], tick: Callable[[str], None] = lambda label: None
-             ) -> dict[str, dict[str, Any]]:
-    """Every arm of one seed (data, init and the runs depend on the seed only): arm -> :func:`run_arm`'s dict."""
+def run_seed(seed: int, arms: Sequence[str], cfg: dict[str, Any], tick: Callable[[str], None] = lambda label: None,
+             on_arm: Callable[[str, dict[str, Any]], Any] | None = None) -> dict[str, dict[str, Any]]:
+    """Every arm of one seed (data, init and the runs depend on the seed only): arm -> :func:`run_arm`'s dict;
+    ``on_arm(arm, run)`` as each arm finishes."""
     n, T, steps, dtype, backend = cfg["n_symbols"], cfg["T"], cfg["steps"], cfg["dtype"], cfg["backend"]
     P = markov_chain(n, cfg["stay"])
     mu = np.random.default_rng(cfg["mu_seed"]).standard_normal((n, D_IN))
@@ -311,46 +323,51 @@ def run_seed(seed: int, arms: Sequence[str], cfg: dict[str, Any], tick: Callable
         out[arm] = run_arm(arm, X, y, mu, W0, steps=steps, heat_steps=sorted({0, steps // 10, steps}),
                            backend=backend, evals=evals, schedule=eval_schedule(steps, cfg["eval_every"]),
                            tick=lambda: tick(label), **kw)
+        if on_arm is not None:
+            on_arm(arm, out[arm])
     return out
 
 
-def _run(cfg: dict[str, Any], progress: Progress | None) -> AttentionDynamics:
+def _run(cfg: dict[str, Any], progress: Progress | None, on_run: Callable[..., Any] | None,
+         results: dict[tuple[int, str], dict[str, Any]]) -> AttentionDynamics:
     t0 = time.perf_counter()
     seeds, arms, steps, workers = cfg["seeds"], tuple(cfg["arms"]), cfg["steps"], cfg["workers"]
     P = markov_chain(cfg["n_symbols"], cfg["stay"])
     total = len(seeds) * len(arms) * steps
-    done = [0]
+    done = [steps * sum((s, a) in results for s in seeds for a in arms)]
 
     def tick(label: str, n: int = 1) -> None:
         before, done[0] = done[0], done[0] + n
         if progress and (done[0] // 25 > before // 25 or done[0] == total):
             progress(done[0] / total, label)
 
-    runs: dict[str, list] = {a: [] for a in arms}
-    finished: list[int] = []
+    def record(seed: int, arm: str, run: dict[str, Any]) -> None:  # results first: Ctrl-C in on_run keeps it
+        results[(seed, arm)] = run
+        if on_run is not None:
+            on_run(seed, arm, run)
+
+    todo = [(s, a) for s in seeds for a in arms if (s, a) not in results]
     interrupted = False
-    results: dict[int, dict[str, dict[str, Any]]] = {}  # seed -> arm -> run, filled as seeds finish
     try:
-        if workers > 1 and len(seeds) * len(arms) > 1:
+        if workers > 1 and len(todo) > 1:
             from ._attention_pool import run_seeds
 
-            run_seeds(run_seed, seeds, arms, cfg, workers, tick, results)
+            run_seeds(run_seed, todo, cfg, workers, tick, record)
         else:
-            for seed in seeds:
-                results[seed] = run_seed(seed, arms, cfg, tick=tick)
+            for seed in dict.fromkeys(s for s, _ in todo):
+                run_seed(seed, [a for s, a in todo if s == seed], cfg, tick=tick,
+                         on_arm=lambda arm, run, seed=seed: record(seed, arm, run))
     except KeyboardInterrupt:
-        if not results:
-            raise
         interrupted = True
-    for seed in seeds:
-        if seed in results:
-            for arm in arms:
-                runs[arm].append(results[seed][arm])
-            finished.append(seed)
+    missing = missing_arms(seeds, arms, results)
+    finished = [s for s in seeds if s not in missing]
+    if interrupted and not finished:
+        raise KeyboardInterrupt
+    runs = {a: [results[(s, a)] for s in finished] for a in arms}
     if progress:
         progress(1.0, "done")
     seconds = time.perf_counter() - t0
-    n_steps = len(finished) * len(arms) * steps
+    n_steps = sum(k in results for k in todo) * steps  # the steps computed in this call
     nh = cfg["n_heldout"]
 
     def curves(rs: list) -> dict[str, np.ndarray]:
@@ -370,5 +387,7 @@ def _run(cfg: dict[str, Any], progress: Progress | None) -> AttentionDynamics:
         heatmaps={a: runs[a][0]["heat"] for a in arms},
         m_step_skipped=np.array([r["skipped"] for r in runs.get("m_step", [])]),
         seconds={"total": seconds, "per_step_ms": 1e3 * seconds / max(n_steps, 1)},
-        interrupted=interrupted,
+        interrupted=interrupted, missing=missing,
+        partial=[partial_summary(s, a, results[(s, a)], METRICS, nh) for s in missing for a in arms
+                 if (s, a) in results],
     )

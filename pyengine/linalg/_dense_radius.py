@@ -41,7 +41,7 @@ INVERSE_STEPS = 2
 SHIFT_OFFSET = 1e-10
 
 __all__ = ["DENSE_RADIUS_MAX", "DENSE_RADIUS_MIN", "dense_eigpair", "dense_matrix", "dense_radii", "use_dense",
-           "zero_image"]
+           "zero_image", "zero_images"]
 
 
 def use_dense(n: int) -> bool:
@@ -71,6 +71,34 @@ def zero_image(matvec, v: np.ndarray, steps: int) -> tuple[np.ndarray | None, in
             break
         x = y / ny
     return None, k
+
+
+def zero_images(op: BatchedOperator, V: np.ndarray, steps: int) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """:func:`zero_image` of every operator of a batch at once, matrix-free (batched products).
+
+    op : B operators (n, n); V : (B, n) start vectors (not modified); steps : the cap on products.
+    Returns (X (B, n) float64, found (B,) bool, products (B,) int64): where ``found``, X's row is the
+    unit iterate whose image is exactly zero; an operator stops at its zero image, at a non-finite
+    image, or after ``steps`` products (each counted in ``products``).
+    """
+    B, n = V.shape
+    X = np.asarray(V, dtype=np.float64).copy()
+    X /= np.linalg.norm(X, axis=1, keepdims=True)
+    found, used = np.zeros(B, bool), np.zeros(B, np.int64)
+    ids, act = np.arange(B), op
+    for _ in range(steps):
+        Y = np.asarray(act.matvec(X[ids]), dtype=np.float64)
+        used[ids] += 1
+        ny = np.linalg.norm(Y, axis=1)
+        zero, bad = ny == 0, ~np.isfinite(ny)
+        found[ids[zero]] = True
+        go = ~(zero | bad)
+        X[ids[go]] = Y[go] / ny[go, None]
+        if not go.all():
+            if not go.any():
+                break
+            act, ids = act.take(np.flatnonzero(go)), ids[go]
+    return X, found, used
 
 
 def dense_eigpair(A: np.ndarray, seed: int = 0) -> tuple[complex, np.ndarray]:

@@ -9,7 +9,8 @@ classes; its docstring states what the results mean. Here:
   bidiagonalization with full reorthogonalization and thick restarts (sigma_max);
 * :func:`_radius` -- batched power iteration on A (spectral radius), with
   :func:`_arnoldi` (ARPACK through :func:`scipy.sparse.linalg.eigs`) for the
-  operators it cannot settle, or, for n in [128, 2048], the dense eigenvalues
+  operators it cannot settle (after a search for an exact zero image, the answer rho = 0
+  of a nilpotent operator), or, for n in [128, 2048], the dense eigenvalues
   (:mod:`._dense_radius`).
 
 Each works on a :class:`~pyengine.linalg.operators.BatchedOperator` through its products
@@ -24,7 +25,7 @@ from __future__ import annotations
 import numpy as np
 
 from ..backends import one_blas_thread
-from ._dense_radius import DENSE_RADIUS_MAX, dense_radii, use_dense, zero_image
+from ._dense_radius import dense_radii, use_dense, zero_images
 from .operators import BatchedOperator
 
 # -- the solvers' tolerances, caps and sizes: every one of them lives here ---------------
@@ -213,6 +214,12 @@ def _radius(op: BatchedOperator, V: np.ndarray, tol: float, max_iter: int) -> di
     fallback |= ~converged
     todo = np.flatnonzero(fallback)
     pairs = dict(zip(todo.tolist(), dense_radii(op, todo, one_blas_thread))) if use_dense(n) and len(todo) else {}
+    # ARPACK's Ritz values of a nilpotent operator are pseudo-eigenvalues far from 0 with tiny
+    # residuals; only its power sequence reaching an exact zero image certifies rho = 0. So every
+    # operator bound for Arnoldi first continues its power sequence, for at most n products (as
+    # many as forming the matrix would take; matrix-free, batched); V is not changed.
+    rest = todo[[i not in pairs for i in todo.tolist()]] if n >= 3 else todo[:0]
+    nil = dict(zip(rest.tolist(), zip(*zero_images(op.take(rest), V[rest], n)))) if len(rest) else {}
     for i in todo:
         one = op.take(np.array([i]))
         if i in pairs:  # moderate n: the formed matrix and LAPACK (see _dense_radius)
@@ -224,11 +231,8 @@ def _radius(op: BatchedOperator, V: np.ndarray, tol: float, max_iter: int) -> di
             top = int(np.argmax(np.abs(ev)))
             x, val, used, ok, name = vecs[:, top], ev[top], n, True, "dense"
         else:
-            # ARPACK's Ritz values of a nilpotent operator are pseudo-eigenvalues far from 0 with
-            # tiny residuals; only its power sequence reaching an exact zero image certifies
-            # rho = 0. At most n products, so only up to DENSE_RADIUS_MAX; V[i] is not changed.
-            x, used = zero_image(lambda v: one.matvec(v[None])[0], V[i], n) if n <= DENSE_RADIUS_MAX else (None, 0)
-            if x is not None:
+            x, found, used = nil[i]
+            if found:
                 val, ok, name = 0j, True, "power"
             else:
                 val, x, more, ok = _arnoldi(one, V[i].astype(np.float64), tol, max_iter)

@@ -371,8 +371,8 @@ def spectral_radius(
     ``scipy.sparse.linalg.eigs`` computes from the current iterate (asked for one, it can stop
     at a smaller one close in modulus): a converged answer certifies its residual, not dominance.
     A zero image A v = 0 is the exact eigenpair (0, v): rho = 0, converged, residual 0 (from a
-    random start, A is nilpotent); a stalled operator with n <= 2048 first continues its power
-    sequence for up to n products looking for one, as Arnoldi cannot answer rho = 0.
+    random start, A is nilpotent); a stalled operator bound for Arnoldi, of any n, first continues
+    its power sequence (matrix-free) for up to n products looking for one: Arnoldi cannot answer 0.
 
     Parameters
     ----------

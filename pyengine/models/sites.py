@@ -167,7 +167,7 @@ def padded_context(ctx: Any, pos: np.ndarray, mask: np.ndarray, dtype: np.dtype)
     cfg = ctx.cfg
     ctx = ctx._replace(key_mask=~mask[:, None, None, None, :])
     if cfg.positions == "rotary":
-        cos, sin = (t[pos][:, None] for t in _blocks.rope_tables(mask.shape[1], _blocks.inv_freq(cfg), dtype))
+        cos, sin = (t[pos][:, None] for t in _blocks.rotary_tables(cfg, mask.shape[1], dtype))
         scale = 1.0 / math.sqrt(cfg.head_dim)
         ctx = ctx._replace(rope_q=(cos * scale, sin * scale), rope_k=(cos, sin))
     return ctx

@@ -62,7 +62,7 @@ from . import _blocks
 from .. import _validate as _v
 from ._stacklike import StackLike
 from .activation_cache import ActivationCache
-from .interventions import Intervention, parse_interventions
+from .interventions import Intervention, hook_interventions, parse_interventions
 from .tl_names import canonical, unknown_hint
 
 __all__ = ["Sites", "as_input", "block_site_names", "match_sites", "padded_context", "padding"]
@@ -279,6 +279,36 @@ class Sites:
         hooks, pre = self._prepare(input_ids, None, interventions, dtype, attention_mask, token_type_ids)
         out, batched, _, _ = self._run(input_ids, hooks=hooks, pre=pre)
         return self._output(out[-1] if batched else out[-1, 0])
+
+    def run_with_hooks(self: StackLike, input_ids: Any, fwd_hooks: Any = (), *, attention_mask: Any = None,
+                       token_type_ids: Any = None, dtype: Any = None) -> np.ndarray:
+        """The forward with TransformerLens-style hook functions: :meth:`run` with one
+        callable intervention per hook (:func:`~pyengine.models.interventions.hook_interventions`).
+
+        Parameters
+        ----------
+        input_ids : array_like, (T,) or (B, T) int, or a float residual stream
+            As in :meth:`run`.
+        fwd_hooks : sequence of (name, fn)
+            ``name``: a site name or glob, pyengine's (``blocks.2.attn.pattern``) or
+            TransformerLens's (``blocks.2.attn.hook_pattern``), or a predicate on names;
+            ``fn(activation, hook)``: ``activation`` a copy of the site's array with the batch
+            axis first (B, ...) even for one sequence, ``hook`` a
+            :class:`~pyengine.models.interventions.HookPoint` (``hook.name``, ``hook.layer()``);
+            it returns the replacement (same shape) or None (keeping the copy, which it may
+            have changed in place). Hooks run in the order given. Read-only sites
+            (``*.scale``, ``final_norm.*``) are refused.
+        attention_mask, token_type_ids, dtype
+            As in :meth:`run`.
+
+        Returns
+        -------
+        ndarray
+            As :meth:`run`: the logits (T, vocab_size) or (B, T, vocab_size), or without a
+            language-model head the last hidden state (T, d_model) or (B, T, d_model).
+        """
+        return self.run(input_ids, hook_interventions(self, fwd_hooks), attention_mask=attention_mask,
+                        token_type_ids=token_type_ids, dtype=dtype)
 
     def _output(self: StackLike, h: np.ndarray) -> np.ndarray:
         """The logits of the last hidden state ``h``, or ``h`` itself without an LM head."""

@@ -38,6 +38,7 @@ from typing import Any
 
 import numpy as np
 
+from .. import _validate as _v
 from .config import GATED
 from .tl_names import canonical, did_you_mean, tl_name, unknown_hint
 
@@ -71,14 +72,15 @@ class Intervention:
                 raise ValueError(f"intervention at {site!r}: the callable returned NaN or Inf")
             return y
         ix = _index(site, y.shape, self.positions, self.heads)
+        value = _v.widened(np.asarray(self.value))  # float16, bfloat16: exactly as float32
         if self.op == "zero":
             y[ix] = 0
         elif self.op == "replace":
-            y[ix] = self.value
+            y[ix] = value
         elif self.op == "add":
-            y[ix] += np.asarray(self.value, dtype=y.dtype)
+            y[ix] += value.astype(y.dtype, copy=False)
         else:
-            y[ix] *= np.asarray(self.value, dtype=y.dtype)
+            y[ix] *= value.astype(y.dtype, copy=False)
         return y
 
 
@@ -175,7 +177,7 @@ def parse_interventions(stack: Any, interventions: Any, B: int, T: int) -> dict[
             shape = _site_shape(stack, n, B, T)
             ix = _index(n, shape, iv.positions, iv.heads)
             if iv.op in ("add", "replace", "scale"):
-                v = np.asarray(iv.value)
+                v = _v.widened(np.asarray(iv.value))
                 if iv.value is None or v.dtype.kind not in "iuf":
                     raise TypeError(f"intervention at {n!r}: op {iv.op!r} needs a numeric value; got {iv.value!r}")
                 if not np.isfinite(v).all():

@@ -107,6 +107,7 @@ def as_input(x: Any, name: str = "input_ids") -> Any:
     A torch tensor is read without importing torch: one that requires grad is detached
     (the graph is not followed), one on another device is copied to the host, and float16
     or bfloat16 values are widened to float32 exactly; then it is shared through DLPack.
+    NumPy float16 and (ml_dtypes) bfloat16 arrays are widened to float32 exactly too.
     """
     if isinstance(x, (str, bytes)) or (isinstance(x, (list, tuple)) and x and isinstance(x[0], str)):
         raise TypeError(f"{name} must be integer token ids or a float residual stream, not text; "
@@ -119,7 +120,7 @@ def as_input(x: Any, name: str = "input_ids") -> Any:
         return np.from_dlpack(t)
     if not isinstance(x, np.ndarray) and not hasattr(x, "__array__") and hasattr(x, "__dlpack__"):
         return np.from_dlpack(x)
-    return x
+    return _v.widened(x)
 
 
 def check_not_float_ids(x: np.ndarray, d_model: int, shapes: str = "(T, {d}) or (B, T, {d})") -> None:

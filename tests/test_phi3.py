@@ -163,3 +163,19 @@ def test_refused_fields_are_named(tmp_path, extra, match):
     (tmp_path / "config.json").write_text(json.dumps({**PHI3, **extra}))
     with pytest.raises(ValueError, match=match):
         load_pretrained(tmp_path)
+
+
+def test_older_config_layout_reads_the_same(tmp_path, monkeypatch):
+    """A config.json as transformers 4 wrote it (``rope_scaling`` with the old type name "su",
+    ``rope_theta`` and ``partial_rotary_factor`` at the top) gives the same model."""
+    model = _model("longrope_long", monkeypatch)
+    model.save_pretrained(tmp_path, safe_serialization=True)
+    new = load_pretrained(tmp_path)
+    hf = json.loads((tmp_path / "config.json").read_text())
+    pars = hf.pop("rope_parameters")
+    hf.update(rope_theta=pars["rope_theta"], partial_rotary_factor=pars["partial_rotary_factor"],
+              rope_scaling={"type": "su", "short_factor": pars["short_factor"], "long_factor": pars["long_factor"]})
+    (tmp_path / "config.json").write_text(json.dumps(hf))
+    old = load_pretrained(tmp_path)
+    assert old.config == new.config and old.config.rope_scaling == "longrope"
+    np.testing.assert_array_equal(old.logits(IDS), new.logits(IDS))

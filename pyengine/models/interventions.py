@@ -237,12 +237,12 @@ def hook_interventions(stack: Any, fwd_hooks: Any) -> list[Intervention]:
         name, fn = pair
         if not callable(fn):
             raise TypeError(f"fwd_hooks[{i}]: the hook function must be callable; got {type(fn).__name__}")
-        if callable(name):
-            hit = [(n, tl if tl is not None and name(tl) and not name(n) else n)
-                   for n, tl in ((n, tl_name(n)) for n in names) if name(n) or (tl is not None and name(tl))]
+        if callable(name):  # (site, the name the hook sees): pyengine's if it matches, else TransformerLens's
+            both = [(n, tl_name(n)) for n in names]
+            hit = [(n, n) if name(n) else (n, tl) for n, tl in both if name(n) or (tl is not None and name(tl))]
         elif isinstance(name, str):
-            site = canonical(name)
-            hit = [(n, tl_name(n) or n if site != name else n) for n in names if fnmatch.fnmatchcase(n, site)]
+            site = canonical(name)  # a TransformerLens name (or glob) shows the sites by their TransformerLens names
+            hit = [(n, (tl_name(n) or n) if site != name else n) for n in names if fnmatch.fnmatchcase(n, site)]
         else:
             raise TypeError(f"fwd_hooks[{i}]: the name must be a site name, a glob or a predicate; "
                             f"got {type(name).__name__}")

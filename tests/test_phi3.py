@@ -1,5 +1,5 @@
 """Phi-3: tiny transformers models (fused projections, partial rotary, LongRoPE in both of its
-regimes, a sliding window) loaded from a saved folder and from the live object match
+regimes, a sliding window, a head_dim apart from d / H) loaded from a saved folder and from the live object match
 transformers itself (float64 <= 1e-12, float32 <= 1e-4); unsupported fields are refused by name."""
 
 from __future__ import annotations
@@ -26,6 +26,8 @@ def _tiny(case):
         return tr.Phi3Config(**kw)
     if case == "tied_window":  # window 4 < the 10 tokens in every layer
         return tr.Phi3Config(**{**kw, "tie_word_embeddings": True}, sliding_window=4)
+    if case == "head_dim":  # H dh = 24 != d = 16, rotary on 6 of the 12 features
+        return tr.Phi3Config(**kw, head_dim=12, partial_rotary_factor=0.5)
     # head dim 8, rotary on its first 4 features (2 pairs); 10 tokens > 8 picks the long factors
     old = {"longrope_short": 16, "longrope_long": 8}[case]
     return tr.Phi3Config(**{**kw, "max_position_embeddings": 4 * old}, original_max_position_embeddings=old,
@@ -85,7 +87,7 @@ def _float64(model):
 
 
 @pytest.mark.fidelity
-@pytest.mark.parametrize("case", ["plain", "tied_window", "longrope_short", "longrope_long"])
+@pytest.mark.parametrize("case", ["plain", "tied_window", "head_dim", "longrope_short", "longrope_long"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_matches_transformers(tmp_path, monkeypatch, case, dtype):
     import torch
@@ -102,7 +104,9 @@ def test_matches_transformers(tmp_path, monkeypatch, case, dtype):
         cfg = ours.config
         assert cfg.sliding_window == (4 if case == "tied_window" else 0)
         assert cfg.lm_head == ("tied" if case == "tied_window" else "separate")
-        assert (cfg.rope_scaling, cfg.rotary_dim) == (("longrope", 4) if "longrope" in case else ("none", 8))
+        rotary = {"plain": ("none", 8), "tied_window": ("none", 8), "head_dim": ("none", 6)}
+        assert (cfg.rope_scaling, cfg.rotary_dim) == rotary.get(case, ("longrope", 4))
+        assert cfg.head_dim == (12 if case == "head_dim" else 8)
         hs = ours.hidden_states(IDS)
         for k in range(len(theirs) - 1):
             assert np.linalg.norm(hs[k] - theirs[k]) <= tol * np.linalg.norm(theirs[k]), f"layer {k}"
@@ -156,7 +160,6 @@ PHI3 = {"model_type": "phi3", "hidden_size": 16, "num_attention_heads": 2, "num_
     ({"hidden_act": "gelu"}, "hidden_act 'gelu'"),
     ({"resid_pdrop": 0.1}, "'resid_pdrop'"),
     ({"partial_rotary_factor": 0.375}, "odd rotary width 3"),
-    ({"head_dim": 4}, "head_dim 4"),
 ])
 def test_refused_fields_are_named(tmp_path, extra, match):
     (tmp_path / "model.safetensors").write_bytes((2).to_bytes(8, "little") + b"{}")

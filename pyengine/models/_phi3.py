@@ -12,12 +12,13 @@ as in GPT-NeoX: the q and k features are reordered as there. ``rope_scaling`` "l
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import numpy as np
 
-from . import _reading as fam
 from ._hf import Shards, num
+from ._reading import _config, _partial_perm, _Reader, _refuse, _rope, _rotary_fraction, _t, llama_dims
 from .config import StackConfig
 
 __all__ = ["phi3"]
@@ -33,9 +34,9 @@ def _phi3_rope(hf: dict[str, Any], where: str, pairs: int) -> dict[str, Any]:
     if kind not in _LONGROPE:
         if kind != "default":
             raise ValueError(f"{where}: rope_scaling type {kind!r} is not supported (only 'longrope' or none)")
-        return fam._rope(hf, where)
+        return _rope(hf, where)
     plain = {k: v for k, v in sc.items() if k not in ("rope_type", "type")}
-    out = fam._rope({**hf, "rope_scaling": plain, "rope_parameters": None}, where)
+    out = _rope({**hf, "rope_scaling": plain, "rope_parameters": None}, where)
     factors = {}
     for key in ("short_factor", "long_factor"):
         val = sc.get(key)
@@ -47,7 +48,7 @@ def _phi3_rope(hf: dict[str, Any], where: str, pairs: int) -> dict[str, Any]:
     factor = num(hf, "max_position_embeddings", where) / old if factor is None else num(sc, "factor", where, real=True)
     att = sc.get("attention_factor")
     if att is None:  # the paper's default, as transformers sets it
-        att = 1.0 if factor <= 1.0 else float(np.sqrt(1 + np.log(factor) / np.log(old)))
+        att = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(old))
     else:
         att = num(sc, "attention_factor", where, real=True)
     out.update(rope_scaling="longrope", rope_short_factor=factors["short_factor"],
@@ -59,21 +60,21 @@ def phi3(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any = N
          glob: bool = True) -> tuple[StackConfig, dict[str, np.ndarray]]:
     """Phi-3 (fused q/k/v and gate/up projections, partial rotary, LongRoPE, a sliding window
     in every layer when ``sliding_window`` is set)."""
-    fam._refuse(hf, where, attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attention_bias=False,
-                mlp_bias=False)
-    d, H, Hkv, L, n, V, dh = fam.llama_dims(hf, where)
+    _refuse(hf, where, attention_dropout=0.0, resid_pdrop=0.0, embd_pdrop=0.0, attention_bias=False,
+            mlp_bias=False)
+    d, H, Hkv, L, n, V, dh = llama_dims(hf, where)
     dh = d // H if dh is None else dh  # transformers' Phi-3: config.head_dim, else d // H
     act = hf.get("hidden_act", "silu")
     if act != "silu":
         raise ValueError(f"{where}: hidden_act {act!r} is not supported (silu)")
-    r = int(dh * fam._rotary_fraction(hf, where))
+    r = int(dh * _rotary_fraction(hf, where))
     if r % 2:
         raise ValueError(f"{where}: 'partial_rotary_factor' gives an odd rotary width {r} of the head dim {dh}; "
                          "not supported")
-    get = fam._Reader(st, dtype, ("model.",))
+    get = _Reader(st, dtype, ("model.",))
     tied = bool(hf.get("tie_word_embeddings", not get.has("lm_head.weight", prefixed=False)))
     window = hf.get("sliding_window")
-    cfg = fam._config(where, d_model=d, n_heads=H, n_kv_heads=Hkv, n_layers=L, d_mlp=n, norm="rmsnorm",
+    cfg = _config(where, d_model=d, n_heads=H, n_kv_heads=Hkv, n_layers=L, d_mlp=n, norm="rmsnorm",
                   placement="pre", activation="silu_gated", positions="rotary" if r else "none",
                   eps=num(hf, "rms_norm_eps", where, real=True, default=1e-5),
                   max_seq_len=num(hf, "max_position_embeddings", where, default=4096), vocab_size=V, bias=False,
@@ -81,7 +82,7 @@ def phi3(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any = N
                   sliding_window=0 if window is None else num(hf, "sliding_window", where),
                   **(_phi3_rope(hf, where, r // 2) if r else {}))
     # q and k features of each head reordered so that the rotated pairs (j, j + r/2) sit at (j, j + dh/2)
-    perm = fam._partial_perm(dh, r)
+    perm = _partial_perm(dh, r)
     w: dict[str, np.ndarray] = {}
     if glob:
         w = {"embed.tokens": get("embed_tokens.weight", V, d), "final_norm.gamma": get("norm.weight", d),
@@ -93,11 +94,11 @@ def phi3(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any = N
         qkv = get(p + "self_attn.qkv_proj.weight", (H + 2 * Hkv) * dh, d)
         q = qkv[: H * dh].reshape(H, dh, d)[:, perm]
         kk = qkv[H * dh: (H + Hkv) * dh].reshape(Hkv, dh, d)[:, perm]
-        w[b + "attn.w_qkv"] = fam._t(np.concatenate([q.reshape(H * dh, d), kk.reshape(Hkv * dh, d),
-                                                 qkv[(H + Hkv) * dh:]]))
-        w[b + "attn.w_o"] = fam._t(get(p + "self_attn.o_proj.weight", d, H * dh))
-        w[b + "mlp.w_in"] = fam._t(get(p + "mlp.gate_up_proj.weight", 2 * n, d))  # rows [gate | up], as a Stack's
-        w[b + "mlp.w_out"] = fam._t(get(p + "mlp.down_proj.weight", d, n))
+        w[b + "attn.w_qkv"] = _t(np.concatenate([q.reshape(H * dh, d), kk.reshape(Hkv * dh, d),
+                                             qkv[(H + Hkv) * dh:]]))
+        w[b + "attn.w_o"] = _t(get(p + "self_attn.o_proj.weight", d, H * dh))
+        w[b + "mlp.w_in"] = _t(get(p + "mlp.gate_up_proj.weight", 2 * n, d))  # rows [gate | up], as a Stack's
+        w[b + "mlp.w_out"] = _t(get(p + "mlp.down_proj.weight", d, n))
         w[b + "norm1.gamma"] = get(p + "input_layernorm.weight", d)
         w[b + "norm2.gamma"] = get(p + "post_attention_layernorm.weight", d)
     return cfg, w

@@ -250,7 +250,7 @@ def test_bad_dtypes():
     with pytest.raises(TypeError, match="^dx must be a float32"):
         pa.softmax_jvp(np.ones((2, 2)), np.ones((2, 2), complex))
     with pytest.raises(TypeError, match="^x must be a float32"):
-        pa.activation("gelu", np.ones(3, np.float16))
+        pa.activation("gelu", np.ones(3, np.longdouble))
 
 
 def test_bad_shapes():

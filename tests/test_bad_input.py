@@ -13,8 +13,9 @@ X, V, U, GAMMA, BETA = make_case((4, 6), np.float64, seed=0)
 
 @pytest.mark.parametrize(
     ("dtype", "hint"),
-    [(np.int64, "astype"), (np.float16, "float32"), (np.complex128, "complex"), (np.bool_, "astype"), (object, "numeric")],
-    ids=["int64", "float16", "complex", "bool", "object"],
+    [(np.int64, "astype"), (np.longdouble, "float32"), (np.complex128, "complex"), (np.bool_, "astype"),
+     (object, "numeric")],
+    ids=["int64", "longdouble", "complex", "bool", "object"],
 )
 def test_unsupported_dtype(dtype, hint):
     with pytest.raises(TypeError, match=rf"x must be a float32 or float64 array; got dtype .*{hint}"):

@@ -20,6 +20,8 @@ NEW_OPTIONS = [
     dict(activation="gelu_tanh_gated", norm="rmsnorm", positions="rotary"),
     dict(positions="rotary", rotary_dim=4),
     dict(positions="rotary", rope_scaling="llama3", rope_factor=8.0, rope_original_max_len=4),
+    dict(positions="rotary", rotary_dim=4, rope_scaling="longrope", rope_short_factor=(1.0, 2.0),
+         rope_long_factor=(3.0, 5.0), rope_attention_factor=1.2, rope_original_max_len=4),
     dict(positions="rotary", n_kv_heads=1, sliding_window=3),
     dict(positions="rotary", norm="rmsnorm", qk_norm=True),
     dict(positions="none", qk_norm=True, sliding_window=2),

@@ -1,10 +1,11 @@
-"""Interventions at named sites: add / replace / scale / zero / callables, heads, batches."""
+"""Interventions at named sites: add / replace / scale / zero / callables, heads, batches; and
+``run_with_hooks``, TransformerLens style, equal to ``run`` with the same interventions."""
 
 import numpy as np
 import pytest
 
 import pyengine as pe
-from pyengine.models.interventions import Intervention, ablate_head
+from pyengine.models.interventions import HookPoint, Intervention, ablate_head
 
 
 @pytest.fixture(scope="module")
@@ -250,3 +251,76 @@ def test_published_protocol_smollm2(smollm):
     one = pe.propagate(smollm, smollm.tokenize("He lit the lamp."), v[0], 1.0, layer=2, positions="last")
     assert len(rs) == 2
     np.testing.assert_array_equal(rs[1].projection, one.projection)
+
+
+# --------------------------------------------------------------------------- run_with_hooks (TransformerLens)
+
+
+def test_run_with_hooks_equals_run_with_the_same_interventions(s):
+    rng = np.random.default_rng(0)
+    delta = rng.normal(size=16)
+    seen = []
+
+    def add(x, hook):
+        seen.append((hook.name, hook.layer(), x.shape))
+        return x + delta
+
+    def zero_head(x, hook):  # in place, returning None: TransformerLens's other way
+        x[:, :, 2] = 0  # (B, T, H, dh)
+
+    got = s.run_with_hooks(IDS, fwd_hooks=[("blocks.1.hook_resid_pre", add), ("blocks.2.attn.hook_z", zero_head)])
+    want = s.run(IDS, [Intervention("blocks.1.resid_pre", "add", delta),
+                       Intervention("blocks.2.attn.head_out", "zero", heads=2)])
+    np.testing.assert_array_equal(got, want)
+    assert got.shape == (8, 40)
+    assert not np.array_equal(got, s.logits(IDS))
+    # the TransformerLens name, the block index, and the batch axis even for one sequence
+    assert seen == [("blocks.1.hook_resid_pre", 1, (1, 8, 16))]
+    batch = np.stack([IDS, IDS[::-1]])
+    np.testing.assert_array_equal(s.run_with_hooks(batch, [("blocks.1.resid_pre", add)]),
+                                  s.run(batch, [Intervention("blocks.1.resid_pre", "add", delta)]))
+    assert seen[-1] == ("blocks.1.resid_pre", 1, (2, 8, 16))
+
+
+def test_run_with_hooks_equals_an_intervention_by_hand(s):
+    """Doubling blocks.0.mlp.out: resid_post of block 0 is resid_mid + 2 mlp.out, and the
+    rest of the stack runs from it through the public block API."""
+    _, c = s.run_with_cache(IDS, ["blocks.0.resid_mid", "blocks.0.mlp.out"])
+    x = c["blocks.0.resid_mid"] + 2 * c["blocks.0.mlp.out"]
+    for k in (1, 2):
+        x = s.block_forward(k, x)
+    got = s.run_with_hooks(IDS, [("blocks.0.hook_mlp_out", lambda a, hook: 2 * a)])
+    np.testing.assert_allclose(got, s.logits(x), rtol=1e-12, atol=1e-12)
+
+
+def test_run_with_hooks_globs_predicates_and_order(s):
+    names = []
+
+    def record(x, hook):
+        names.append(hook.name)
+
+    out = s.run_with_hooks(IDS, [(lambda n: n.endswith("hook_resid_post"), record), ("blocks.*.attn.pattern", record)])
+    np.testing.assert_array_equal(out, s.logits(IDS))  # hooks that return None and change nothing
+    assert names == ["blocks.0.attn.pattern", "blocks.0.hook_resid_post", "blocks.1.attn.pattern",
+                     "blocks.1.hook_resid_post", "blocks.2.attn.pattern", "blocks.2.hook_resid_post"]
+    # two hooks at one site run in the order given
+    both = s.run_with_hooks(IDS, [("blocks.1.mlp.hidden", lambda a, h: a + 1), ("blocks.1.mlp.hidden",
+                                                                                 lambda a, h: 3 * a)])
+    np.testing.assert_array_equal(both, s.run(IDS, {"blocks.1.mlp.hidden": lambda a, site: 3 * (a + 1)}))
+    assert HookPoint("embed").layer() is None
+
+
+@pytest.mark.parametrize("hooks, err, match", [
+    ("blocks.0.resid_pre", TypeError, "fwd_hooks must be a list"),
+    ([("blocks.0.resid_pre",)], TypeError, r"fwd_hooks\[0\] must be a \(name, fn\) pair"),
+    ([("blocks.0.resid_pre", 3)], TypeError, r"fwd_hooks\[0\]: the hook function must be callable"),
+    ([(3, print)], TypeError, r"fwd_hooks\[0\]: the name"),
+    ([("blocks.0.resid_pre", print), ("blocks.9.hook_resid_post", print)], ValueError,
+     r"fwd_hooks\[1\]: 'blocks.9.hook_resid_post' matches no site"),
+    ([(lambda n: False, print)], ValueError, "matches no site"),
+    ([("blocks.0.ln1.hook_scale", print)], ValueError, "read only"),
+    ([("blocks.0.resid_pre", lambda a, h: a[:, :2])], ValueError, "returned shape"),
+])
+def test_run_with_hooks_refuses_bad_hooks(s, hooks, err, match):
+    with pytest.raises(err, match=match):
+        s.run_with_hooks(IDS, hooks)

@@ -196,7 +196,7 @@ def test_bad_calls_raise_clear_errors():
     with pytest.raises(ValueError, match=r"h must have shape \(T, 16\)"):
         stack.block_forward(0, h[:, :8])
     with pytest.raises(TypeError, match="float32 or float64"):
-        stack.hidden_states(h.astype(np.float16))
+        stack.hidden_states(h.astype(np.longdouble))
     with pytest.raises(ValueError, match="input_ids contains NaN"):
         stack.hidden_states(np.where(np.eye(T, D) > 0, np.nan, h))
     with pytest.raises(ValueError, match="max_seq_len = 8"):

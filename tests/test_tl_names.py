@@ -201,3 +201,11 @@ def test_qkv_and_mlp_pre_match_transformers_gpt2(tmp_path):
     q, k, v = (x.reshape(8, 2, 8) for x in np.split(got["qkv"], 3, axis=-1))
     for name, ref in (("attn.q", q), ("attn.k", k), ("attn.v", v), ("mlp.pre", got["pre"])):
         np.testing.assert_allclose(c[f"blocks.1.{name}"], ref, rtol=1e-10, atol=1e-12, err_msg=name)
+
+
+def test_tl_name_inverts_canonical():
+    from pyengine.models.tl_names import BLOCK_ALIASES, GLOBAL_ALIASES, canonical, tl_name
+
+    for tl in [f"blocks.3.{a}" for a in BLOCK_ALIASES] + list(GLOBAL_ALIASES):
+        assert tl_name(canonical(tl)) == tl
+    assert tl_name("blocks.0.norm1.input") is None and tl_name("embed.norm.output") is None

@@ -36,15 +36,29 @@ def as_array(name: str, a: Any, dtype: Any = None) -> np.ndarray:
                          f"cannot convert it: {exc}") from None
 
 
+def widened(a: Any) -> Any:
+    """A float16 or bfloat16 ndarray as a new float32 array, exactly (each of their values is a
+    float32: bfloat16 is the top half of one); anything else as it is. bfloat16 (ml_dtypes') is
+    recognised by its dtype's name and size, so ml_dtypes is never imported."""
+    if not isinstance(a, np.ndarray):
+        return a
+    if a.dtype == np.float16:
+        return a.astype(np.float32)
+    if a.dtype.name == "bfloat16" and a.dtype.itemsize == 2:
+        return (a.view(np.uint16).astype(np.uint32) << 16).view(np.float32)
+    return a
+
+
 def float_array(name: str, a: Any) -> np.ndarray:
-    """``a`` as an ndarray of float32/float64 (not copied), or a TypeError naming ``name``."""
-    arr = as_array(name, a)
+    """``a`` as an ndarray of float32/float64 (not copied; float16 and bfloat16 widened exactly
+    to float32, see :func:`widened`), or a TypeError naming ``name``."""
+    arr = widened(as_array(name, a))
     if arr.dtype in FLOAT_DTYPES:
         return arr
     kind = arr.dtype.kind
     if kind in "biu":
         hint = f"convert it first, e.g. {name}.astype(np.float64)"
-    elif kind == "f":  # float16, longdouble
+    elif kind == "f":  # longdouble
         hint = f"convert it to float32 or float64, e.g. {name}.astype(np.float32)"
     elif kind == "c":
         hint = "complex input is not supported; pass the real part or split real and imaginary parts"

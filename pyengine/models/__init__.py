@@ -3,7 +3,7 @@
 from .config import StackConfig, expected_arrays
 from .initialization import init_weights
 from .linearization import BlockCache
-from .interventions import Intervention, ablate_head
+from .interventions import HookPoint, Intervention, ablate_head
 from .pretrained import PretrainedModel, TokenizedText, from_hf, load_pretrained
 from .sites import as_input
 from .stack import Stack

@@ -46,7 +46,7 @@ def make_context(cfg: Any, T: int, dtype: np.dtype, start: int = 0) -> Context:
         raise ValueError("only a causal stack can skip the rows before a span (start > 0)")
     rope_q = rope_k = None
     if cfg.positions == "rotary":
-        cos, sin = rope_tables(T, inv_freq(cfg), dtype)
+        cos, sin = rotary_tables(cfg, T, dtype)
         cos, sin = cos[start:], sin[start:]
         scale = 1.0 / math.sqrt(cfg.head_dim)
         rope_q, rope_k = (cos * scale, sin * scale), (cos, sin)
@@ -101,13 +101,15 @@ def _readonly(a: np.ndarray) -> np.ndarray:
     return a
 
 
-def inv_freq(cfg: Any) -> tuple[float, ...]:
+def inv_freq(cfg: Any, T: int = 0) -> tuple[float, ...]:
     """Rotary frequency of each of the head_dim/2 half-split pairs (i, i + dh/2), float64.
 
     base**(-2i/r) for i < r/2 with r = ``rotary_dim`` (0: head_dim); 0 (no rotation) for
     the pairs beyond (partial rotary: the loader orders the head's features so that the
     rotated ones are pairs 0..r/2-1). ``rope_scaling="llama3"`` rescales them as HF's
-    ``_compute_llama3_parameters`` does.
+    ``_compute_llama3_parameters`` does; "longrope" as ``_compute_longrope_parameters``,
+    with the long factors when the sequence length ``T`` exceeds ``rope_original_max_len``
+    (as transformers' Phi-3 picks them from the positions of each call).
     """
     dh = cfg.head_dim
     r = cfg.rotary_dim or dh
@@ -123,14 +125,29 @@ def inv_freq(cfg: Any) -> tuple[float, ...]:
         smoothed = (1 - smooth) * scaled / fac + smooth * scaled
         medium = ~(wavelen < old / hi) & ~(wavelen > old / lo)
         f[: r // 2] = np.where(medium, smoothed, scaled)
+    elif cfg.rope_scaling == "longrope":
+        ext = cfg.rope_long_factor if T > cfg.rope_original_max_len else cfg.rope_short_factor
+        f[: r // 2] = 1.0 / (np.asarray(ext) * cfg.rope_base ** (np.arange(0, r, 2, dtype=np.float64) / r))
     return tuple(float(x) for x in f)
 
 
 @functools.lru_cache(maxsize=64)
-def rope_tables(T: int, freqs: tuple[float, ...], dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
-    """cos and sin of the rotary angles pos * freqs[i] (see :func:`inv_freq`), each (T, head_dim/2)."""
+def rope_tables(T: int, freqs: tuple[float, ...], dtype: np.dtype, scale: float = 1.0
+                ) -> tuple[np.ndarray, np.ndarray]:
+    """cos and sin of the rotary angles pos * freqs[i] (see :func:`inv_freq`), each (T, head_dim/2),
+    times ``scale`` on the rotated pairs (freqs[i] != 0; the others keep cos 1 and sin 0)."""
     ang = np.arange(T, dtype=np.float64)[:, None] * np.asarray(freqs, dtype=np.float64)[None, :]
-    return _readonly(np.cos(ang).astype(dtype)), _readonly(np.sin(ang).astype(dtype))
+    cos, sin = np.cos(ang), np.sin(ang)
+    if scale != 1.0:
+        rot = np.asarray(freqs) != 0
+        cos[:, rot] *= scale
+        sin[:, rot] *= scale
+    return _readonly(cos.astype(dtype)), _readonly(sin.astype(dtype))
+
+
+def rotary_tables(cfg: Any, T: int, dtype: np.dtype) -> tuple[np.ndarray, np.ndarray]:
+    """The (cos, sin) tables of a T-token sequence under ``cfg``'s rotary settings, each (T, head_dim/2)."""
+    return rope_tables(T, inv_freq(cfg, T), np.dtype(dtype), cfg.rope_attention_factor)
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,5 +1,5 @@
 """HF decoder families -> Stack arrays: GPT-2, GPT-NeoX/Pythia, Llama (incl. Llama 3 rope scaling), Mistral,
-Qwen2, Qwen3, Gemma.
+Qwen2, Qwen3, Gemma; Phi-3 in :mod:`._phi3`.
 
 Each reader takes the parsed ``config.json``, a :class:`._hf.Shards` and the storage
 dtype, and returns ``(StackConfig, arrays)``. A config field that would change the
@@ -15,64 +15,13 @@ from typing import Any
 import numpy as np
 
 from ._hf import Shards, num
+from ._phi3 import phi3
+from ._reading import _config, _Names, _partial_perm, _Reader, _refuse, _rope, _rotary_fraction, _t, llama_dims
 from .config import StackConfig
 
 __all__ = ["FAMILIES", "check_tensors", "read_family"]
 
 _GPT2_ACT = {"gelu_new": "gelu_tanh", "gelu_pytorch_tanh": "gelu_tanh", "gelu": "gelu", "relu": "relu"}
-
-
-def _config(where: str, **kw: Any) -> StackConfig:
-    try:
-        return StackConfig(**kw)
-    except (TypeError, ValueError) as exc:
-        raise ValueError(f"{where}: {exc}") from None
-
-
-def _refuse(hf: dict[str, Any], where: str, **defaults: Any) -> None:
-    """ValueError naming the first field whose value differs from the one the mapping assumes."""
-    for key, ok in defaults.items():
-        if key in hf and hf[key] is not None and hf[key] != ok:
-            raise ValueError(f"{where}: config field {key!r} = {hf[key]!r} is not supported (only {ok!r})")
-
-
-def _rope(hf: dict[str, Any], where: str) -> dict[str, Any]:
-    """rope_theta and rope_scaling (``rope_scaling`` or transformers 5's ``rope_parameters``)."""
-    sc = hf.get("rope_scaling") or {}
-    params = hf.get("rope_parameters") or {}
-    if not isinstance(sc, dict) or not isinstance(params, dict):
-        raise ValueError(f"{where}: rope_scaling must be an object; got {sc!r}")
-    sc = {**params, **sc}
-    base = sc.get("rope_theta", hf.get("rope_theta", hf.get("rotary_emb_base", 10000.0)))
-    out: dict[str, Any] = {"rope_base": num({"rope_theta": base}, "rope_theta", where, real=True)}
-    kind = sc.get("rope_type", sc.get("type", "default"))
-    if kind == "llama3":
-        out.update(rope_scaling="llama3", rope_factor=num(sc, "factor", where, real=True),
-                   rope_low_freq_factor=num(sc, "low_freq_factor", where, real=True),
-                   rope_high_freq_factor=num(sc, "high_freq_factor", where, real=True),
-                   rope_original_max_len=num(sc, "original_max_position_embeddings", where))
-    elif kind != "default":
-        raise ValueError(f"{where}: rope_scaling type {kind!r} is not supported (only 'llama3' or none)")
-    return out
-
-
-def _t(a: np.ndarray) -> np.ndarray:
-    return np.ascontiguousarray(a.T)
-
-
-class _Reader:
-    def __init__(self, st: Shards, dtype: Any, prefixes: tuple[str, ...]) -> None:
-        # the names used (read, or skipped on purpose as a tied lm_head): check_tensors's record
-        self.st, self.dtype, self.known = st, dtype, st.read if isinstance(st, _Names) else set()
-        self.pre = next((p for p in prefixes if any(n.startswith(p) for n in st.names)), prefixes[-1])
-
-    def __call__(self, name: str, *shape: int, prefixed: bool = True) -> np.ndarray:
-        full = self.pre + name if prefixed else name
-        self.known.add(full)
-        return self.st.get(full, shape, self.dtype)
-
-    def has(self, name: str, prefixed: bool = True) -> bool:
-        return (self.pre + name if prefixed else name) in self.st.names
 
 
 # --------------------------------------------------------------------------- GPT-2
@@ -114,25 +63,6 @@ def gpt2(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any = N
 
 
 # --------------------------------------------------------------------------- GPT-NeoX / Pythia
-
-
-def _rotary_fraction(hf: dict[str, Any], where: str) -> float:
-    """The rotary fraction of a head: ``partial_rotary_factor`` (in ``rope_parameters`` or the
-    config) or ``rotary_pct``, default 1; ValueError naming the field unless a number in [0, 1]."""
-    params = hf.get("rope_parameters") or {}
-    src, key = next(((d, k) for d, k in ((params, "partial_rotary_factor"), (hf, "partial_rotary_factor"),
-                                          (hf, "rotary_pct")) if k in d), ({}, "rotary_pct"))
-    pct = num(src, key, where, real=True, default=1.0)
-    if not 0 <= pct <= 1:
-        raise ValueError(f"{where}: {key!r} must be a number in [0, 1]; got {pct!r}")
-    return pct
-
-
-def _partial_perm(dh: int, r: int) -> np.ndarray:
-    """Head-feature order putting NeoX's rotary pairs (j, j + r/2), j < r/2, at (j, j + dh/2)."""
-    half = (dh - r) // 2
-    return np.concatenate([np.arange(r // 2), r + np.arange(half), r // 2 + np.arange(r // 2),
-                           r + half + np.arange(half)])
 
 
 def gpt_neox(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any = None,
@@ -214,10 +144,7 @@ def llama_like(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: A
     _refuse(hf, where, mlp_bias=False, attention_dropout=0.0)
     if family in ("llama", "mistral", "qwen3"):
         _refuse(hf, where, pretraining_tp=1, attention_bias=False)
-    d, H, L, n, V = (num(hf, k, where) for k in ("hidden_size", "num_attention_heads", "num_hidden_layers",
-                                                   "intermediate_size", "vocab_size"))
-    Hkv = num(hf, "num_key_value_heads", where, default=H)
-    dh = num(hf, "head_dim", where) if hf.get("head_dim") is not None else None  # None: d // H
+    d, H, Hkv, L, n, V, dh = llama_dims(hf, where)
     act = hf.get("hidden_activation") if gemma and hf.get("hidden_activation") else hf.get("hidden_act", "silu")
     acts = {"silu": "silu_gated", "gelu_pytorch_tanh": "gelu_tanh_gated"}
     if gemma and act == "gelu":
@@ -268,7 +195,7 @@ def llama_like(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: A
 
 
 FAMILIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "llama": llama_like, "mistral": llama_like, "qwen2": llama_like,
-            "qwen3": llama_like, "gemma": llama_like}
+            "qwen3": llama_like, "gemma": llama_like, "phi3": phi3}
 
 
 def read_family(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any = None,
@@ -276,20 +203,6 @@ def read_family(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: 
     """Config and arrays; ``layers`` (block indices) and ``glob`` restrict which arrays are read.
     It reads what the config asks for: :func:`check_tensors` refuses the files' other tensors."""
     return FAMILIES[hf["model_type"]](hf, st, where, dtype, layers, glob)
-
-
-class _Names:
-    """Shards that read nothing: ``get`` records the name (which must exist) and returns zeros
-    of the asked shape as a zero-stride view, so a reader runs on names only."""
-
-    def __init__(self, st: Shards) -> None:
-        self.st, self.names, self.read = st, st.names, set()
-
-    def get(self, name: str, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
-        if name not in self.names:
-            raise self.st.lacks(name)
-        self.read.add(name)
-        return np.broadcast_to(np.zeros((), dtype), shape)
 
 
 #: Tensors a checkpoint may carry that no reader uses (buffers: rotary frequencies, causal masks).

@@ -51,7 +51,7 @@ _CHOICES = {
     "activation": ("gelu", "gelu_tanh", "relu", "silu_gated", "gelu_tanh_gated"),
     "positions": ("learned", "sinusoidal", "rotary", "none"),
     "lm_head": ("none", "tied", "separate"),
-    "rope_scaling": ("none", "llama3"),
+    "rope_scaling": ("none", "llama3", "longrope"),
 }
 #: Activations whose ``mlp.w_in`` is [gate | up] (width 2 d_mlp).
 GATED = ("silu_gated", "gelu_tanh_gated")
@@ -112,10 +112,19 @@ class StackConfig:
     rotary_dim : int >= 0
         Rotary on the first ``rotary_dim`` features of each head only (GPT-NeoX's
         partial rotary, half-split within them); 0 means the whole head.
-    rope_scaling : {"none", "llama3"}
+    rope_scaling : {"none", "llama3", "longrope"}
         "llama3": Llama 3.1's frequency rescaling with ``rope_factor``,
         ``rope_low_freq_factor``, ``rope_high_freq_factor`` and
         ``rope_original_max_len`` (HF's ``rope_scaling`` dict; ignored for "none").
+        "longrope" (Phi-3): frequency i divided by ``rope_short_factor[i]`` for
+        sequences of at most ``rope_original_max_len`` tokens, by ``rope_long_factor[i]``
+        for longer ones, and the rotated features' cos and sin multiplied by
+        ``rope_attention_factor``.
+    rope_short_factor, rope_long_factor : tuple of float > 0
+        "longrope" only (empty otherwise): one factor per rotated pair, rotary_dim/2
+        (0: head_dim/2) of each.
+    rope_attention_factor : float > 0
+        "longrope" only: the multiplier of cos and sin.
     sliding_window : int >= 0
         Sliding-window attention in every block (Mistral): query i sees keys j with
         i - sliding_window < j <= i; 0 means none. Needs ``causal``.
@@ -161,6 +170,9 @@ class StackConfig:
     sliding_window: int = 0
     qk_norm: bool = False
     head_dim: int = None  # type: ignore[assignment]  # None: d_model // n_heads, resolved in __post_init__
+    rope_short_factor: tuple[float, ...] = ()
+    rope_long_factor: tuple[float, ...] = ()
+    rope_attention_factor: float = 1.0
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -187,7 +199,8 @@ class StackConfig:
         for name, allowed in _CHOICES.items():
             _v.choice(f"StackConfig.{name}", getattr(self, name), allowed)
         for name, positive in (("eps", False), ("gamma_scale", None), ("rope_base", True), ("rope_factor", True),
-                               ("rope_low_freq_factor", True), ("rope_high_freq_factor", True)):
+                               ("rope_low_freq_factor", True), ("rope_high_freq_factor", True),
+                               ("rope_attention_factor", True)):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, numbers.Real) or not math.isfinite(val):
                 raise TypeError(f"StackConfig.{name} must be a finite real number; got {val!r}")
@@ -211,10 +224,26 @@ class StackConfig:
                              f"{self.head_dim} (0: the whole head)")
         if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError("StackConfig.rope_high_freq_factor must exceed rope_low_freq_factor for 'llama3'")
+        self._check_longrope(put)
         if self.sliding_window and not self.causal:
             raise ValueError("StackConfig.sliding_window > 0 needs causal = True")
         if self.layout == "parallel2" and self.placement != "pre":
             raise ValueError("StackConfig.layout = 'parallel2' (two norms, GPT-NeoX) needs placement = 'pre'")
+
+    def _check_longrope(self, put: Any) -> None:
+        """The two factor lists: tuples of rotary_dim/2 positive numbers for "longrope", else empty."""
+        pairs = (self.rotary_dim or self.head_dim) // 2
+        for name in ("rope_short_factor", "rope_long_factor"):
+            val = getattr(self, name)
+            if not isinstance(val, (tuple, list)) or not all(
+                    isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x > 0
+                    for x in val):
+                raise TypeError(f"StackConfig.{name} must be a tuple of finite numbers > 0; got {val!r}")
+            want = pairs if self.rope_scaling == "longrope" else 0
+            if len(val) != want:
+                raise ValueError(f"StackConfig.{name} must hold {want} factor(s) (one per rotated pair for "
+                                 f"rope_scaling 'longrope', none otherwise); got {len(val)}")
+            put(name, tuple(float(x) for x in val))
 
     @property
     def head_dim_is_default(self) -> bool:
@@ -232,10 +261,16 @@ class StackConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a JSON-ready dict, in field order (every field, defaults resolved;
-        head_dim only if it is not d_model // n_heads, so such configs read as before it existed)."""
+        head_dim only if it is not d_model // n_heads, and the LongRoPE fields only with
+        rope_scaling "longrope", so other configs read as before these fields existed)."""
         obj = dataclasses.asdict(self)
         if self.head_dim_is_default:
             del obj["head_dim"]
+        if self.rope_scaling != "longrope":
+            for name in ("rope_short_factor", "rope_long_factor", "rope_attention_factor"):
+                del obj[name]
+        else:
+            obj.update(rope_short_factor=list(self.rope_short_factor), rope_long_factor=list(self.rope_long_factor))
         return obj
 
     @classmethod

@@ -23,6 +23,10 @@ returns None). Head ablation is one line: ``model.run(ids, [ablate_head(3, 5)])`
 
 Sites that are read only: ``*.scale`` and ``final_norm.*``. Arguments are checked
 (site, op, positions and heads in range, value shape and finiteness) before the forward.
+
+TransformerLens's ``run_with_hooks(ids, fwd_hooks=[(name, fn), ...])`` is built on the same
+machinery: :func:`hook_interventions` turns each pair into one callable intervention per
+matched site, calling ``fn(activation, hook)`` with a :class:`HookPoint` (``hook.name``).
 """
 
 from __future__ import annotations
@@ -34,10 +38,11 @@ from typing import Any
 
 import numpy as np
 
+from .. import _validate as _v
 from .config import GATED
-from .tl_names import canonical, did_you_mean
+from .tl_names import canonical, did_you_mean, tl_name, unknown_hint
 
-__all__ = ["OPS", "Intervention", "ablate_head", "parse_interventions"]
+__all__ = ["OPS", "HookPoint", "Intervention", "ablate_head", "hook_interventions", "parse_interventions"]
 
 OPS = ("add", "replace", "scale", "zero")
 
@@ -67,14 +72,15 @@ class Intervention:
                 raise ValueError(f"intervention at {site!r}: the callable returned NaN or Inf")
             return y
         ix = _index(site, y.shape, self.positions, self.heads)
+        value = _v.widened(np.asarray(self.value))  # float16, bfloat16: exactly as float32
         if self.op == "zero":
             y[ix] = 0
         elif self.op == "replace":
-            y[ix] = self.value
+            y[ix] = value
         elif self.op == "add":
-            y[ix] += np.asarray(self.value, dtype=y.dtype)
+            y[ix] += value.astype(y.dtype, copy=False)
         else:
-            y[ix] *= np.asarray(self.value, dtype=y.dtype)
+            y[ix] *= value.astype(y.dtype, copy=False)
         return y
 
 
@@ -171,7 +177,7 @@ def parse_interventions(stack: Any, interventions: Any, B: int, T: int) -> dict[
             shape = _site_shape(stack, n, B, T)
             ix = _index(n, shape, iv.positions, iv.heads)
             if iv.op in ("add", "replace", "scale"):
-                v = np.asarray(iv.value)
+                v = _v.widened(np.asarray(iv.value))
                 if iv.value is None or v.dtype.kind not in "iuf":
                     raise TypeError(f"intervention at {n!r}: op {iv.op!r} needs a numeric value; got {iv.value!r}")
                 if not np.isfinite(v).all():
@@ -185,4 +191,63 @@ def parse_interventions(stack: Any, interventions: Any, B: int, T: int) -> dict[
                     raise ValueError(f"intervention at {n!r}: value of shape {v.shape} does not broadcast to "
                                      f"the selected part {sel}")
             out.setdefault(n, []).append(iv)
+    return out
+
+
+@dataclasses.dataclass(frozen=True)
+class HookPoint:
+    """The second argument of a :meth:`~pyengine.Stack.run_with_hooks` hook function, as
+    TransformerLens's ``hook``: ``name`` is the site's TransformerLens name where the hook
+    was named in TransformerLens's terms, else its pyengine name."""
+
+    name: str
+
+    def layer(self) -> int | None:
+        """The block index of the site (None outside the blocks)."""
+        parts = self.name.split(".")
+        return int(parts[1]) if parts[0] == "blocks" and len(parts) > 1 and parts[1].isdigit() else None
+
+
+@dataclasses.dataclass(frozen=True)
+class _Call:
+    """An intervention callable that calls a hook function as TransformerLens does."""
+
+    fn: Callable[[np.ndarray, HookPoint], Any]
+    hook: HookPoint
+
+    def __call__(self, x: np.ndarray, site: str) -> Any:
+        return self.fn(x, self.hook)
+
+
+def hook_interventions(stack: Any, fwd_hooks: Any) -> list[Intervention]:
+    """``fwd_hooks`` (a sequence of ``(name, fn)`` pairs) as callable interventions, in order.
+
+    ``name`` is a site name or glob, pyengine's or TransformerLens's, or a predicate
+    ``name(str) -> bool`` asked of each site's pyengine and TransformerLens names; ``fn(activation,
+    hook)`` gets a copy of the site's array (batch axis first) and a :class:`HookPoint`, and
+    returns the replacement or None (the copy, changed in place or not, is kept). TypeError or
+    ValueError naming ``fwd_hooks[i]`` before any forward.
+    """
+    if isinstance(fwd_hooks, (str, bytes)) or not isinstance(fwd_hooks, (list, tuple)):
+        raise TypeError(f"fwd_hooks must be a list of (name, fn) pairs; got {type(fwd_hooks).__name__}")
+    names, out = stack.site_names(), []
+    for i, pair in enumerate(fwd_hooks):
+        if not isinstance(pair, (list, tuple)) or len(pair) != 2:
+            raise TypeError(f"fwd_hooks[{i}] must be a (name, fn) pair; got {pair!r}")
+        name, fn = pair
+        if not callable(fn):
+            raise TypeError(f"fwd_hooks[{i}]: the hook function must be callable; got {type(fn).__name__}")
+        if callable(name):  # (site, the name the hook sees): pyengine's if it matches, else TransformerLens's
+            both = [(n, tl_name(n)) for n in names]
+            hit = [(n, n) if name(n) else (n, tl) for n, tl in both if name(n) or (tl is not None and name(tl))]
+        elif isinstance(name, str):
+            site = canonical(name)  # a TransformerLens name (or glob) shows the sites by their TransformerLens names
+            hit = [(n, (tl_name(n) or n) if site != name else n) for n in names if fnmatch.fnmatchcase(n, site)]
+        else:
+            raise TypeError(f"fwd_hooks[{i}]: the name must be a site name, a glob or a predicate; "
+                            f"got {type(name).__name__}")
+        if not hit:
+            raise ValueError(f"fwd_hooks[{i}]: {name!r} matches no site of this stack (see site_names())."
+                             + (unknown_hint(name, canonical(name), names) if isinstance(name, str) else ""))
+        out += [Intervention(n, _Call(fn, HookPoint(shown))) for n, shown in hit]
     return out

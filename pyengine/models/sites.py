@@ -62,7 +62,7 @@ from . import _blocks
 from .. import _validate as _v
 from ._stacklike import StackLike
 from .activation_cache import ActivationCache
-from .interventions import Intervention, parse_interventions
+from .interventions import Intervention, hook_interventions, parse_interventions
 from .tl_names import canonical, unknown_hint
 
 __all__ = ["Sites", "as_input", "block_site_names", "match_sites", "padded_context", "padding"]
@@ -107,6 +107,7 @@ def as_input(x: Any, name: str = "input_ids") -> Any:
     A torch tensor is read without importing torch: one that requires grad is detached
     (the graph is not followed), one on another device is copied to the host, and float16
     or bfloat16 values are widened to float32 exactly; then it is shared through DLPack.
+    NumPy float16 and (ml_dtypes) bfloat16 arrays are widened to float32 exactly too.
     """
     if isinstance(x, (str, bytes)) or (isinstance(x, (list, tuple)) and x and isinstance(x[0], str)):
         raise TypeError(f"{name} must be integer token ids or a float residual stream, not text; "
@@ -119,7 +120,7 @@ def as_input(x: Any, name: str = "input_ids") -> Any:
         return np.from_dlpack(t)
     if not isinstance(x, np.ndarray) and not hasattr(x, "__array__") and hasattr(x, "__dlpack__"):
         return np.from_dlpack(x)
-    return x
+    return _v.widened(x)
 
 
 def check_not_float_ids(x: np.ndarray, d_model: int, shapes: str = "(T, {d}) or (B, T, {d})") -> None:
@@ -167,7 +168,7 @@ def padded_context(ctx: Any, pos: np.ndarray, mask: np.ndarray, dtype: np.dtype)
     cfg = ctx.cfg
     ctx = ctx._replace(key_mask=~mask[:, None, None, None, :])
     if cfg.positions == "rotary":
-        cos, sin = (t[pos][:, None] for t in _blocks.rope_tables(mask.shape[1], _blocks.inv_freq(cfg), dtype))
+        cos, sin = (t[pos][:, None] for t in _blocks.rotary_tables(cfg, mask.shape[1], dtype))
         scale = 1.0 / math.sqrt(cfg.head_dim)
         ctx = ctx._replace(rope_q=(cos * scale, sin * scale), rope_k=(cos, sin))
     return ctx
@@ -279,6 +280,36 @@ class Sites:
         hooks, pre = self._prepare(input_ids, None, interventions, dtype, attention_mask, token_type_ids)
         out, batched, _, _ = self._run(input_ids, hooks=hooks, pre=pre)
         return self._output(out[-1] if batched else out[-1, 0])
+
+    def run_with_hooks(self: StackLike, input_ids: Any, fwd_hooks: Any = (), *, attention_mask: Any = None,
+                       token_type_ids: Any = None, dtype: Any = None) -> np.ndarray:
+        """The forward with TransformerLens-style hook functions: :meth:`run` with one
+        callable intervention per hook (:func:`~pyengine.models.interventions.hook_interventions`).
+
+        Parameters
+        ----------
+        input_ids : array_like, (T,) or (B, T) int, or a float residual stream
+            As in :meth:`run`.
+        fwd_hooks : sequence of (name, fn)
+            ``name``: a site name or glob, pyengine's (``blocks.2.attn.pattern``) or
+            TransformerLens's (``blocks.2.attn.hook_pattern``), or a predicate on names;
+            ``fn(activation, hook)``: ``activation`` a copy of the site's array with the batch
+            axis first (B, ...) even for one sequence, ``hook`` a
+            :class:`~pyengine.models.interventions.HookPoint` (``hook.name``, ``hook.layer()``);
+            it returns the replacement (same shape) or None (keeping the copy, which it may
+            have changed in place). Hooks run in the order given. Read-only sites
+            (``*.scale``, ``final_norm.*``) are refused.
+        attention_mask, token_type_ids, dtype
+            As in :meth:`run`.
+
+        Returns
+        -------
+        ndarray
+            As :meth:`run`: the logits (T, vocab_size) or (B, T, vocab_size), or without a
+            language-model head the last hidden state (T, d_model) or (B, T, d_model).
+        """
+        return self.run(input_ids, hook_interventions(self, fwd_hooks), attention_mask=attention_mask,
+                        token_type_ids=token_type_ids, dtype=dtype)
 
     def _output(self: StackLike, h: np.ndarray) -> np.ndarray:
         """The logits of the last hidden state ``h``, or ``h`` itself without an LM head."""

@@ -13,7 +13,7 @@ from __future__ import annotations
 import difflib
 import re
 
-__all__ = ["BLOCK_ALIASES", "GLOBAL_ALIASES", "REFUSED", "canonical", "did_you_mean", "unknown_hint"]
+__all__ = ["BLOCK_ALIASES", "GLOBAL_ALIASES", "REFUSED", "canonical", "did_you_mean", "tl_name", "unknown_hint"]
 
 #: ``blocks.{k}.<TransformerLens suffix>`` -> ``blocks.{k}.<pyengine suffix>``.
 BLOCK_ALIASES: dict[str, str] = {
@@ -67,6 +67,20 @@ def canonical(name: str) -> str:
     if m and m.group(2) in BLOCK_ALIASES:
         return f"blocks.{m.group(1)}.{BLOCK_ALIASES[m.group(2)]}"
     return name
+
+
+def tl_name(site: str) -> str | None:
+    """The TransformerLens name of the pyengine site ``site`` (e.g. ``blocks.3.hook_resid_post``
+    for ``blocks.3.resid_post``), or None where TransformerLens has no name for it."""
+    for tl, ours in GLOBAL_ALIASES.items():
+        if site == ours:
+            return tl
+    m = _BLOCK_RE.match(site)
+    if m:
+        for tl, ours in BLOCK_ALIASES.items():
+            if m.group(2) == ours:
+                return f"blocks.{m.group(1)}.{tl}"
+    return None
 
 
 def did_you_mean(name: object, names: list[str]) -> str:

@@ -55,12 +55,13 @@ def forward_path(ctx: Any, dtype: np.dtype, changed: bool, tk: int) -> str:
                 (rotary positions, or no compiled kernel): the fused ``attention_forward``
                 head (:func:`fused_heads`), P by a separate product where wanted
     "unfused"   float64, interventions inside the heads, padding masks, a sliding window
-                shorter than the sequence (the compiled heads know the causal mask only):
-                batched products, each site read (and replaced) in turn
+                shorter than the sequence, soft-capped scores (the compiled heads know the
+                causal mask and plain scores only): batched products, each site read (and
+                replaced) in turn
     ==========  ===========================================================================
     """
-    w = ctx.cfg.sliding_window
-    if changed or ctx.key_mask is not None or not fused_dtype(dtype) or (w and tk > w):
+    w = ctx.window
+    if changed or ctx.key_mask is not None or not fused_dtype(dtype) or (w and tk > w) or ctx.cfg.attn_softcap:
         return "unfused"
     if ctx.rope_q is None and attention_forward_kernel() is not None:
         return "blas"
@@ -77,10 +78,11 @@ def jvp_path(ctx: Any, dtype: np.dtype) -> str:
                 ``linear_attention_jvp`` active (:func:`attn_jvp_blas`)
     "gemm"      the other float32 whole rows or spans: one 2-D GEMM per key/value head over
                 all tangents (:func:`attn_jvp_gemm`)
-    "generic"   float64, and the per-token diagonal blocks (``ctx.rows``): batched products
+    "generic"   float64, the per-token diagonal blocks (``ctx.rows``), soft-capped scores (the
+                other paths do not apply the cap's derivative): batched products
     ==========  ===========================================================================
     """
-    if ctx.rows is not None or not fused_dtype(dtype):
+    if ctx.rows is not None or not fused_dtype(dtype) or ctx.cfg.attn_softcap:
         return "generic"
     return "blas" if attention_jvp_kernel() is not None else "gemm"
 
@@ -180,7 +182,7 @@ def attn_jvp_blas(ctx: Any, x: np.ndarray, cache: dict, qk: Any, check: Any) -> 
     cfg = ctx.cfg
     H, Hkv, dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     K, tq = x.shape[:2]
-    scale = 1.0 / np.sqrt(dh)
+    scale = cfg.score_scale
     if ctx.rope_q is not None:  # rotate (and scale q) into the workspace: the kernel takes dqkv as is
         dq, dk = qk(ctx, x[:, :, :H].transpose(2, 0, 1, 3), x[:, :, H : H + Hkv].transpose(2, 0, 1, 3))
         x[:, :, :H] = dq.transpose(1, 2, 0, 3)
@@ -208,7 +210,7 @@ def attn_blas(cfg: Any, start: int, qkv: np.ndarray, past: dict | None, check: A
     else:
         kp = vp = np.empty((Hkv, 0, dh), qkv.dtype)
     out = np.empty((B, tq, H, dh), qkv.dtype)
-    nbad = fn(np.ascontiguousarray(qkv), kp, vp, H, start if cfg.causal else start + tq - 1, 1.0 / np.sqrt(dh), out)
+    nbad = fn(np.ascontiguousarray(qkv), kp, vp, H, start if cfg.causal else start + tq - 1, cfg.score_scale, out)
     check(_ran(nbad), "attention scores")
     return out
 

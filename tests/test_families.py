@@ -172,12 +172,6 @@ def _rotary_modules(model):
 def test_matches_transformers(tmp_path, monkeypatch, family, dtype):
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    softmax = torch.nn.functional.softmax
-
-    def softmax64(x, *args, dtype=None, **kw):  # HF's eager attention takes the softmax in float32
-        return softmax(x, *args, dtype=torch.float64 if x.dtype == torch.float64 else dtype, **kw)
-
-    monkeypatch.setattr(torch.nn.functional, "softmax", softmax64)
     cfg, cls = _tiny(family)
     torch.manual_seed(0)
     model = cls._from_config(cfg, attn_implementation="eager")
@@ -190,12 +184,29 @@ def test_matches_transformers(tmp_path, monkeypatch, family, dtype):
     model.eval()
     model.save_pretrained(tmp_path, safe_serialization=True)
     ours = load_pretrained(tmp_path, dtype=dtype)
-    # transformers computes the rotary angles (and the eager softmax, above) in float32 even in a
-    # float64 model, a floor of about 3e-9 on these models; in float64 both are recomputed in float64
+    if family.startswith(("mistral", "qwen2_sliding", "qwen3")):  # the window is in effect: the loaded Stack slides
+        assert ours.config.sliding_window == 4
+    assert_matches(ours, model, dtype, monkeypatch)
+    if "_hd" in family:  # H dh != d, read from the config's head_dim
+        assert ours.config.head_dim == int(family.partition("_hd")[2]) != 16 // 4
+
+
+def assert_matches(ours, model, dtype, monkeypatch):
+    """Hidden states and logits of ``ours`` and the transformers ``model`` on ten ids agree to 1e-12
+    (float64) or 1e-4 (float32); returns (our logits, theirs)."""
+    import torch
+    # transformers computes the rotary angles, the eager softmax and RMSNorm in float32 even in a
+    # float64 model, a floor of about 3e-9 on these models; in float64 they are recomputed in float64
     if dtype == "float64":
+        softmax = torch.nn.functional.softmax
+
+        def softmax64(x, *args, dtype=None, **kw):
+            return softmax(x, *args, dtype=torch.float64 if x.dtype == torch.float64 else dtype, **kw)
+
+        monkeypatch.setattr(torch.nn.functional, "softmax", softmax64)
         for m in _rotary_modules(model):
             m.forward = types.MethodType(_rotary_float64, m)
-        for m in model.modules():  # HF's RMSNorm normalizes in float32 too
+        for m in model.modules():
             if type(m).__name__.endswith("RMSNorm"):
                 m.forward = types.MethodType(_rms_float64, m)
     ids = np.array([3, 17, 5, 60, 1, 42, 9, 33, 2, 11], dtype=np.int64)
@@ -204,16 +215,13 @@ def test_matches_transformers(tmp_path, monkeypatch, family, dtype):
     theirs = [t[0].numpy() for t in out.hidden_states]
     hs = ours.hidden_states(ids)
     tol = 1e-12 if dtype == "float64" else 1e-4
-    if family.startswith(("mistral", "qwen2_sliding", "qwen3")):  # the window is in effect: the loaded Stack slides
-        assert ours.config.sliding_window == 4
     for k in range(len(theirs) - 1):
         assert np.linalg.norm(hs[k] - theirs[k]) <= tol * np.linalg.norm(theirs[k]), f"layer {k}"
     last = ours.apply_final_norm(hs[-1])
     assert np.linalg.norm(last - theirs[-1]) <= tol * np.linalg.norm(theirs[-1])
     lg, lt = ours.logits(ids), out.logits[0].numpy()
     assert np.linalg.norm(lg - lt) <= tol * np.linalg.norm(lt)
-    if "_hd" in family:  # H dh != d, read from the config's head_dim
-        assert ours.config.head_dim == int(family.partition("_hd")[2]) != 16 // 4
+    return lg, lt
 
 
 def test_bf16_and_f16_widen_exactly(tmp_path):

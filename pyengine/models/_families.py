@@ -1,5 +1,5 @@
 """HF decoder families -> Stack arrays: GPT-2, GPT-NeoX/Pythia, Llama (incl. Llama 3 rope scaling), Mistral,
-Qwen2, Qwen3, Gemma; Phi-3 in :mod:`._phi3`.
+Qwen2, Qwen3, Gemma; Phi-3 in :mod:`._phi3`, Gemma 2 in :mod:`._gemma2`.
 
 Each reader takes the parsed ``config.json``, a :class:`._hf.Shards` and the storage
 dtype, and returns ``(StackConfig, arrays)``. A config field that would change the
@@ -14,9 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from ._gemma2 import gemma2
 from ._hf import Shards, num
 from ._phi3 import phi3
-from ._reading import _config, _Names, _partial_perm, _Reader, _refuse, _rope, _rotary_fraction, _t, llama_dims
+from ._reading import (_config, _Names, _partial_perm, _Reader, _refuse, _rope, _rotary_fraction, _t, llama_dims,
+                       llama_layer)
 from .config import StackConfig
 
 __all__ = ["FAMILIES", "check_tensors", "read_family"]
@@ -176,14 +178,9 @@ def llama_like(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: A
         get.known.add("lm_head.weight")
     for k in range(L) if layers is None else layers:
         p, b = f"layers.{k}.", f"blocks.{k}."
-        q, kk, v = (get(p + f"self_attn.{x}_proj.weight", m * dh, d) for x, m in (("q", H), ("k", Hkv), ("v", Hkv)))
-        w[b + "attn.w_qkv"] = np.ascontiguousarray(np.concatenate([q, kk, v]).T)
-        w[b + "attn.w_o"] = _t(get(p + "self_attn.o_proj.weight", d, H * dh))
+        w.update(llama_layer(get, k, d, H, Hkv, dh, n))
         if family == "qwen3":  # RMSNorm of each query and key head (dh,)
             w[b + "attn.q_norm"], w[b + "attn.k_norm"] = (get(p + f"self_attn.{x}_norm.weight", dh) for x in "qk")
-        w[b + "mlp.w_in"] = np.ascontiguousarray(np.concatenate([get(p + "mlp.gate_proj.weight", n, d),
-                                                                 get(p + "mlp.up_proj.weight", n, d)]).T)
-        w[b + "mlp.w_out"] = _t(get(p + "mlp.down_proj.weight", d, n))
         w[b + "norm1.gamma"] = norm(get(p + "input_layernorm.weight", d))
         w[b + "norm2.gamma"] = norm(get(p + "post_attention_layernorm.weight", d))
         if qkv_bias:  # Qwen2 (or attention_bias): biases on q, k, v only; the Stack's other biases are exact zeros
@@ -195,7 +192,7 @@ def llama_like(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: A
 
 
 FAMILIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "llama": llama_like, "mistral": llama_like, "qwen2": llama_like,
-            "qwen3": llama_like, "gemma": llama_like, "phi3": phi3}
+            "qwen3": llama_like, "gemma": llama_like, "phi3": phi3, "gemma2": gemma2}
 
 
 def read_family(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any = None,

@@ -1,0 +1,204 @@
+"""Gemma 2: the norm placement "peri", soft-capped scores and logits, the score scale and per-layer
+sliding windows stay exact (JVP against central differences, VJP adjoint, weight gradients), every
+backend agrees, and a transformers-made Gemma2 folder or live model matches transformers (float64
+<= 1e-12, float32 <= 1e-4)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+import pyengine as pe
+from pyengine import backends
+from pyengine.models._attention import softcap_
+from pyengine.models.config import StackConfig, expected_arrays
+from pyengine.models.initialization import init_weights
+from pyengine.models.pretrained import load_pretrained
+
+OPTIONS = [
+    dict(placement="peri", norm="rmsnorm"),
+    dict(placement="peri", norm="layernorm"),
+    dict(attn_softcap=0.6),
+    dict(attn_scale=0.3),
+    dict(sliding_window=(3, 0, 2)),
+    dict(placement="peri", norm="rmsnorm", activation="gelu_tanh_gated", attn_softcap=0.8, attn_scale=0.4,
+         sliding_window=(2, 0, 2), n_kv_heads=1),
+    dict(positions="none", attn_softcap=0.5, sliding_window=(0, 3, 0)),
+]
+_ID = lambda o: "-".join(f"{k}={v}" for k, v in o.items())  # noqa: E731
+
+
+def _stack(**kw):
+    kw = {"positions": "rotary", **kw}
+    cfg = StackConfig(d_model=16, n_heads=2, n_layers=3, d_mlp=24, max_seq_len=8, **kw)
+    return init_weights(cfg, "xavier", seed=0, dtype=np.float64, gamma_jitter=0.3, bias_std=0.1)
+
+
+def _data(seed=3, T=6):
+    rng = np.random.default_rng(seed)
+    return (0.3 + rng.standard_normal((T, 16)) for _ in range(3))
+
+
+def test_softcap_and_its_derivative():
+    x = np.linspace(-4, 4, 41)
+    y = x.copy()
+    d = softcap_(y, 1.5)
+    assert np.allclose(y, 1.5 * np.tanh(x / 1.5), rtol=1e-15, atol=0)
+    e = 1e-6
+    fd = (1.5 * np.tanh((x + e) / 1.5) - 1.5 * np.tanh((x - e) / 1.5)) / (2 * e)
+    assert np.max(np.abs(d - fd)) <= 1e-9
+
+
+@pytest.mark.parametrize("opts", OPTIONS, ids=_ID)
+def test_jvp_and_vjp_exact(opts):
+    s = _stack(**opts)
+    h, u, g = _data()
+    for k in range(3):
+        jvp = s.block_jvp(k, h, u[None])[0]
+        eps = 1e-5
+        fd = (s.block_forward(k, h + eps * u) - s.block_forward(k, h - eps * u)) / (2 * eps)
+        assert np.linalg.norm(jvp - fd) <= 1e-7 * np.linalg.norm(fd), k
+        vjp = s.block_vjp(k, h, g[None])[0]
+        lhs, rhs = float(np.sum(g * jvp)), float(np.sum(vjp * u))
+        assert abs(lhs - rhs) <= 1e-12 * (abs(lhs) + np.linalg.norm(g) * np.linalg.norm(u)), k
+        # rows after a span and the per-token diagonal blocks take their own paths
+        tail = u.copy()
+        tail[:2] = 0
+        assert np.allclose(s.block_jvp(k, h, u[2:], start=2), s.block_jvp(k, h, tail)[2:], rtol=0, atol=1e-12)
+        dia = s.block_jvp_diagonal(k, h, u[[4]], [4])
+        one = np.zeros_like(u)
+        one[4] = u[4]
+        assert np.allclose(dia[0], s.block_jvp(k, h, one)[4], rtol=0, atol=1e-12)
+
+
+@pytest.mark.parametrize("opts", OPTIONS[-2:], ids=_ID)
+def test_float32_paths_agree_with_float64(opts):
+    s = _stack(**opts)
+    h, u, g = _data()
+    f32 = s.astype(np.float32) if hasattr(s, "astype") else s
+    h32, u32, g32 = (a.astype(np.float32) for a in (h, u, g))
+    for k in range(3):
+        for a, b in ((s.block_forward(k, h), f32.block_forward(k, h32)),
+                     (s.block_jvp(k, h, u), f32.block_jvp(k, h32, u32)),
+                     (s.block_vjp(k, h, g), f32.block_vjp(k, h32, g32))):
+            assert b.dtype == np.float32 and np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a), k
+
+
+def test_peri_norm_weight_gradients_match_finite_differences():
+    s = _stack(**OPTIONS[5])
+    h, _, g = _data(4)
+    _, grads = s.block_vjp(0, h, g, weights=True)
+    rng = np.random.default_rng(5)
+    for name in ("blocks.0.norm1_out.gamma", "blocks.0.norm2_out.gamma", "blocks.0.attn.w_qkv"):
+        e = rng.standard_normal(s.weights[name].shape)
+
+        def f(t):
+            w = dict(s.weights)
+            w[name] = w[name] + t * e
+            return float(np.sum(g * type(s)(s.config, w).block_forward(0, h)))
+
+        fd = (f(1e-5) - f(-1e-5)) / 2e-5
+        assert abs(np.sum(grads[name] * e) - fd) <= 1e-7 * abs(fd), name
+
+
+@pytest.mark.parametrize("backend", [b for b in backends.BACKENDS
+                                     if backends.available_backends()[b].available])
+def test_every_backend_agrees(backend):
+    s = _stack(**OPTIONS[5])
+    h, u, g = _data()
+    ref = [(s.hidden_states(h), s.block_jvp(0, h, u), s.block_vjp(2, h, g))]
+    with backends.use_backend(backend):
+        got = (s.hidden_states(h), s.block_jvp(0, h, u), s.block_vjp(2, h, g))
+    for a, b in zip(ref[0], got):
+        assert np.linalg.norm(a - b) <= 1e-12 * np.linalg.norm(a), backend
+
+
+def test_sites_of_the_output_norms_and_windows_per_block():
+    s = _stack(**OPTIONS[5])
+    h = next(_data())
+    names = s.site_names()
+    assert "blocks.1.norm1_out.output" in names and "blocks.1.norm2_out.scale" in names
+    _, cache = s.run_with_cache(h, ["blocks.0.attn.out", "blocks.0.norm1_out.input", "blocks.0.attn.pattern",
+                                    "blocks.1.attn.pattern"])
+    assert np.array_equal(cache["blocks.0.attn.out"], cache["blocks.0.norm1_out.input"])
+    p0, p1 = cache["blocks.0.attn.pattern"], cache["blocks.1.attn.pattern"]
+    assert np.all(p0[:, 5, :4] == 0) and np.all(p1[:, 5] > 0)  # block 0 slides (window 2), block 1 does not
+
+
+def test_config_round_trip_and_refusals():
+    cfg = _stack(**OPTIONS[5]).config
+    assert StackConfig.from_json(cfg.to_json()) == cfg
+    assert cfg.window(0) == 2 and cfg.window(1) == 0
+    assert StackConfig(d_model=16, n_heads=2, n_layers=2, sliding_window=[3, 3]).sliding_window == 3
+    assert "blocks.0.norm2_out.beta" in expected_arrays(_stack(placement="peri").config)
+    with pytest.raises(ValueError, match="one window per layer"):
+        StackConfig(d_model=16, n_heads=2, n_layers=3, sliding_window=(1, 2))
+    with pytest.raises(ValueError, match="'peri'"):
+        StackConfig(d_model=16, n_heads=2, n_layers=1, placement="peri", layout="parallel")
+    with pytest.raises(ValueError, match="attn_softcap"):
+        StackConfig(d_model=16, n_heads=2, n_layers=1, attn_softcap=-1.0)
+
+
+# --------------------------------------------------------------------------- against transformers
+
+def _tiny(**kw):
+    import transformers as tr
+    # window 4 < the 10 tokens in layers 0 and 2; caps small enough to bend the scores and logits
+    base = dict(vocab_size=64, max_position_embeddings=32, hidden_size=16, num_attention_heads=4,
+                num_key_value_heads=2, head_dim=4, num_hidden_layers=3, intermediate_size=24, sliding_window=4,
+                query_pre_attn_scalar=7, attn_logit_softcapping=0.5, final_logit_softcapping=0.2,
+                initializer_range=0.3)
+    return tr.Gemma2Config(**{**base, **kw})
+
+
+def _model(cfg):
+    import torch
+    import transformers as tr
+    torch.manual_seed(0)
+    model = tr.Gemma2ForCausalLM._from_config(cfg, attn_implementation="eager")
+    with torch.no_grad():  # random norms too, so that every array matters
+        for p in model.parameters():
+            if p.dim() == 1:
+                p.add_(0.1 * torch.randn_like(p))
+    return model
+
+
+@pytest.mark.fidelity
+@pytest.mark.parametrize("dtype", ["float64", "float32"])
+@pytest.mark.parametrize("source", ["folder", "live"])
+def test_matches_transformers(tmp_path, monkeypatch, dtype, source):
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from test_families import assert_matches
+
+    model = _model(_tiny())
+    if dtype == "float64":
+        model = model.double()
+    model.eval()
+    if source == "folder":
+        model.save_pretrained(tmp_path, safe_serialization=True)
+        ours = load_pretrained(tmp_path, dtype=dtype)
+    else:
+        ours = pe.from_hf(model, dtype)
+    cfg = ours.config
+    assert (cfg.placement, cfg.sliding_window, cfg.attn_softcap, cfg.logit_softcap) == ("peri", (4, 0, 4), 0.5, 0.2)
+    assert cfg.attn_scale == 7 ** -0.5
+    _, lt = assert_matches(ours, model, dtype, monkeypatch)
+    ids = np.array([3, 17, 5, 60, 1, 42, 9, 33, 2, 11], dtype=np.int64)
+    for field in ("attn_softcap", "logit_softcap", "attn_scale", "sliding_window"):  # each one matters here
+        other = ours.replace(**{field: 0}).logits(ids)
+        assert np.linalg.norm(other - lt) > 1e-3 * np.linalg.norm(lt), field
+
+
+@pytest.mark.parametrize("field, value", [("use_bidirectional_attention", True), ("attention_bias", True),
+                                          ("hidden_activation", "gelu"), ("layer_types", ["sliding_attention"]),
+                                          ("attn_logit_softcapping", -1.0)])
+def test_unsupported_fields_are_refused_by_name(tmp_path, field, value):
+    pytest.importorskip("transformers")
+    _model(_tiny(num_hidden_layers=2)).save_pretrained(tmp_path, safe_serialization=True)
+    path = tmp_path / "config.json"
+    path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
+    with pytest.raises(ValueError, match=f"'{field}'"):
+        load_pretrained(tmp_path)

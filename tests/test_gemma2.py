@@ -123,6 +123,8 @@ def test_sites_of_the_output_norms_and_windows_per_block():
     _, cache = s.run_with_cache(h, ["blocks.0.attn.out", "blocks.0.norm1_out.input", "blocks.0.attn.pattern",
                                     "blocks.1.attn.pattern"])
     assert np.array_equal(cache["blocks.0.attn.out"], cache["blocks.0.norm1_out.input"])
+    _, tl = s.run_with_cache(h, ["blocks.2.ln2_post.hook_normalized", "blocks.2.norm2_out.output"])
+    assert np.array_equal(tl["blocks.2.norm2_out.output"], tl["blocks.2.ln2_post.hook_normalized"])
     p0, p1 = cache["blocks.0.attn.pattern"], cache["blocks.1.attn.pattern"]
     assert np.all(p0[:, 5, :4] == 0) and np.all(p1[:, 5] > 0)  # block 0 slides (window 2), block 1 does not
 

@@ -120,6 +120,9 @@ def _tiny(family):
     if family == "qwen2_sliding":  # window 4 < the 10 tokens in every layer (max_window_layers 0)
         return tr.Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=0, **kw), \
             tr.Qwen2ForCausalLM
+    if family == "qwen2_mixed":  # layer 0 full attention, layer 1 a window of 4
+        return tr.Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=1, **kw), \
+            tr.Qwen2ForCausalLM
     if family == "qwen3":  # q/k norms; a window in every layer
         return tr.Qwen3Config(head_dim=hd, use_sliding_window=True, sliding_window=4, max_window_layers=0,
                               tie_word_embeddings=False, **kw), tr.Qwen3ForCausalLM
@@ -166,7 +169,7 @@ def _rotary_modules(model):
 
 @pytest.mark.fidelity
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "gpt_neox_norope", "gpt_neox_fullrope", "llama3", "qwen2",
-                                    "gemma", "mistral", "qwen2_sliding", "qwen3",
+                                    "gemma", "mistral", "qwen2_sliding", "qwen2_mixed", "qwen3",
                                     "llama_hd6", "mistral_hd2", "qwen3_hd8", "gemma_hd8"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_matches_transformers(tmp_path, monkeypatch, family, dtype):
@@ -186,6 +189,8 @@ def test_matches_transformers(tmp_path, monkeypatch, family, dtype):
     ours = load_pretrained(tmp_path, dtype=dtype)
     if family.startswith(("mistral", "qwen2_sliding", "qwen3")):  # the window is in effect: the loaded Stack slides
         assert ours.config.sliding_window == 4
+    if family == "qwen2_mixed":
+        assert ours.config.sliding_window == (0, 4)
     assert_matches(ours, model, dtype, monkeypatch)
     if "_hd" in family:  # H dh != d, read from the config's head_dim
         assert ours.config.head_dim == int(family.partition("_hd")[2]) != 16 // 4

@@ -114,11 +114,11 @@ def gpt_neox(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any
 # --------------------------------------------------------------------------- Llama, Mistral, Qwen2, Gemma
 
 
-def _window(hf: dict[str, Any], where: str, L: int) -> int:
-    """The sliding window of every block (0: none) as transformers applies it: Mistral slides in
+def _window(hf: dict[str, Any], where: str, L: int) -> int | tuple[int, ...]:
+    """The sliding window of each block (0: none) as transformers applies it: Mistral slides in
     every layer when ``sliding_window`` is set; Qwen2 and Qwen3 only with ``use_sliding_window``, in the
     layers that ``layer_types`` (or, without it, ``max_window_layers``: layers >= it) name
-    "sliding_attention". A window in some layers but not all is refused (one window per Stack)."""
+    "sliding_attention"."""
     family, w = hf["model_type"], hf.get("sliding_window")
     if family == "mistral":
         return 0 if w is None else num(hf, "sliding_window", where)
@@ -130,10 +130,8 @@ def _window(hf: dict[str, Any], where: str, L: int) -> int:
     if unknown or len(kinds) != L:
         raise ValueError(f"{where}: config field 'layer_types' = {kinds!r} is not supported (one of "
                          "'sliding_attention', 'full_attention' per layer)")
-    if len(set(kinds)) > 1:
-        raise ValueError(f"{where}: config field 'layer_types' = {kinds!r} mixes sliding and full attention "
-                         "layers; not supported (only all of one kind)")
-    return num(hf, "sliding_window", where) if kinds[0] == "sliding_attention" else 0
+    w = num(hf, "sliding_window", where)
+    return tuple(w if kind == "sliding_attention" else 0 for kind in kinds)
 
 
 def llama_like(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any = None,

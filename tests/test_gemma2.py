@@ -12,6 +12,7 @@ import pytest
 
 import pyengine as pe
 from pyengine import backends
+from pyengine.models import _fast
 from pyengine.models._attention import softcap_
 from pyengine.models.config import StackConfig, expected_arrays
 from pyengine.models.initialization import init_weights
@@ -77,13 +78,17 @@ def test_jvp_and_vjp_exact(opts):
 def test_float32_paths_agree_with_float64(opts):
     s = _stack(**opts)
     h, u, g = _data()
-    f32 = s.astype(np.float32) if hasattr(s, "astype") else s
+    f32 = s.astype(np.float32)
     h32, u32, g32 = (a.astype(np.float32) for a in (h, u, g))
     for k in range(3):
         for a, b in ((s.block_forward(k, h), f32.block_forward(k, h32)),
                      (s.block_jvp(k, h, u), f32.block_jvp(k, h32, u32)),
+                     (s.block_jvp(k, h, u[3:], start=3), f32.block_jvp(k, h32, u32[3:], start=3)),
                      (s.block_vjp(k, h, g), f32.block_vjp(k, h32, g32))):
             assert b.dtype == np.float32 and np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a), k
+    _, cache = f32.block_forward(0, h32, return_cache=True)  # capped scores: never the compiled heads
+    assert _fast.forward_path(cache.ctx, np.dtype(np.float32), False, 6) == "unfused"
+    assert _fast.jvp_path(cache.ctx, np.dtype(np.float32)) == "gemm"
 
 
 def test_peri_norm_weight_gradients_match_finite_differences():

@@ -75,16 +75,15 @@ def jvp_path(ctx: Any, dtype: np.dtype) -> str:
     path        serves
     ==========  ===========================================================================
     "blas"      float32 whole rows or spans (no ``ctx.rows``), the compiled
-                ``linear_attention_jvp`` active (:func:`attn_jvp_blas`)
+                ``linear_attention_jvp`` active, scores not soft-capped (:func:`attn_jvp_blas`)
     "gemm"      the other float32 whole rows or spans: one 2-D GEMM per key/value head over
-                all tangents (:func:`attn_jvp_gemm`)
-    "generic"   float64, the per-token diagonal blocks (``ctx.rows``), soft-capped scores (the
-                other paths do not apply the cap's derivative): batched products
+                all tangents (:func:`attn_jvp_gemm`; it applies the soft-cap's derivative)
+    "generic"   float64, and the per-token diagonal blocks (``ctx.rows``): batched products
     ==========  ===========================================================================
     """
-    if ctx.rows is not None or not fused_dtype(dtype) or ctx.cfg.attn_softcap:
+    if ctx.rows is not None or not fused_dtype(dtype):
         return "generic"
-    return "blas" if attention_jvp_kernel() is not None else "gemm"
+    return "blas" if attention_jvp_kernel() is not None and not ctx.cfg.attn_softcap else "gemm"
 
 
 def _per_head(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -128,13 +127,15 @@ def attn_jvp_gemm(ctx: Any, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, cach
     several times slower per flop than one GEMM per key/value head over all K tangents
     (the base's keys, values and probabilities are shared by the K tangents):
 
-    dS = dQ K^T + Q dK^T (causal keys from ``start``), dP = P (dS - rowsum(P dS)),
+    dS = dQ K^T + Q dK^T (causal keys from ``start``), times the soft-cap's derivative
+    ``cache["attn.capd"]`` where the scores are capped, dP = P (dS - rowsum(P dS)),
     dO = dP V + P dV. Masked entries have P = 0 and drop out exactly.
     """
     cfg, s = ctx.cfg, ctx.start
     H, Hkv = cfg.n_heads, cfg.n_kv_heads
     g = H // Hkv
     q5, k5, v5, p = cache["attn.q"], cache["attn.k"], cache["attn.v"], cache["attn.p"]
+    capd = cache.get("attn.capd")
     K, tq, _, dh = dv.shape
     tk = k5.shape[-2]
     dq3, dk3 = dq.reshape(Hkv, g * K * tq, dh), dk.reshape(Hkv, K * tq, dh)
@@ -150,6 +151,8 @@ def attn_jvp_gemm(ctx: Any, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, cach
         np.matmul(dq3[j], kj.T, out=dsj)
         np.matmul(qj, dk3[j].T, out=tmp)  # (g T', K T'): q_i . dk_j for every tangent
         ds[j][..., s:] += tmp.reshape(g, tq, K, tq).transpose(0, 2, 1, 3)
+        if capd is not None:
+            ds[j] *= capd[0, j][:, None]
         for i in range(g):
             h5 = ds[j, i].reshape(K, 1, tq, tk)
             check(softmax_jvp(p[0, j, i][None], h5, h5), "attention score tangents")

@@ -134,9 +134,27 @@ def test_sites_of_the_output_norms_and_windows_per_block():
     assert np.all(p0[:, 5, :4] == 0) and np.all(p1[:, 5] > 0)  # block 0 slides (window 2), block 1 does not
 
 
-def test_config_round_trip_and_refusals():
-    cfg = _stack(**OPTIONS[5]).config
+def test_padded_batch_equals_separate_runs():
+    s = _stack(**OPTIONS[5])
+    rng = np.random.default_rng(6)
+    a, b = rng.standard_normal((7, 16)), rng.standard_normal((4, 16))
+    batch = np.zeros((2, 7, 16))
+    batch[0], batch[1, 3:] = a, b  # the second row left-padded
+    mask = np.ones((2, 7), dtype=np.int64)
+    mask[1, :3] = 0
+    hs = s.hidden_states(batch, attention_mask=mask)
+    assert np.allclose(hs[:, 0], s.hidden_states(a), rtol=0, atol=1e-12)
+    assert np.allclose(hs[:, 1, 3:], s.hidden_states(b), rtol=0, atol=1e-12)
+
+
+def test_config_round_trip_and_refusals(tmp_path):
+    s = _stack(**OPTIONS[5])
+    cfg = s.config
     assert StackConfig.from_json(cfg.to_json()) == cfg
+    s.save(tmp_path / "g.npz")
+    back = type(s).load(tmp_path / "g.npz")
+    h = next(_data())
+    assert back.config == cfg and np.array_equal(back.hidden_states(h), s.hidden_states(h))
     assert cfg.window(0) == 2 and cfg.window(1) == 0
     assert StackConfig(d_model=16, n_heads=2, n_layers=2, sliding_window=[3, 3]).sliding_window == 3
     assert "blocks.0.norm2_out.beta" in expected_arrays(_stack(placement="peri").config)

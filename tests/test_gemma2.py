@@ -108,16 +108,21 @@ def test_peri_norm_weight_gradients_match_finite_differences():
         assert abs(np.sum(grads[name] * e) - fd) <= 1e-7 * abs(fd), name
 
 
-@pytest.mark.parametrize("backend", [b for b in backends.BACKENDS
-                                     if backends.available_backends()[b].available])
-def test_every_backend_agrees(backend):
-    s = _stack(**OPTIONS[5])
-    h, u, g = _data()
-    ref = [(s.hidden_states(h), s.block_jvp(0, h, u), s.block_vjp(2, h, g))]
-    with backends.use_backend(backend):
-        got = (s.hidden_states(h), s.block_jvp(0, h, u), s.block_vjp(2, h, g))
-    for a, b in zip(ref[0], got):
-        assert np.linalg.norm(a - b) <= 1e-12 * np.linalg.norm(a), backend
+@pytest.mark.parametrize("dtype", [np.float64, np.float32], ids=["float64", "float32"])
+def test_every_backend_agrees(compiled, dtype):
+    s = _stack(**OPTIONS[5]).astype(dtype)
+    h, u, g = (a.astype(dtype) for a in _data())
+
+    def run():
+        return s.hidden_states(h), s.block_jvp(0, h, u), s.block_jvp(1, h, u), s.block_vjp(2, h, g)
+
+    with backends.use_backend("numpy"):
+        ref = run()
+    with backends.use_backend(compiled):
+        got = run()
+    tol = 1e-12 if dtype == np.float64 else 1e-5
+    for a, b in zip(ref, got):
+        assert b.dtype == dtype and np.linalg.norm(a - b) <= tol * np.linalg.norm(a), compiled
 
 
 def test_sites_of_the_output_norms_and_windows_per_block():

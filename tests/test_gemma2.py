@@ -197,24 +197,25 @@ def _model(cfg):
 
 @pytest.mark.fidelity
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
-@pytest.mark.parametrize("source", ["folder", "live"])
+@pytest.mark.parametrize("source", ["folder", "live", "folder_hd8"])
 def test_matches_transformers(tmp_path, monkeypatch, dtype, source):
     pytest.importorskip("torch")
     pytest.importorskip("transformers")
     from test_families import assert_matches
 
-    model = _model(_tiny())
+    hd = 8 if source.endswith("_hd8") else 4  # 8: four heads span 32 != hidden_size 16
+    model = _model(_tiny(head_dim=hd))
     if dtype == "float64":
         model = model.double()
     model.eval()
-    if source == "folder":
+    if source.startswith("folder"):
         model.save_pretrained(tmp_path, safe_serialization=True)
         ours = load_pretrained(tmp_path, dtype=dtype)
     else:
         ours = pe.from_hf(model, dtype)
     cfg = ours.config
     assert (cfg.placement, cfg.sliding_window, cfg.attn_softcap, cfg.logit_softcap) == ("peri", (4, 0, 4), 0.5, 0.2)
-    assert cfg.attn_scale == 7 ** -0.5
+    assert cfg.attn_scale == 7 ** -0.5 and cfg.head_dim == hd
     _, lt = assert_matches(ours, model, dtype, monkeypatch)
     ids = np.array([3, 17, 5, 60, 1, 42, 9, 33, 2, 11], dtype=np.int64)
     for field in ("attn_softcap", "logit_softcap", "attn_scale", "sliding_window"):  # each one matters here
@@ -232,3 +233,22 @@ def test_unsupported_fields_are_refused_by_name(tmp_path, field, value):
     path.write_text(json.dumps({**json.loads(path.read_text()), field: value}))
     with pytest.raises(ValueError, match=f"'{field}'"):
         load_pretrained(tmp_path)
+
+
+def test_missing_fields_take_transformers_defaults_and_null_means_none(tmp_path):
+    tr = pytest.importorskip("transformers")
+    _model(_tiny(num_hidden_layers=2, head_dim=256)).save_pretrained(tmp_path, safe_serialization=True)
+    path = tmp_path / "config.json"
+    full = json.loads(path.read_text())
+    fields = ("query_pre_attn_scalar", "sliding_window", "attn_logit_softcapping", "final_logit_softcapping",
+              "layer_types", "head_dim")
+    path.write_text(json.dumps({k: v for k, v in full.items() if k not in fields}))
+    theirs, ours = tr.Gemma2Config.from_pretrained(tmp_path), load_pretrained(tmp_path).config
+    assert theirs.head_dim == ours.head_dim == 256
+    assert ours.attn_scale == theirs.query_pre_attn_scalar ** -0.5
+    assert (ours.attn_softcap, ours.logit_softcap) == (theirs.attn_logit_softcapping, theirs.final_logit_softcapping)
+    assert ours.sliding_window == tuple(theirs.sliding_window if t == "sliding_attention" else 0
+                                        for t in theirs.layer_types)
+    path.write_text(json.dumps({**full, "attn_logit_softcapping": None, "final_logit_softcapping": None}))
+    ours = load_pretrained(tmp_path).config
+    assert ours.attn_softcap == ours.logit_softcap == 0

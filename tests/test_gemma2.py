@@ -139,6 +139,17 @@ def test_sites_of_the_output_norms_and_windows_per_block():
     assert np.all(p0[:, 5, :4] == 0) and np.all(p1[:, 5] > 0)  # block 0 slides (window 2), block 1 does not
 
 
+@pytest.mark.parametrize("site", ["blocks.1.norm1_out.input", "blocks.1.norm1_out.output",
+                                  "blocks.2.norm2_out.output"])
+def test_injection_at_an_output_norm_site_linearizes(site):
+    s = _stack(**OPTIONS[5])
+    h = next(_data())
+    v = np.random.default_rng(1).standard_normal(16)
+    ex = pe.propagate(s, h, v, [1e-6], site)
+    li = pe.propagate(s, h, v, [1e-6], site, linearized=True)
+    assert np.abs(ex.projection - li.projection).max() <= 1e-5 * np.abs(ex.projection).max()
+
+
 def test_padded_batch_equals_separate_runs():
     s = _stack(**OPTIONS[5])
     rng = np.random.default_rng(6)

@@ -120,6 +120,9 @@ def _tiny(family):
     if family == "qwen2_sliding":  # window 4 < the 10 tokens in every layer (max_window_layers 0)
         return tr.Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=0, **kw), \
             tr.Qwen2ForCausalLM
+    if family == "qwen2_mixed":  # layer 0 full attention, layer 1 a window of 4
+        return tr.Qwen2Config(use_sliding_window=True, sliding_window=4, max_window_layers=1, **kw), \
+            tr.Qwen2ForCausalLM
     if family == "qwen3":  # q/k norms; a window in every layer
         return tr.Qwen3Config(head_dim=hd, use_sliding_window=True, sliding_window=4, max_window_layers=0,
                               tie_word_embeddings=False, **kw), tr.Qwen3ForCausalLM
@@ -166,18 +169,12 @@ def _rotary_modules(model):
 
 @pytest.mark.fidelity
 @pytest.mark.parametrize("family", ["gpt2", "gpt_neox", "gpt_neox_norope", "gpt_neox_fullrope", "llama3", "qwen2",
-                                    "gemma", "mistral", "qwen2_sliding", "qwen3",
+                                    "gemma", "mistral", "qwen2_sliding", "qwen2_mixed", "qwen3",
                                     "llama_hd6", "mistral_hd2", "qwen3_hd8", "gemma_hd8"])
 @pytest.mark.parametrize("dtype", ["float64", "float32"])
 def test_matches_transformers(tmp_path, monkeypatch, family, dtype):
     torch = pytest.importorskip("torch")
     pytest.importorskip("transformers")
-    softmax = torch.nn.functional.softmax
-
-    def softmax64(x, *args, dtype=None, **kw):  # HF's eager attention takes the softmax in float32
-        return softmax(x, *args, dtype=torch.float64 if x.dtype == torch.float64 else dtype, **kw)
-
-    monkeypatch.setattr(torch.nn.functional, "softmax", softmax64)
     cfg, cls = _tiny(family)
     torch.manual_seed(0)
     model = cls._from_config(cfg, attn_implementation="eager")
@@ -190,12 +187,31 @@ def test_matches_transformers(tmp_path, monkeypatch, family, dtype):
     model.eval()
     model.save_pretrained(tmp_path, safe_serialization=True)
     ours = load_pretrained(tmp_path, dtype=dtype)
-    # transformers computes the rotary angles (and the eager softmax, above) in float32 even in a
-    # float64 model, a floor of about 3e-9 on these models; in float64 both are recomputed in float64
+    if family.startswith(("mistral", "qwen2_sliding", "qwen3")):  # the window is in effect: the loaded Stack slides
+        assert ours.config.sliding_window == 4
+    if family == "qwen2_mixed":
+        assert ours.config.sliding_window == (0, 4)
+    assert_matches(ours, model, dtype, monkeypatch)
+    if "_hd" in family:  # H dh != d, read from the config's head_dim
+        assert ours.config.head_dim == int(family.partition("_hd")[2]) != 16 // 4
+
+
+def assert_matches(ours, model, dtype, monkeypatch):
+    """Hidden states and logits of ``ours`` and the transformers ``model`` on ten ids agree to 1e-12
+    (float64) or 1e-4 (float32); returns (our logits, theirs)."""
+    import torch
+    # transformers computes the rotary angles, the eager softmax and RMSNorm in float32 even in a
+    # float64 model, a floor of about 3e-9 on these models; in float64 they are recomputed in float64
     if dtype == "float64":
+        softmax = torch.nn.functional.softmax
+
+        def softmax64(x, *args, dtype=None, **kw):
+            return softmax(x, *args, dtype=torch.float64 if x.dtype == torch.float64 else dtype, **kw)
+
+        monkeypatch.setattr(torch.nn.functional, "softmax", softmax64)
         for m in _rotary_modules(model):
             m.forward = types.MethodType(_rotary_float64, m)
-        for m in model.modules():  # HF's RMSNorm normalizes in float32 too
+        for m in model.modules():
             if type(m).__name__.endswith("RMSNorm"):
                 m.forward = types.MethodType(_rms_float64, m)
     ids = np.array([3, 17, 5, 60, 1, 42, 9, 33, 2, 11], dtype=np.int64)
@@ -204,16 +220,13 @@ def test_matches_transformers(tmp_path, monkeypatch, family, dtype):
     theirs = [t[0].numpy() for t in out.hidden_states]
     hs = ours.hidden_states(ids)
     tol = 1e-12 if dtype == "float64" else 1e-4
-    if family.startswith(("mistral", "qwen2_sliding", "qwen3")):  # the window is in effect: the loaded Stack slides
-        assert ours.config.sliding_window == 4
     for k in range(len(theirs) - 1):
         assert np.linalg.norm(hs[k] - theirs[k]) <= tol * np.linalg.norm(theirs[k]), f"layer {k}"
     last = ours.apply_final_norm(hs[-1])
     assert np.linalg.norm(last - theirs[-1]) <= tol * np.linalg.norm(theirs[-1])
     lg, lt = ours.logits(ids), out.logits[0].numpy()
     assert np.linalg.norm(lg - lt) <= tol * np.linalg.norm(lt)
-    if "_hd" in family:  # H dh != d, read from the config's head_dim
-        assert ours.config.head_dim == int(family.partition("_hd")[2]) != 16 // 4
+    return lg, lt
 
 
 def test_bf16_and_f16_widen_exactly(tmp_path):

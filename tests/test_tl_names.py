@@ -29,6 +29,11 @@ def rope():
     return make(**ROPE)
 
 
+@pytest.fixture(scope="module")
+def peri():  # Gemma 2's norms of the sublayer outputs
+    return make(placement="peri", **ROPE)
+
+
 def _silu(x):
     return x / (1 + np.exp(-x))
 
@@ -108,8 +113,8 @@ def test_interventions_on_new_sites(rope):
 
 
 @pytest.mark.parametrize("tl", list(BLOCK_ALIASES) + list(GLOBAL_ALIASES))
-def test_each_alias_is_its_pyengine_site(tl, s, rope):
-    for m in (s, rope):
+def test_each_alias_is_its_pyengine_site(tl, s, rope, peri):
+    for m in (peri,) if "_post." in tl else (s, rope, peri):
         tl_name = tl if tl in GLOBAL_ALIASES else f"blocks.1.{tl}"
         name = GLOBAL_ALIASES.get(tl) or f"blocks.1.{BLOCK_ALIASES[tl]}"
         _, c = m.run_with_cache(IDS, tl_name)

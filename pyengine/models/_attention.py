@@ -9,7 +9,6 @@ backend, the score gradient of the VJP through the raw ``attention_score_grad`` 
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -24,7 +23,7 @@ from ._qknorm import qk_norm_, qk_norm_jvp_, qk_norm_vjp_
 if TYPE_CHECKING:
     from ._context import Cache, Context, Weights
 
-__all__ = ["attn", "attn_jvp", "attn_vjp", "check"]
+__all__ = ["attn", "attn_jvp", "attn_vjp", "check", "softcap_"]
 
 
 def _split_heads(qkv: np.ndarray, B: int, T: int, cfg: Any) -> tuple[np.ndarray, ...]:
@@ -50,10 +49,19 @@ def _rotate(x: np.ndarray, table: tuple[np.ndarray, np.ndarray]) -> np.ndarray:
 
 
 def _qk(ctx: Context, q: np.ndarray, k: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Rotate q and k (if rotary) and fold 1/sqrt(dh) into q; q comes back C-contiguous."""
+    """Rotate q and k (if rotary) and fold the score scale (1/sqrt(dh)) into q; q comes back C-contiguous."""
     if ctx.rope_q is not None:
         return _rotate(q, ctx.rope_q), _rotate(k, ctx.rope_k)
-    return np.multiply(q, 1.0 / math.sqrt(q.shape[-1]), out=np.empty(q.shape, q.dtype)), k
+    return np.multiply(q, ctx.cfg.score_scale, out=np.empty(q.shape, q.dtype)), k
+
+
+def softcap_(x: np.ndarray, cap: float) -> np.ndarray:
+    """Soft-capping ``cap * tanh(x / cap)`` of x in place (Gemma 2); returns its derivative
+    ``1 - tanh(x / cap)^2`` at x, x's shape, for the JVP and VJP."""
+    t = np.tanh(np.divide(x, x.dtype.type(cap), out=x), out=x)
+    d = 1 - t * t
+    t *= x.dtype.type(cap)
+    return d
 
 
 def _head_sites(ctx: Context, q: np.ndarray, k: np.ndarray, v: np.ndarray, hook: Any) -> tuple[np.ndarray, ...]:
@@ -65,7 +73,7 @@ def _head_sites(ctx: Context, q: np.ndarray, k: np.ndarray, v: np.ndarray, hook:
     new = [hook(n, x) for n, x in zip(("attn.q", "attn.k", "attn.v"), sites)]
     if new[0] is not sites[0]:
         q2 = np.asarray(new[0]).transpose(0, 2, 1, 3)
-        qs = np.multiply(q2, 1.0 / math.sqrt(q.shape[-1]), out=np.empty(q2.shape, q2.dtype))
+        qs = np.multiply(q2, ctx.cfg.score_scale, out=np.empty(q2.shape, q2.dtype))
     k2, v2 = (np.asarray(n).transpose(0, 2, 1, 3) if n is not s else x for n, s, x in zip(new[1:], sites[1:], (ks, v)))
     return qs, k2, v2
 
@@ -76,11 +84,11 @@ def check(nbad: int, what: str) -> None:
 
 
 def _softmax_(s: np.ndarray, ctx: Context) -> np.ndarray:
-    """Row softmax of the scores s (..., Tq, Tk) in place, causal rows j <= start + i; with a
-    sliding window w also j > start + i - w (the keys before it get exactly P = 0, so the JVP
-    and VJP, which multiply by P, need no mask of their own)."""
+    """Row softmax of the scores s (..., Tq, Tk) in place, causal rows j <= start + i; with the
+    block's sliding window w also j > start + i - w (the keys before it get exactly P = 0, so the
+    JVP and VJP, which multiply by P, need no mask of their own)."""
     tq, tk = s.shape[-2:]
-    w = ctx.cfg.sliding_window
+    w = ctx.window
     if w and ctx.start + tq > w:  # scores far below any other: exp underflows to exactly 0
         far = np.arange(tk) <= (ctx.start + np.arange(tq))[:, None] - w
         np.copyto(s, np.finfo(s.dtype).min / 2, where=far)
@@ -130,7 +138,7 @@ def attn(w: Weights, ctx: Context, a: np.ndarray, cache: Cache, r: np.ndarray | 
     elif path == "fused":
         buf, p = _fused(ctx, q5, k5, v5, site, read or not discard)
     else:
-        buf, p = _unfused(ctx, q5, k5, v5, site)
+        buf, p = _unfused(ctx, q5, k5, v5, site, cache)
     out = _project(w, cfg, buf, r)
     if site is not None and getattr(site, "wants", lambda n: False)("attn.result"):
         out = _result_site(w, cfg, buf, r, site, out)
@@ -199,13 +207,17 @@ def _fused(ctx: Context, q5: np.ndarray, k5: np.ndarray, v5: np.ndarray, site: A
     return buf, (_pattern(ctx, q5, k5, site, buf) if want_p else None)
 
 
-def _unfused(ctx: Context, q5: np.ndarray, k5: np.ndarray, v5: np.ndarray, site: Any) -> tuple[np.ndarray, np.ndarray]:
-    """Path "unfused" (float64, interventions inside the heads, padding masks): the batched products,
-    each site read and replaced in turn."""
+def _unfused(ctx: Context, q5: np.ndarray, k5: np.ndarray, v5: np.ndarray, site: Any, cache: Cache
+             ) -> tuple[np.ndarray, np.ndarray]:
+    """Path "unfused" (float64, interventions inside the heads, padding masks, soft-capped scores):
+    the batched products, each site read and replaced in turn. The scores' soft-cap derivative
+    goes to ``cache["attn.capd"]`` (Hkv, g, T, Tk per sequence), for the JVP and VJP."""
     B, Hkv, g, T = q5.shape[:4]
     H = Hkv * g
     buf, view = _heads_out(B, T, ctx.cfg, q5.dtype)
     sc = np.matmul(q5, k5.swapaxes(-1, -2))
+    if ctx.cfg.attn_softcap:
+        cache["attn.capd"] = softcap_(sc, ctx.cfg.attn_softcap)
     if site is not None:
         sc = np.ascontiguousarray(site("attn.scores", sc.reshape(B, H, T, -1))).reshape(sc.shape)
     if ctx.key_mask is not None:  # padding keys: exp underflows to exactly 0 (uniform if all are padding)
@@ -271,6 +283,8 @@ def _jvp_generic(ctx: Context, dqkv: np.ndarray, cache: Cache, K: int, T: int) -
         ds[..., r, ctx.rows] += np.einsum("...rd,...rd->...r", q5, dk5)
     else:
         ds[..., ctx.start :] += np.matmul(q5, dk5.swapaxes(-1, -2))
+    if "attn.capd" in cache:  # soft-capped scores: the cap's derivative, 1 - tanh^2
+        ds *= cache["attn.capd"]
     # dP = P * (dS - sum_j P dS): masked entries have P = 0, so they drop out exactly.
     tq, tk = ds.shape[-2:]
     ds4 = ds.reshape(K, -1, tq, tk)
@@ -285,14 +299,14 @@ def _jvp_generic(ctx: Context, dqkv: np.ndarray, cache: Cache, K: int, T: int) -
 
 
 def _qk_t(ctx: Context, dq: np.ndarray, dk: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Transpose of :func:`_qk` (linear): rotate back by the negative angles, scale q by 1/sqrt(dh).
+    """Transpose of :func:`_qk` (linear): rotate back by the negative angles, scale q by the score scale.
 
     Without rotary positions dq is scaled in place (the caller's fresh array).
     """
     if ctx.rope_q is not None:
         (cq, sq), (ck, sk) = ctx.rope_q, ctx.rope_k
         return _rotate(dq, (cq, -sq)), _rotate(dk, (ck, -sk))
-    return np.multiply(dq, dq.dtype.type(1.0 / math.sqrt(dq.shape[-1])), out=dq), dk
+    return np.multiply(dq, dq.dtype.type(ctx.cfg.score_scale), out=dq), dk
 
 
 def heads(ctx: Context, cache: Cache) -> np.ndarray:
@@ -333,6 +347,8 @@ def attn_vjp(w: Weights, ctx: Context, gy: np.ndarray, cache: Cache, grads: dict
     for r in range(K):  # dS = P * (U V^T - rowsum(P * U V^T)), masked entries 0
         nbad += fn(ph, u[r].reshape(H, T, dh), vh, off, ds[r].reshape(H, T, T))
     check(nbad, "attention score cotangents")
+    if "attn.capd" in cache:  # soft-capped scores: the cap's derivative, 1 - tanh^2
+        ds *= cache["attn.capd"]
     ds4 = ds.reshape(K, Hkv, g * T, T)
     dq = np.matmul(ds4, k5.reshape(1, Hkv, T, dh)).reshape(K, H, T, dh)
     dk = np.matmul(ds4.swapaxes(-1, -2), q5.reshape(1, Hkv, g * T, dh))  # sum over the group's queries

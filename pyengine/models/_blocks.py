@@ -41,16 +41,22 @@ def site(ctx: Context, name: str, x: np.ndarray) -> np.ndarray:
     return x if ctx.hook is None else ctx.hook(name, x)
 
 
-def make_context(cfg: Any, T: int, dtype: np.dtype, start: int = 0) -> Context:
+def make_context(cfg: Any, T: int, dtype: np.dtype, start: int = 0, block: int = 0) -> Context:
+    """The context of block ``block`` (its sliding window) on T rows, of which rows start.. are computed."""
     if start and not cfg.causal:
         raise ValueError("only a causal stack can skip the rows before a span (start > 0)")
     rope_q = rope_k = None
     if cfg.positions == "rotary":
         cos, sin = rotary_tables(cfg, T, dtype)
         cos, sin = cos[start:], sin[start:]
-        scale = 1.0 / math.sqrt(cfg.head_dim)
+        scale = cfg.score_scale
         rope_q, rope_k = (cos * scale, sin * scale), (cos, sin)
-    return Context(cfg, rope_q, rope_k, start)
+    return Context(cfg, rope_q, rope_k, start, window=cfg.window(block))
+
+
+def for_block(ctx: Context, k: int) -> Context:
+    """``ctx`` (of any block) for block k: its sliding window."""
+    return ctx._replace(window=ctx.cfg.window(k))
 
 
 def _take_rows(cache: Cache, idx: Any) -> Cache:
@@ -59,8 +65,8 @@ def _take_rows(cache: Cache, idx: Any) -> Cache:
     for name, a in cache.items():
         if name in ("attn.k", "attn.v"):
             out[name] = a
-        elif name in ("attn.q", "attn.p"):  # (1, Hkv, g, T, .); the softmax JVP kernel wants P contiguous
-            out[name] = np.ascontiguousarray(a[..., idx, :]) if name == "attn.p" else a[..., idx, :]
+        elif name in ("attn.q", "attn.p", "attn.capd"):  # (1, Hkv, g, T, .); the softmax JVP kernel wants P
+            out[name] = np.ascontiguousarray(a[..., idx, :]) if name == "attn.p" else a[..., idx, :]  # contiguous
         elif name == "mlp.u":  # (T, n_in)
             out[name] = a[idx]
         elif name in ("mlp.coef", "attn.qkn"):  # tuples of (1, T, ...)
@@ -77,7 +83,8 @@ def suffix(ctx: Context, cache: Cache, start: int) -> tuple[Context, Cache]:
     earlier rows of the output tangent are exactly zero).
     """
     T = cache["attn.k"].shape[-2]
-    return make_context(ctx.cfg, T, cache["attn.k"].dtype, start), _take_rows(cache, slice(start, None))
+    return (make_context(ctx.cfg, T, cache["attn.k"].dtype, start)._replace(window=ctx.window),
+            _take_rows(cache, slice(start, None)))
 
 
 def diagonal(ctx: Context, cache: Cache, rows: Any) -> tuple[Context, Cache]:
@@ -90,7 +97,7 @@ def diagonal(ctx: Context, cache: Cache, rows: Any) -> tuple[Context, Cache]:
     """
     rows = np.asarray(rows, dtype=np.intp)
     T = cache["attn.k"].shape[-2]
-    c = make_context(ctx.cfg, T, cache["attn.k"].dtype)
+    c = make_context(ctx.cfg, T, cache["attn.k"].dtype)._replace(window=ctx.window)
     if c.rope_q is not None:
         c = c._replace(rope_q=tuple(a[rows] for a in c.rope_q), rope_k=tuple(a[rows] for a in c.rope_k))
     return c._replace(rows=rows), _take_rows(cache, rows)
@@ -304,6 +311,14 @@ _SUB = {"attn": (attn, attn_jvp), "mlp": (mlp, mlp_jvp)}
 
 def _sublayer(w: Weights, ctx: Context, h: np.ndarray, sub: str, nname: str, cache: Cache) -> np.ndarray:
     cfg, f = ctx.cfg, _SUB[sub][0]
+    if cfg.placement == "peri":  # h + N_out(F(N(h))) (Gemma 2)
+        a = site(ctx, nname + ".output", _norm(w, cfg, nname, site(ctx, nname + ".input", h), cache))
+        y = site(ctx, sub + ".out", f(w, ctx, a, cache))
+        o = nname + "_out"
+        y = site(ctx, o + ".output", _norm(w, cfg, o, site(ctx, o + ".input", y), cache))
+        if cfg.residual:
+            y += h
+        return y
     if cfg.placement == "pre":  # h + F(N(h))
         a = site(ctx, nname + ".output", _norm(w, cfg, nname, site(ctx, nname + ".input", h), cache))
         if cfg.residual and ctx.hook is None:  # the residual added in the last product's epilogue
@@ -322,6 +337,12 @@ def _sublayer_jvp(
     w: Weights, ctx: Context, dh: np.ndarray, sub: str, nname: str, cache: Cache, mode: str
 ) -> np.ndarray:
     cfg, f = ctx.cfg, _SUB[sub][1]
+    if cfg.placement == "peri":
+        dy = _norm_jvp(w, cfg, nname + "_out", f(w, ctx, _norm_jvp(w, cfg, nname, dh, cache, mode), cache), cache,
+                       mode)
+        if cfg.residual:
+            dy += dh
+        return dy
     if cfg.placement == "pre":
         return f(w, ctx, _norm_jvp(w, cfg, nname, dh, cache, mode), cache, dh if cfg.residual else None)
     dy = f(w, ctx, dh, cache)

@@ -76,10 +76,12 @@ _SUB = {"attn": attn_vjp, "mlp": mlp_vjp}
 
 def _sublayer_vjp(w: Weights, ctx: Context, g: np.ndarray, sub: str, nname: str, cache: Cache, mode: str,
                   grads: Grads) -> np.ndarray:
-    """Transpose of ``_blocks._sublayer_jvp``: pre ``h + F(N(h))``, post ``N(h + F(h))``."""
+    """Transpose of ``_blocks._sublayer_jvp``: pre ``h + F(N(h))``, post ``N(h + F(h))``, peri
+    ``h + N_out(F(N(h)))``."""
     cfg, f = ctx.cfg, _SUB[sub]
-    if cfg.placement == "pre":
-        gh = _norm_vjp(w, cfg, nname, f(w, ctx, g, cache, grads), cache, mode, grads)
+    if cfg.placement in ("pre", "peri"):  # peri: h + N_out(F(N(h)))
+        gy = g if cfg.placement == "pre" else _norm_vjp(w, cfg, nname + "_out", g, cache, mode, grads)
+        gh = _norm_vjp(w, cfg, nname, f(w, ctx, gy, cache, grads), cache, mode, grads)
         if cfg.residual:
             gh += g
         return gh

@@ -38,3 +38,5 @@ class Context(NamedTuple):
     #: the keys, bool (B, 1, 1, 1, Tk), True where a key is padding.
     hook: Any = None
     key_mask: np.ndarray | None = None
+    #: The sliding window of the block this context serves (0: none): ``cfg.window(k)``.
+    window: int = 0

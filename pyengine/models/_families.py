@@ -1,5 +1,5 @@
 """HF decoder families -> Stack arrays: GPT-2, GPT-NeoX/Pythia, Llama (incl. Llama 3 rope scaling), Mistral,
-Qwen2, Qwen3, Gemma; Phi-3 in :mod:`._phi3`.
+Qwen2, Qwen3, Gemma; Phi-3 in :mod:`._phi3`, Gemma 2 in :mod:`._gemma2`.
 
 Each reader takes the parsed ``config.json``, a :class:`._hf.Shards` and the storage
 dtype, and returns ``(StackConfig, arrays)``. A config field that would change the
@@ -14,9 +14,11 @@ from typing import Any
 
 import numpy as np
 
+from ._gemma2 import gemma2
 from ._hf import Shards, num
 from ._phi3 import phi3
-from ._reading import _config, _Names, _partial_perm, _Reader, _refuse, _rope, _rotary_fraction, _t, llama_dims
+from ._reading import (_config, _Names, _partial_perm, _Reader, _refuse, _rope, _rotary_fraction, _t, llama_dims,
+                       llama_layer)
 from .config import StackConfig
 
 __all__ = ["FAMILIES", "check_tensors", "read_family"]
@@ -112,11 +114,11 @@ def gpt_neox(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any
 # --------------------------------------------------------------------------- Llama, Mistral, Qwen2, Gemma
 
 
-def _window(hf: dict[str, Any], where: str, L: int) -> int:
-    """The sliding window of every block (0: none) as transformers applies it: Mistral slides in
+def _window(hf: dict[str, Any], where: str, L: int) -> int | tuple[int, ...]:
+    """The sliding window of each block (0: none) as transformers applies it: Mistral slides in
     every layer when ``sliding_window`` is set; Qwen2 and Qwen3 only with ``use_sliding_window``, in the
     layers that ``layer_types`` (or, without it, ``max_window_layers``: layers >= it) name
-    "sliding_attention". A window in some layers but not all is refused (one window per Stack)."""
+    "sliding_attention"."""
     family, w = hf["model_type"], hf.get("sliding_window")
     if family == "mistral":
         return 0 if w is None else num(hf, "sliding_window", where)
@@ -128,10 +130,8 @@ def _window(hf: dict[str, Any], where: str, L: int) -> int:
     if unknown or len(kinds) != L:
         raise ValueError(f"{where}: config field 'layer_types' = {kinds!r} is not supported (one of "
                          "'sliding_attention', 'full_attention' per layer)")
-    if len(set(kinds)) > 1:
-        raise ValueError(f"{where}: config field 'layer_types' = {kinds!r} mixes sliding and full attention "
-                         "layers; not supported (only all of one kind)")
-    return num(hf, "sliding_window", where) if kinds[0] == "sliding_attention" else 0
+    w = num(hf, "sliding_window", where)
+    return tuple(w if kind == "sliding_attention" else 0 for kind in kinds)
 
 
 def llama_like(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any = None,
@@ -176,14 +176,9 @@ def llama_like(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: A
         get.known.add("lm_head.weight")
     for k in range(L) if layers is None else layers:
         p, b = f"layers.{k}.", f"blocks.{k}."
-        q, kk, v = (get(p + f"self_attn.{x}_proj.weight", m * dh, d) for x, m in (("q", H), ("k", Hkv), ("v", Hkv)))
-        w[b + "attn.w_qkv"] = np.ascontiguousarray(np.concatenate([q, kk, v]).T)
-        w[b + "attn.w_o"] = _t(get(p + "self_attn.o_proj.weight", d, H * dh))
+        w.update(llama_layer(get, k, d, H, Hkv, dh, n))
         if family == "qwen3":  # RMSNorm of each query and key head (dh,)
             w[b + "attn.q_norm"], w[b + "attn.k_norm"] = (get(p + f"self_attn.{x}_norm.weight", dh) for x in "qk")
-        w[b + "mlp.w_in"] = np.ascontiguousarray(np.concatenate([get(p + "mlp.gate_proj.weight", n, d),
-                                                                 get(p + "mlp.up_proj.weight", n, d)]).T)
-        w[b + "mlp.w_out"] = _t(get(p + "mlp.down_proj.weight", d, n))
         w[b + "norm1.gamma"] = norm(get(p + "input_layernorm.weight", d))
         w[b + "norm2.gamma"] = norm(get(p + "post_attention_layernorm.weight", d))
         if qkv_bias:  # Qwen2 (or attention_bias): biases on q, k, v only; the Stack's other biases are exact zeros
@@ -195,7 +190,7 @@ def llama_like(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: A
 
 
 FAMILIES = {"gpt2": gpt2, "gpt_neox": gpt_neox, "llama": llama_like, "mistral": llama_like, "qwen2": llama_like,
-            "qwen3": llama_like, "gemma": llama_like, "phi3": phi3}
+            "qwen3": llama_like, "gemma": llama_like, "phi3": phi3, "gemma2": gemma2}
 
 
 def read_family(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: Any = None,

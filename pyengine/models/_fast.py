@@ -55,12 +55,13 @@ def forward_path(ctx: Any, dtype: np.dtype, changed: bool, tk: int) -> str:
                 (rotary positions, or no compiled kernel): the fused ``attention_forward``
                 head (:func:`fused_heads`), P by a separate product where wanted
     "unfused"   float64, interventions inside the heads, padding masks, a sliding window
-                shorter than the sequence (the compiled heads know the causal mask only):
-                batched products, each site read (and replaced) in turn
+                shorter than the sequence, soft-capped scores (the compiled heads know the
+                causal mask and plain scores only): batched products, each site read (and
+                replaced) in turn
     ==========  ===========================================================================
     """
-    w = ctx.cfg.sliding_window
-    if changed or ctx.key_mask is not None or not fused_dtype(dtype) or (w and tk > w):
+    w = ctx.window
+    if changed or ctx.key_mask is not None or not fused_dtype(dtype) or (w and tk > w) or ctx.cfg.attn_softcap:
         return "unfused"
     if ctx.rope_q is None and attention_forward_kernel() is not None:
         return "blas"
@@ -74,15 +75,15 @@ def jvp_path(ctx: Any, dtype: np.dtype) -> str:
     path        serves
     ==========  ===========================================================================
     "blas"      float32 whole rows or spans (no ``ctx.rows``), the compiled
-                ``linear_attention_jvp`` active (:func:`attn_jvp_blas`)
+                ``linear_attention_jvp`` active, scores not soft-capped (:func:`attn_jvp_blas`)
     "gemm"      the other float32 whole rows or spans: one 2-D GEMM per key/value head over
-                all tangents (:func:`attn_jvp_gemm`)
+                all tangents (:func:`attn_jvp_gemm`; it applies the soft-cap's derivative)
     "generic"   float64, and the per-token diagonal blocks (``ctx.rows``): batched products
     ==========  ===========================================================================
     """
     if ctx.rows is not None or not fused_dtype(dtype):
         return "generic"
-    return "blas" if attention_jvp_kernel() is not None else "gemm"
+    return "blas" if attention_jvp_kernel() is not None and not ctx.cfg.attn_softcap else "gemm"
 
 
 def _per_head(x: np.ndarray, shape: tuple[int, ...]) -> np.ndarray:
@@ -126,13 +127,15 @@ def attn_jvp_gemm(ctx: Any, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, cach
     several times slower per flop than one GEMM per key/value head over all K tangents
     (the base's keys, values and probabilities are shared by the K tangents):
 
-    dS = dQ K^T + Q dK^T (causal keys from ``start``), dP = P (dS - rowsum(P dS)),
+    dS = dQ K^T + Q dK^T (causal keys from ``start``), times the soft-cap's derivative
+    ``cache["attn.capd"]`` where the scores are capped, dP = P (dS - rowsum(P dS)),
     dO = dP V + P dV. Masked entries have P = 0 and drop out exactly.
     """
     cfg, s = ctx.cfg, ctx.start
     H, Hkv = cfg.n_heads, cfg.n_kv_heads
     g = H // Hkv
     q5, k5, v5, p = cache["attn.q"], cache["attn.k"], cache["attn.v"], cache["attn.p"]
+    capd = cache.get("attn.capd")
     K, tq, _, dh = dv.shape
     tk = k5.shape[-2]
     dq3, dk3 = dq.reshape(Hkv, g * K * tq, dh), dk.reshape(Hkv, K * tq, dh)
@@ -148,6 +151,8 @@ def attn_jvp_gemm(ctx: Any, dq: np.ndarray, dk: np.ndarray, dv: np.ndarray, cach
         np.matmul(dq3[j], kj.T, out=dsj)
         np.matmul(qj, dk3[j].T, out=tmp)  # (g T', K T'): q_i . dk_j for every tangent
         ds[j][..., s:] += tmp.reshape(g, tq, K, tq).transpose(0, 2, 1, 3)
+        if capd is not None:
+            ds[j] *= capd[0, j][:, None]
         for i in range(g):
             h5 = ds[j, i].reshape(K, 1, tq, tk)
             check(softmax_jvp(p[0, j, i][None], h5, h5), "attention score tangents")
@@ -180,7 +185,7 @@ def attn_jvp_blas(ctx: Any, x: np.ndarray, cache: dict, qk: Any, check: Any) -> 
     cfg = ctx.cfg
     H, Hkv, dh = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
     K, tq = x.shape[:2]
-    scale = 1.0 / np.sqrt(dh)
+    scale = cfg.score_scale
     if ctx.rope_q is not None:  # rotate (and scale q) into the workspace: the kernel takes dqkv as is
         dq, dk = qk(ctx, x[:, :, :H].transpose(2, 0, 1, 3), x[:, :, H : H + Hkv].transpose(2, 0, 1, 3))
         x[:, :, :H] = dq.transpose(1, 2, 0, 3)
@@ -208,7 +213,7 @@ def attn_blas(cfg: Any, start: int, qkv: np.ndarray, past: dict | None, check: A
     else:
         kp = vp = np.empty((Hkv, 0, dh), qkv.dtype)
     out = np.empty((B, tq, H, dh), qkv.dtype)
-    nbad = fn(np.ascontiguousarray(qkv), kp, vp, H, start if cfg.causal else start + tq - 1, 1.0 / np.sqrt(dh), out)
+    nbad = fn(np.ascontiguousarray(qkv), kp, vp, H, start if cfg.causal else start + tq - 1, cfg.score_scale, out)
     check(_ran(nbad), "attention scores")
     return out
 

@@ -93,6 +93,17 @@ def llama_dims(hf: dict[str, Any], where: str) -> tuple[int, ...]:
     return d, H, Hkv, L, n, V, dh
 
 
+def llama_layer(get: _Reader, k: int, d: int, H: int, Hkv: int, dh: int, n: int) -> dict[str, np.ndarray]:
+    """Layer k's attention (q, k, v, o) and gated MLP (gate, up, down) projections as block k's arrays."""
+    p, b = f"layers.{k}.", f"blocks.{k}."
+    q, kk, v = (get(p + f"self_attn.{x}_proj.weight", m * dh, d) for x, m in (("q", H), ("k", Hkv), ("v", Hkv)))
+    return {b + "attn.w_qkv": np.ascontiguousarray(np.concatenate([q, kk, v]).T),
+            b + "attn.w_o": _t(get(p + "self_attn.o_proj.weight", d, H * dh)),
+            b + "mlp.w_in": np.ascontiguousarray(np.concatenate([get(p + "mlp.gate_proj.weight", n, d),
+                                                                 get(p + "mlp.up_proj.weight", n, d)]).T),
+            b + "mlp.w_out": _t(get(p + "mlp.down_proj.weight", d, n))}
+
+
 class _Names:
     """Shards that read nothing: ``get`` records the name (which must exist) and returns zeros
     of the asked shape as a zero-stride view, so a reader runs on names only."""

@@ -15,7 +15,8 @@ H dh may differ from d, as in Qwen3 or Mistral-Nemo):
   ``embed.norm.beta`` (d,) (LayerNorm only) if embed_norm;
 - per block k, prefix ``blocks.<k>.``: ``norm1.gamma`` (d,), ``norm1.beta`` (d,)
   (LayerNorm only), the same for ``norm2`` (sequential layout only; the parallel
-  layout has one norm per block), ``attn.w_qkv`` (d, (H + 2 Hkv) dh) with columns
+  layout has one norm per block), ``norm1_out.*`` and ``norm2_out.*`` (placement "peri" only: the
+  norms of the sublayers' outputs), ``attn.w_qkv`` (d, (H + 2 Hkv) dh) with columns
   [q heads | k heads | v heads], ``attn.w_o`` (H dh, d), ``attn.q_norm`` and ``attn.k_norm``
   (head_dim,) if qk_norm, ``mlp.w_in`` (d, d_mlp)
   or (d, 2 d_mlp) as [gate | up] for "silu_gated", ``mlp.w_out`` (d_mlp, d), and
@@ -46,7 +47,7 @@ __all__ = ["StackConfig", "expected_arrays"]
 
 _CHOICES = {
     "norm": ("layernorm", "rmsnorm"),
-    "placement": ("pre", "post"),
+    "placement": ("pre", "post", "peri"),
     "layout": ("sequential", "parallel", "parallel2"),
     "activation": ("gelu", "gelu_tanh", "relu", "silu_gated", "gelu_tanh_gated"),
     "positions": ("learned", "sinusoidal", "rotary", "none"),
@@ -56,7 +57,9 @@ _CHOICES = {
 #: Activations whose ``mlp.w_in`` is [gate | up] (width 2 d_mlp).
 GATED = ("silu_gated", "gelu_tanh_gated")
 _INTS = {"d_model": 2, "n_heads": 1, "n_kv_heads": 1, "d_mlp": 1, "n_layers": 1, "max_seq_len": 1, "vocab_size": 0,
-         "rotary_dim": 0, "rope_original_max_len": 1, "sliding_window": 0, "head_dim": 1}
+         "rotary_dim": 0, "rope_original_max_len": 1, "head_dim": 1}
+#: Fields written by :meth:`StackConfig.to_dict` only when not 0 (their default, the model without them).
+_LATER_ZERO = ("attn_scale", "attn_softcap", "logit_softcap")
 _BOOLS = ("residual", "causal", "final_norm", "bias", "embed_norm", "qk_norm")
 
 
@@ -75,8 +78,9 @@ class StackConfig:
     n_kv_heads : int, optional
         Key/value heads for grouped-query attention; divides n_heads (default n_heads).
     norm : {"layernorm", "rmsnorm"}
-    placement : {"pre", "post"}
-        pre: ``h + F(N(h))``; post: ``N(h + F(h))``.
+    placement : {"pre", "post", "peri"}
+        pre: ``h + F(N(h))``; post: ``N(h + F(h))``; peri (Gemma 2, sequential layout only):
+        ``h + N_out(F(N(h)))``, a second norm on each sublayer's output (``norm1_out``, ``norm2_out``).
     residual : bool
         False drops the ``h +``.
     layout : {"sequential", "parallel"}
@@ -125,9 +129,10 @@ class StackConfig:
         (0: head_dim/2) of each.
     rope_attention_factor : float > 0
         "longrope" only: the multiplier of cos and sin.
-    sliding_window : int >= 0
-        Sliding-window attention in every block (Mistral): query i sees keys j with
-        i - sliding_window < j <= i; 0 means none. Needs ``causal``.
+    sliding_window : int >= 0, or a tuple of n_layers of them
+        Sliding-window attention (Mistral): query i sees keys j with
+        i - sliding_window < j <= i; 0 means none. Needs ``causal``. A tuple gives each
+        block its own window (Gemma 2: the even blocks slide); see :meth:`window`.
     qk_norm : bool
         RMSNorm (eps ``eps``) of each query and key head over its head_dim features before
         rotary (Qwen3), with the arrays ``attn.q_norm`` and ``attn.k_norm`` (head_dim,).
@@ -138,6 +143,12 @@ class StackConfig:
         and ``attn.w_o`` (H dh, d) (Qwen3, Mistral-Nemo, Gemma). :meth:`to_json` writes
         it only when it differs from the default, and :meth:`replace` recomputes a
         default head_dim from the new d_model and n_heads.
+    attn_scale : float >= 0
+        The factor of the attention scores ``q.k``; 0 means ``head_dim ** -0.5`` (Gemma 2:
+        ``query_pre_attn_scalar ** -0.5``); see :attr:`score_scale`.
+    attn_softcap, logit_softcap : float >= 0
+        Soft-capping ``c * tanh(x / c)`` of the attention scores (after the scale, before
+        the mask and softmax) and of the read-out's logits (Gemma 2); 0 means none.
     """
 
     d_model: int
@@ -167,12 +178,15 @@ class StackConfig:
     rope_low_freq_factor: float = 1.0
     rope_high_freq_factor: float = 4.0
     rope_original_max_len: int = 8192
-    sliding_window: int = 0
+    sliding_window: int | tuple[int, ...] = 0
     qk_norm: bool = False
     head_dim: int = None  # type: ignore[assignment]  # None: d_model // n_heads, resolved in __post_init__
     rope_short_factor: tuple[float, ...] = ()
     rope_long_factor: tuple[float, ...] = ()
     rope_attention_factor: float = 1.0
+    attn_scale: float = 0.0
+    attn_softcap: float = 0.0
+    logit_softcap: float = 0.0
 
     def __post_init__(self) -> None:
         def put(name: str, value: Any) -> None:
@@ -192,6 +206,7 @@ class StackConfig:
             if val < low:
                 raise ValueError(f"StackConfig.{name} must be >= {low}; got {val}")
             put(name, int(val))
+        put("sliding_window", _windows(self.sliding_window, self.n_layers))
         for name in _BOOLS:
             if not isinstance(getattr(self, name), (bool, np.bool_)):
                 raise TypeError(f"StackConfig.{name} must be True or False; got {getattr(self, name)!r}")
@@ -200,7 +215,8 @@ class StackConfig:
             _v.choice(f"StackConfig.{name}", getattr(self, name), allowed)
         for name, positive in (("eps", False), ("gamma_scale", None), ("rope_base", True), ("rope_factor", True),
                                ("rope_low_freq_factor", True), ("rope_high_freq_factor", True),
-                               ("rope_attention_factor", True)):
+                               ("rope_attention_factor", True), ("attn_scale", False),
+                               ("attn_softcap", False), ("logit_softcap", False)):
             val = getattr(self, name)
             if isinstance(val, bool) or not isinstance(val, numbers.Real) or not math.isfinite(val):
                 raise TypeError(f"StackConfig.{name} must be a finite real number; got {val!r}")
@@ -225,10 +241,23 @@ class StackConfig:
         if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
             raise ValueError("StackConfig.rope_high_freq_factor must exceed rope_low_freq_factor for 'llama3'")
         self._check_longrope(put)
-        if self.sliding_window and not self.causal:
+        if any(self.window(k) for k in range(self.n_layers)) and not self.causal:
             raise ValueError("StackConfig.sliding_window > 0 needs causal = True")
         if self.layout == "parallel2" and self.placement != "pre":
             raise ValueError("StackConfig.layout = 'parallel2' (two norms, GPT-NeoX) needs placement = 'pre'")
+        if self.placement == "peri" and self.layout != "sequential":
+            raise ValueError("StackConfig.placement = 'peri' (a norm on each sublayer's output) needs layout = "
+                             "'sequential'")
+
+    def window(self, k: int) -> int:
+        """The sliding window of block k (0: none)."""
+        w = self.sliding_window
+        return w if isinstance(w, int) else w[k]
+
+    @property
+    def score_scale(self) -> float:
+        """The factor of the attention scores: ``attn_scale``, or ``1 / sqrt(head_dim)`` when it is 0."""
+        return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
 
     def _check_longrope(self, put: Any) -> None:
         """The two factor lists: tuples of rotary_dim/2 positive numbers for "longrope", else empty."""
@@ -261,8 +290,9 @@ class StackConfig:
 
     def to_dict(self) -> dict[str, Any]:
         """The config as a JSON-ready dict, in field order (every field, defaults resolved;
-        head_dim only if it is not d_model // n_heads, and the LongRoPE fields only with
-        rope_scaling "longrope", so other configs read as before these fields existed)."""
+        head_dim only if it is not d_model // n_heads, the LongRoPE fields only with rope_scaling
+        "longrope", and attn_scale, attn_softcap and logit_softcap only if not 0, so other configs
+        read as before these fields existed)."""
         obj = dataclasses.asdict(self)
         if self.head_dim_is_default:
             del obj["head_dim"]
@@ -271,6 +301,9 @@ class StackConfig:
                 del obj[name]
         else:
             obj.update(rope_short_factor=list(self.rope_short_factor), rope_long_factor=list(self.rope_long_factor))
+        for name in _LATER_ZERO:
+            if not obj[name]:
+                del obj[name]
         return obj
 
     @classmethod
@@ -303,6 +336,24 @@ class StackConfig:
         return cls.from_dict(obj)
 
 
+def _windows(value: Any, n_layers: int) -> int | tuple[int, ...]:
+    """``sliding_window`` checked: an int >= 0, or a tuple (a JSON list) of n_layers of them (one
+    value for all collapses to that int, so equal models have equal configs)."""
+    def one(v: Any) -> int:
+        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
+            raise TypeError(f"StackConfig.sliding_window must be an int or a tuple of ints; got {value!r}")
+        if v < 0:
+            raise ValueError(f"StackConfig.sliding_window must be >= 0; got {value!r}")
+        return int(v)
+
+    if not isinstance(value, (tuple, list)):
+        return one(value)
+    ws = tuple(one(v) for v in value)
+    if len(ws) != n_layers:
+        raise ValueError(f"StackConfig.sliding_window must have one window per layer ({n_layers}); got {len(ws)}")
+    return ws[0] if len(set(ws)) == 1 else ws
+
+
 def expected_arrays(config: StackConfig) -> dict[str, tuple[int, ...]]:
     """Name -> shape of every array a Stack with ``config`` holds, in a fixed order."""
     c = config
@@ -328,6 +379,9 @@ def expected_arrays(config: StackConfig) -> dict[str, tuple[int, ...]]:
         norm(p + "norm1")
         if c.layout != "parallel":
             norm(p + "norm2")
+        if c.placement == "peri":
+            norm(p + "norm1_out")
+            norm(p + "norm2_out")
         out[p + "attn.w_qkv"] = (d, n_qkv)
         out[p + "attn.w_o"] = (c.n_heads * dh, d)
         if c.qk_norm:

@@ -157,7 +157,7 @@ class Linearization:
         Returns (B, T', d_model): the block's output on the last T' rows.
         """
         T, n = past.h.shape[0], x.shape[1]
-        ctx = _blocks.make_context(self._config, T, x.dtype, T - n)
+        ctx = _blocks.make_context(self._config, T, x.dtype, T - n, block=past.block)
         data = {_fast.DISCARD: True, "attn.past": past.data}
         return _blocks.block_forward(self._params(x.dtype)[0][past.block], ctx, x, data)
 

@@ -80,7 +80,7 @@ def _run(stack: Any, cache: BlockCache, name: str, delta: np.ndarray | None, n: 
     cfg, h = stack.config, cache.h
     T = h.shape[0]
     x = np.ascontiguousarray(np.broadcast_to(h[start:], (n,) + h[start:].shape))
-    ctx = _blocks.make_context(cfg, T, h.dtype, start)
+    ctx = _blocks.make_context(cfg, T, h.dtype, start, block=cache.block)
     data: dict[str, Any] = {_fast.DISCARD: True}
     if start:
         data["attn.past"] = cache.data
@@ -136,6 +136,9 @@ def site_jvp(stack: Any, cache: BlockCache, name: str, t: np.ndarray, mode: str 
         return at(nname + ".output", dy)
 
     def sublayer(dh: np.ndarray | None, kind: str, nname: str) -> np.ndarray | None:
+        if cfg.placement == "peri":  # h + N_out(F(N(h)))
+            dy = nj(nname + "_out", sub(kind, nj(nname, dh)))
+            return _add(dy, dh) if cfg.residual else dy
         if cfg.placement == "pre":  # h + F(N(h))
             dy = sub(kind, nj(nname, dh))
             return _add(dy, dh) if cfg.residual else dy

@@ -14,16 +14,18 @@ site                                  shape                what it is
 ``blocks.k.norm1.output``             (B, T, d)            the norm's output (gamma, beta applied)
 ``blocks.k.attn.q``                   (B, T, H, dh)        queries after rotary, before 1/sqrt(dh)
 ``blocks.k.attn.k|v``                 (B, T, Hkv, dh)      keys (after rotary) and values
-``blocks.k.attn.scores``              (B, H, T, T)         q.k/sqrt(dh), before the causal and padding masks
+``blocks.k.attn.scores``              (B, H, T, T)         q.k/sqrt(dh) (soft-capped if attn_softcap), before the masks
 ``blocks.k.attn.pattern``             (B, H, T, T)         softmax of the masked scores
 ``blocks.k.attn.head_out``            (B, T, H, dh)        per-head outputs P V (input of w_o)
 ``blocks.k.attn.result``              (B, T, H, d)         each head's contribution after w_o (no bias)
 ``blocks.k.attn.out``                 (B, T, d)            attention sublayer output (after w_o, bias)
+``blocks.k.norm1_out.input|scale|output``                  the norm of attn.out (placement "peri" only)
 ``blocks.k.resid_mid``                (B, T, d)            between the sublayers (sequential layout only)
 ``blocks.k.norm2.input|scale|output``                      the second norm (sequential and parallel2 layouts)
 ``blocks.k.mlp.pre``                  (B, T, n_in)         MLP pre-activation (gated: [gate, up], n_in = 2 d_mlp)
 ``blocks.k.mlp.hidden``               (B, T, d_mlp)        MLP activation (gated: act(gate) * up)
 ``blocks.k.mlp.out``                  (B, T, d)            MLP sublayer output (after w_out, bias)
+``blocks.k.norm2_out.input|scale|output``                  the norm of mlp.out (placement "peri" only)
 ``blocks.k.resid_post``               (B, T, d)            output of block k = ``hidden_states()[k + 1]``
 ``final_norm.input|scale|output``                          the final norm (``final_norm`` only; read only)
 ====================================  ===================  ==========================================
@@ -52,13 +54,13 @@ meaningless. Analyses that linearize at one sequence (``forward(cache_from=)``,
 from __future__ import annotations
 
 import fnmatch
-import math
 from collections.abc import Callable
 from typing import Any
 
 import numpy as np
 
 from . import _blocks
+from ._attention import softcap_
 from .. import _validate as _v
 from ._stacklike import StackLike
 from .activation_cache import ActivationCache
@@ -93,6 +95,10 @@ def match_sites(names: list[str], sites: Any, no_match: Callable[[str], str]) ->
 
 def block_site_names(cfg: Any) -> tuple[str, ...]:
     """The per-block site names (without ``blocks.<k>.``) of a config."""
+    if cfg.placement == "peri":  # sequential; each sublayer's output normed before the residual add
+        i, j = _BLOCK.index("attn.out") + 1, _BLOCK.index("mlp.out") + 1
+        return (_BLOCK[:i] + tuple(f"norm1_out.{n}" for n in _NORM) + _BLOCK[i:j]
+                + tuple(f"norm2_out.{n}" for n in _NORM) + _BLOCK[j:])
     if cfg.layout == "sequential":
         return _BLOCK
     if cfg.layout == "parallel2":  # GPT-NeoX: two norms of the same input, no stream between sublayers
@@ -169,7 +175,7 @@ def padded_context(ctx: Any, pos: np.ndarray, mask: np.ndarray, dtype: np.dtype)
     ctx = ctx._replace(key_mask=~mask[:, None, None, None, :])
     if cfg.positions == "rotary":
         cos, sin = (t[pos][:, None] for t in _blocks.rotary_tables(cfg, mask.shape[1], dtype))
-        scale = 1.0 / math.sqrt(cfg.head_dim)
+        scale = cfg.score_scale
         ctx = ctx._replace(rope_q=(cos * scale, sin * scale), rope_k=(cos, sin))
     return ctx
 
@@ -322,7 +328,10 @@ class Sites:
         if cfg.final_norm:
             h = self._norm(glob, "final_norm", h)
         w = glob["lm_head.weight" if cfg.lm_head == "separate" else "embed.tokens"]
-        return (h.reshape(-1, cfg.d_model) @ w.T).reshape(h.shape[:-1] + (cfg.vocab_size,))
+        out = h.reshape(-1, cfg.d_model) @ w.T
+        if cfg.logit_softcap:  # Gemma 2: cap * tanh(logits / cap)
+            softcap_(out, cfg.logit_softcap)
+        return out.reshape(h.shape[:-1] + (cfg.vocab_size,))
 
     def unpad(self, input_ids: Any, attention_mask: Any) -> list[np.ndarray]:
         """The real tokens of each row of a padded batch (B, T) (or (B, T, d) streams)."""

@@ -248,7 +248,8 @@ class Stack(Sites, Linearization, ReverseMode):
         if first is None:
             return (out if batched else out[:, 0]), []
         out.flags.writeable = False
-        return out[:, 0], [BlockCache(self, first + i, out[first + i, 0], ctx, d) for i, d in enumerate(kept)]
+        return out[:, 0], [BlockCache(self, first + i, out[first + i, 0], _blocks.for_block(ctx, first + i), d)
+                           for i, d in enumerate(kept)]
 
     def block_forward(self, k: int, h: Any, return_cache: bool = False, *, past: BlockCache | None = None) -> Any:
         """Block k applied to the stream ``h`` (T, d_model) or (B, T, d_model), in h's dtype.
@@ -281,7 +282,7 @@ class Stack(Sites, Linearization, ReverseMode):
         w = self._params(x.dtype)[0][k]
         data: dict[str, Any] = {} if return_cache else {_fast.DISCARD: True}
         if past is None:
-            ctx = _blocks.make_context(self._config, x.shape[1], x.dtype)
+            ctx = _blocks.make_context(self._config, x.shape[1], x.dtype, block=k)
         else:
             self._owns(past, k, "past")
             if return_cache:
@@ -292,7 +293,7 @@ class Stack(Sites, Linearization, ReverseMode):
                                  f"(B, T', d_model), T' <= {T}, and dtype {past.h.dtype}; got {x.shape} {x.dtype}")
             if n < T and not self._config.causal:
                 raise ValueError("past with fewer rows than its sequence needs a causal stack")
-            ctx = _blocks.make_context(self._config, T, x.dtype, T - n)
+            ctx = _blocks.make_context(self._config, T, x.dtype, T - n, block=k)
             data["attn.past"] = past.data
         out = _blocks.block_forward(w, ctx, x, data)
         out = out if batched else out[0]
@@ -382,7 +383,8 @@ class Stack(Sites, Linearization, ReverseMode):
             bh = None if hk is None else hk.block(k)
             if bh is not None:
                 out[k] = bh("resid_pre", out[k])
-            y = _blocks.block_forward(blocks[k], ctx if bh is None else ctx._replace(hook=bh), out[k], data)
+            c = _blocks.for_block(ctx, k)
+            y = _blocks.block_forward(blocks[k], c if bh is None else c._replace(hook=bh), out[k], data)
             out[k + 1] = y if bh is None else bh("resid_post", y)
             if first is not None and k >= first:
                 kept.append(data)

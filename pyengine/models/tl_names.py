@@ -35,6 +35,10 @@ BLOCK_ALIASES: dict[str, str] = {
     "ln1.hook_scale": "norm1.scale",
     "ln2.hook_normalized": "norm2.output",
     "ln2.hook_scale": "norm2.scale",
+    "ln1_post.hook_normalized": "norm1_out.output",  # Gemma 2: the norms of the sublayer outputs
+    "ln1_post.hook_scale": "norm1_out.scale",
+    "ln2_post.hook_normalized": "norm2_out.output",
+    "ln2_post.hook_scale": "norm2_out.scale",
 }
 
 #: Names outside the blocks.

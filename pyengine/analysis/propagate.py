@@ -276,13 +276,7 @@ def propagate(
                                 model, input_ids, attention_mask)
     req = check_request(model, inj, direction, scale, linearized=linearized, mode=mode, dtype=dtype,
                         batch_size=batch_size, progress=progress)
-    if precision == "exact":
-        return propagate_request(model, input_ids, req, positions, return_deltas)
-    linear_bf16.require(req.dt)
-    with bf16_products():
-        res = propagate_request(model, input_ids, req, positions, return_deltas)
-    ref = propagate_request(model, input_ids, req._replace(V=req.V[:1], progress=None), positions)
-    return dataclasses.replace(res, precision=precision, precision_error=_sample_error(res, ref))
+    return propagate_request(model, input_ids, req, positions, return_deltas, precision=precision)
 
 
 def _sample_error(res: Propagation, ref: Propagation) -> float:
@@ -299,7 +293,7 @@ def _sample_error(res: Propagation, ref: Propagation) -> float:
 
 
 def propagate_request(model: Stack, input_ids: Any, req: Request, positions: Any = "all",
-                      return_deltas: Any = False) -> Propagation:
+                      return_deltas: Any = False, *, precision: str = "exact") -> Propagation:
     """:func:`propagate` of one sequence, its arguments already checked.
 
     ``req`` comes from :func:`~pyengine.analysis.propagate_stages.check_request`, or is
@@ -308,7 +302,15 @@ def propagate_request(model: Stack, input_ids: Any, req: Request, positions: Any
     shape, e.g. ``model.replace(eps=...)``). ``input_ids`` (checked by the forward),
     ``positions`` and ``return_deltas`` as propagate takes them. NaN or Inf in the
     propagated stream is one ValueError naming the block where it first appeared.
+    ``precision`` as :func:`propagate` takes it ("bf16": refused here with one line where
+    unavailable, and the result carries ``precision_error``).
     """
+    if _v.choice("precision", precision, ("exact", "bf16")) == "bf16":
+        linear_bf16.require(req.dt)
+        with bf16_products():
+            res = propagate_request(model, input_ids, req, positions, return_deltas)
+        ref = propagate_request(model, input_ids, req._replace(V=req.V[:1], progress=None), positions)
+        return dataclasses.replace(res, precision=precision, precision_error=_sample_error(res, ref))
     base = baseline(model, req, input_ids, positions)
     T, d = base.h.shape[1:]
     keep = kept_positions(return_deltas, T)

@@ -206,12 +206,16 @@ inline index_t row_start(const Tiling& t, index_t N, index_t i) {
 // Runs tile(r0, r1, c0, c1) -> row r of the tile is bad (via flags[r * ctiles + ct]) over the
 // tiles of [0, N) x [0, n) in one parallel region, each thread with single-threaded BLAS;
 // returns the number of rows with a bad tile.
-// full_width: row tiles only (a product whose operand is prepacked whole, see linear_bf16.hpp):
-// one or more per thread, at multiples of 16 rows.
+// Rows of a full-width tile over a prepacked w (linear_bf16.hpp): w is packed once for all
+// tiles, so short tiles cost no packing, and the epilogue then reads a tile still in L2
+// (128 x 3072 float32: 1.5 MiB). Fixed, so the rounding does not depend on the thread count.
+inline constexpr index_t kPackedTileRows = 128;
+
+// full_width: row tiles of kPackedTileRows over the whole width (a product whose operand is
+// prepacked whole and cannot be cut into columns).
 template <class TileFn>
 std::int64_t over_tiles(const LinearBlas& blas, index_t N, index_t n, index_t k, bool full_width, TileFn&& tile) {
-    const index_t nt = std::clamp<index_t>(g_num_threads, 1, 8);
-    const Tiling t = full_width ? Tiling{0, std::min(nt * ((N + 2048 * nt - 1) / (2048 * nt)), (N + 15) / 16), n}
+    const Tiling t = full_width ? Tiling{kPackedTileRows, (N + kPackedTileRows - 1) / kPackedTileRows, n}
                                 : tiling(N, n, k, g_num_threads);
     const index_t ctiles = (n + t.cols - 1) / t.cols, tiles = t.rtiles * ctiles;
     const int threads = (N * n * k >= (index_t{1} << 18)) ? static_cast<int>(std::min<index_t>(g_num_threads, tiles))

@@ -103,6 +103,24 @@ def test_linear_act_and_mul_bf16_match_reference():
 
 
 @needs_bf16
+def test_linear_bf16_same_bits_on_any_thread_count():
+    x, w, b = _operands(N=1000, k=64, n=48)
+    wp = linear_bf16.pack(w).data
+    outs = []
+    before = pe.get_num_threads()
+    try:
+        for threads in (1, 2, 3):
+            pe.set_num_threads(threads)
+            out = np.empty((1000, 48), np.float32)
+            linear_bf16.kernel("linear_bf16")(x, wp, b, None, out)
+            outs.append(out)
+    finally:
+        pe.set_num_threads(before)
+    for out in outs[1:]:
+        np.testing.assert_array_equal(out, outs[0])
+
+
+@needs_bf16
 def test_packed_weight_kept_with_its_array():
     w = np.ones((8, 4), np.float32)
     first = _linear._packed(w)

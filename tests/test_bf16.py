@@ -182,6 +182,13 @@ def test_refused_without_cpu_support_or_mkl(monkeypatch):
         pass
 
 
+def test_refused_while_the_blas_path_is_off(monkeypatch):
+    monkeypatch.setattr(_cpp, "linear_blas_ready", lambda: False)
+    assert linear_bf16.unavailable().startswith("the linear kernels' BLAS path is off")
+    with pytest.raises(ValueError, match="precision='bf16' refused: the linear kernels' BLAS path is off"):
+        linear_bf16.require()
+
+
 @needs_bf16
 def test_compiled_kernels_raise_when_not_handed_over():
     from pyengine import _core

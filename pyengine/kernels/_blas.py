@@ -10,6 +10,10 @@ addresses. Anything else (NumPy on MKL, Accelerate or BLIS, an older OpenBLAS, s
 found) returns null pointers and the reason, and the kernels fall back to ``numpy.matmul``
 plus a separate epilogue pass. ``PYENGINE_BLAS=openblas`` (or ``mkl``) forces the choice.
 
+:func:`find_bf16` gives MKL's bf16 gemm (``cblas_gemm_bf16bf16f32`` pack and compute) for the
+opt-in bf16 kernels, only where MKL is the library found here and the CPU has AVX512-BF16 or
+AMX-BF16; otherwise the reason, which the bf16 kernels raise with.
+
 :func:`matmul_one_thread` is ``numpy.matmul`` with NumPy's OpenBLAS held to one thread for
 the call, for the block engine's small products between pyengine kernels.
 """

@@ -53,8 +53,10 @@ def unavailable(dtype: Any = np.float32) -> str | None:
     cpp = backend_module("cpp")
     if cpp is None:
         return f"the cpp backend is unavailable ({available_backends()['cpp'].reason})"
+    if not cpp.linear_blas_ready():
+        return f"the linear kernels' BLAS path is off ({cpp.linear_blas_info()})"
     if not cpp.linear_bf16_ready():
-        return cpp.linear_bf16_info().removeprefix("bf16 products unavailable: ")
+        return cpp.linear_bf16_info()
     return None
 
 

@@ -16,6 +16,7 @@
 #include "bind_attention.hpp"
 #include "bind_layernorm.hpp"
 #include "bind_linear.hpp"
+#include "bind_linear_bf16.hpp"
 #include "bind_machine.hpp"
 #include "bind_orthogonalize.hpp"
 #include "bind_spectral.hpp"
@@ -30,4 +31,5 @@ PYBIND11_MODULE(_core, m) {
     register_attention(m);
     register_orthogonalize(m);
     register_linear(m);
+    register_linear_bf16(m);
 }

@@ -206,9 +206,17 @@ inline index_t row_start(const Tiling& t, index_t N, index_t i) {
 // Runs tile(r0, r1, c0, c1) -> row r of the tile is bad (via flags[r * ctiles + ct]) over the
 // tiles of [0, N) x [0, n) in one parallel region, each thread with single-threaded BLAS;
 // returns the number of rows with a bad tile.
+// Rows of a full-width tile over a prepacked w (linear_bf16.hpp): w is packed once for all
+// tiles, so short tiles cost no packing, and the epilogue then reads a tile still in L2
+// (128 x 3072 float32: 1.5 MiB). Fixed, so the rounding does not depend on the thread count.
+inline constexpr index_t kPackedTileRows = 128;
+
+// full_width: row tiles of kPackedTileRows over the whole width (a product whose operand is
+// prepacked whole and cannot be cut into columns).
 template <class TileFn>
-std::int64_t over_tiles(const LinearBlas& blas, index_t N, index_t n, index_t k, TileFn&& tile) {
-    const Tiling t = tiling(N, n, k, g_num_threads);
+std::int64_t over_tiles(const LinearBlas& blas, index_t N, index_t n, index_t k, bool full_width, TileFn&& tile) {
+    const Tiling t = full_width ? Tiling{kPackedTileRows, (N + kPackedTileRows - 1) / kPackedTileRows, n}
+                                : tiling(N, n, k, g_num_threads);
     const index_t ctiles = (n + t.cols - 1) / t.cols, tiles = t.rtiles * ctiles;
     const int threads = (N * n * k >= (index_t{1} << 18)) ? static_cast<int>(std::min<index_t>(g_num_threads, tiles))
                                                           : 1;
@@ -235,16 +243,30 @@ std::int64_t over_tiles(const LinearBlas& blas, index_t N, index_t n, index_t k,
 
 }  // namespace linear_detail
 
-/// out = x @ w (+ b) (+ r); r may be out itself (then the gemm adds the product to it, with
-/// beta = 1, and b after: (x w + r) + b).
+namespace linear_detail {
+
+// The product of the float32/float64 kernels: dst (rows r0..r1, columns c0..c1; row stride
+// ldc) = x[r0:r1] @ w[:, c0:c1] + beta dst, by the CBLAS gemm handed over.
 template <class T>
-std::int64_t linear(const LinearBlas& blas, const T* x, const T* w, const T* b, const T* r, index_t N, index_t k,
-                    index_t n, T* out) {
-    using namespace linear_detail;
+struct GemmProduct {
+    const LinearBlas& blas;
+    const T* x;
+    const T* w;
+    index_t k, n;
+    static constexpr bool full_width = false;  // any column tile
+    void operator()(index_t r0, index_t r1, index_t c0, index_t c1, T beta, T* dst, index_t ldc) const {
+        gemm<T>(blas, r1 - r0, c1 - c0, k, x + r0 * k, k, w + c0, n, beta, dst, ldc);
+    }
+};
+
+// out = prod (+ b) (+ r); r may be out itself (then the product is added to it, beta = 1, and b after).
+template <class T, class P>
+std::int64_t linear_with(const LinearBlas& blas, const P& prod, const T* b, const T* r, index_t N, index_t k,
+                         index_t n, T* out) {
     const bool inplace = r == out;
-    return over_tiles(blas, N, n, k, [&](index_t r0, index_t r1, index_t c0, index_t c1, unsigned char* fl,
-                                         index_t fs) {
-        gemm<T>(blas, r1 - r0, c1 - c0, k, x + r0 * k, k, w + c0, n, inplace ? T(1) : T(0), out + r0 * n + c0, n);
+    return over_tiles(blas, N, n, k, P::full_width, [&](index_t r0, index_t r1, index_t c0, index_t c1,
+                                                        unsigned char* fl, index_t fs) {
+        prod(r0, r1, c0, c1, inplace ? T(1) : T(0), out + r0 * n + c0, n);
         for (index_t i = r0; i < r1; ++i) {
             fl[i * fs] = bias_residual_row(out + i * n + c0, c1 - c0, b == nullptr ? nullptr : b + c0,
                                            (r == nullptr || inplace) ? nullptr : r + i * n + c0);
@@ -252,15 +274,14 @@ std::int64_t linear(const LinearBlas& blas, const T* x, const T* w, const T* b, 
     });
 }
 
-/// u = x @ w (+ b), out = act(u); u may be nullptr (not kept: the product lives in out).
-template <class T>
-std::int64_t linear_act(const LinearBlas& blas, const T* x, const T* w, const T* b, Act act, index_t N, index_t k,
-                        index_t n, T* u, T* out) {
-    using namespace linear_detail;
+// u = prod (+ b), out = act(u); u may be nullptr.
+template <class T, class P>
+std::int64_t linear_act_with(const LinearBlas& blas, const P& prod, const T* b, Act act, index_t N, index_t k,
+                             index_t n, T* u, T* out) {
     T* dst = u != nullptr ? u : out;
-    return over_tiles(blas, N, n, k, [&](index_t r0, index_t r1, index_t c0, index_t c1, unsigned char* fl,
-                                         index_t fs) {
-        gemm<T>(blas, r1 - r0, c1 - c0, k, x + r0 * k, k, w + c0, n, T(0), dst + r0 * n + c0, n);
+    return over_tiles(blas, N, n, k, P::full_width, [&](index_t r0, index_t r1, index_t c0, index_t c1,
+                                                        unsigned char* fl, index_t fs) {
+        prod(r0, r1, c0, c1, T(0), dst + r0 * n + c0, n);
         for (index_t i = r0; i < r1; ++i) {
             T* p = dst + i * n + c0;
             fl[i * fs] = bias_residual_row(p, c1 - c0, b == nullptr ? nullptr : b + c0, static_cast<const T*>(nullptr));
@@ -269,14 +290,13 @@ std::int64_t linear_act(const LinearBlas& blas, const T* x, const T* w, const T*
     });
 }
 
-/// out = (x @ w) * coef, coef (M, n) with N a multiple of M: row i uses coef[i % M].
-template <class T>
-std::int64_t linear_mul(const LinearBlas& blas, const T* x, const T* w, const T* coef, index_t M, index_t N,
-                        index_t k, index_t n, T* out) {
-    using namespace linear_detail;
-    return over_tiles(blas, N, n, k, [&](index_t r0, index_t r1, index_t c0, index_t c1, unsigned char* fl,
-                                         index_t fs) {
-        gemm<T>(blas, r1 - r0, c1 - c0, k, x + r0 * k, k, w + c0, n, T(0), out + r0 * n + c0, n);
+// out = prod * coef, coef (M, n): row i uses coef[i % M].
+template <class T, class P>
+std::int64_t linear_mul_with(const LinearBlas& blas, const P& prod, const T* coef, index_t M, index_t N, index_t k,
+                             index_t n, T* out) {
+    return over_tiles(blas, N, n, k, P::full_width, [&](index_t r0, index_t r1, index_t c0, index_t c1,
+                                                        unsigned char* fl, index_t fs) {
+        prod(r0, r1, c0, c1, T(0), out + r0 * n + c0, n);
         for (index_t i = r0; i < r1; ++i) {
             T* o = out + i * n + c0;
             const T* c = coef + (i % M) * n + c0;
@@ -289,6 +309,32 @@ std::int64_t linear_mul(const LinearBlas& blas, const T* x, const T* w, const T*
             fl[i * fs] = rb != 0;
         }
     });
+}
+
+}  // namespace linear_detail
+
+/// out = x @ w (+ b) (+ r); r may be out itself (then the gemm adds the product to it, with
+/// beta = 1, and b after: (x w + r) + b).
+template <class T>
+std::int64_t linear(const LinearBlas& blas, const T* x, const T* w, const T* b, const T* r, index_t N, index_t k,
+                    index_t n, T* out) {
+    return linear_detail::linear_with(blas, linear_detail::GemmProduct<T>{blas, x, w, k, n}, b, r, N, k, n, out);
+}
+
+/// u = x @ w (+ b), out = act(u); u may be nullptr (not kept: the product lives in out).
+template <class T>
+std::int64_t linear_act(const LinearBlas& blas, const T* x, const T* w, const T* b, Act act, index_t N, index_t k,
+                        index_t n, T* u, T* out) {
+    return linear_detail::linear_act_with(blas, linear_detail::GemmProduct<T>{blas, x, w, k, n}, b, act, N, k, n, u,
+                                          out);
+}
+
+/// out = (x @ w) * coef, coef (M, n) with N a multiple of M: row i uses coef[i % M].
+template <class T>
+std::int64_t linear_mul(const LinearBlas& blas, const T* x, const T* w, const T* coef, index_t M, index_t N,
+                        index_t k, index_t n, T* out) {
+    return linear_detail::linear_mul_with(blas, linear_detail::GemmProduct<T>{blas, x, w, k, n}, coef, M, N, k, n,
+                                          out);
 }
 
 /// The epilogues alone, for the fallback path (the product already in p, by numpy):

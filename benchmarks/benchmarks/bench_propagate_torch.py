@@ -30,20 +30,22 @@ PERTURBATIONS, TOKENS, N_BLOCKS = 16, 128, 4
 ROUNDS = 7  # alternated calls of each side of a ratio
 
 
-def torch_stack(stack: pe.Stack, sdpa: bool = True):
+def torch_stack(stack: pe.Stack, sdpa: bool = True, dtype=None):
     """A PyTorch forward of a pre-LN GPT-2-style Stack (learned positions already in h).
 
     ``sdpa``: fused scaled_dot_product_attention (fastest; no forward-mode AD on the
     CPU), else explicit softmax(q k^T / sqrt(dh) + mask) v, which torch.func.jvp can
-    differentiate.
+    differentiate. ``dtype``: the weights' torch dtype (default float32; ``torch.bfloat16``
+    for a forward wholly in bf16, the input then in bf16 as well).
     """
     import torch
     import torch.nn.functional as F
 
     cfg = stack.config
     d, H, dh = cfg.d_model, cfg.n_heads, cfg.head_dim
-    W = {n: torch.from_numpy(np.array(a)) for n, a in stack.weights.items()}
-    mask = torch.triu(torch.full((cfg.max_seq_len, cfg.max_seq_len), float("-inf")), diagonal=1)
+    dtype = dtype or torch.float32
+    W = {n: torch.from_numpy(np.array(a)).to(dtype) for n, a in stack.weights.items()}
+    mask = torch.triu(torch.full((cfg.max_seq_len, cfg.max_seq_len), float("-inf")), diagonal=1).to(dtype)
 
     def forward(h):  # (B, T, d) -> (B, T, d)
         B, T, _ = h.shape

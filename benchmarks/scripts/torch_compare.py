@@ -20,6 +20,13 @@ sides of a ratio):
   reused outputs (``gemms_alone``; ``gemms_np_fresh``: plain ``numpy.matmul`` with a fresh
   output each, slower for reasons that are not the stack's, see bench_model.gemms_alone); the
   ratios on the same shapes: the stack forward over its GEMMs, one block's JVP over its forward.
+
+``--precision bf16`` times the bf16 paths instead, alternated: torch's forward of the K + 1
+sequences in bf16 (``torch.autocast`` and ``.to(torch.bfloat16)``; the faster is the
+comparator) against ``pe.propagate(..., precision="bf16")`` (all positions, and the span from
+T/2; each includes its float32 check of one direction) and pyengine's float32 exact run, with
+both sides' errors against float32 (targets: torch bf16 / pe bf16 >= 1.0 on all positions,
+>= 2 on the span).
 """
 
 from __future__ import annotations
@@ -47,6 +54,8 @@ def parse(argv=None) -> argparse.Namespace:
                          "span, vmap(jvp), linearized, the GEMMs alone): a ratio is the quotient of the two "
                          "sides' medians over the rounds")
     ap.add_argument("--json", help="write the figures here")
+    ap.add_argument("--precision", choices=("exact", "bf16"), default="exact",
+                    help="bf16: time the bf16 paths of both libraries (see above) instead of the float32 ones")
     ap.add_argument("--no-fused", action="store_true",
                     help="float32 forward through the batched q k^T, softmax, P v products (no fused head)")
     ap.add_argument("--no-linear", action="store_true",
@@ -115,6 +124,8 @@ def main() -> None:
         with torch.no_grad():
             f(tang)
 
+    if args.precision == "bf16":
+        return bf16_section(args, stack, ids, V, batch, fwd, torch_stack(stack, dtype=torch.bfloat16), ref, blas, cpu)
     ops = gemm_operands(stack, K + 1, T)
     h_batch = batch.numpy()
     h1 = stack.hidden_states(ids)[1]
@@ -163,6 +174,55 @@ def main() -> None:
         with open(args.json, "w") as f:
             json.dump({"args": vars(args), "cpu": cpu, "blas": blas, "max_rel_diff": err, "seconds": res,
                        "alternated_seconds": {k: v.tolist() for k, v in alt.items()}}, f, indent=1)
+
+
+def bf16_section(args, stack, ids, V, batch, fwd, fwd_bf16, ref, blas, cpu) -> None:
+    """The bf16 figures and target ratios (``--precision bf16``), alternated round by round."""
+    import torch
+
+    K, T = args.k, args.tokens
+    print("bf16 products:", pe.kernels.linear_bf16.info())
+    batch_bf16 = batch.to(torch.bfloat16)
+
+    def t_autocast():
+        with torch.inference_mode(), torch.autocast("cpu", dtype=torch.bfloat16):
+            return fwd(batch)
+
+    def t_to_bf16():
+        with torch.inference_mode():
+            return fwd_bf16(batch_bf16)
+
+    for name, f in (("autocast", t_autocast), ("to(bfloat16)", t_to_bf16)):
+        out = f()[0].float().numpy()
+        print(f"torch bf16 {name}: max rel diff to float32 {np.abs(out - ref).max() / np.abs(ref).max():.2e}")
+    runs = {}
+
+    def pe_call(name, positions, precision):
+        def call():
+            runs[name] = pe.propagate(stack, ids, V, 6.0, 0, positions, precision=precision)
+        return call
+
+    calls = {"torch_autocast": t_autocast, "torch_to_bf16": t_to_bf16,
+             "pe_bf16_all": pe_call("pe_bf16_all", "all", "bf16"),
+             "pe_bf16_span": pe_call("pe_bf16_span", slice(T // 2, None), "bf16"),
+             "pe_f32_all": pe_call("pe_f32_all", "all", "exact")}
+    times = {k: np.asarray(v) / (K + 1) for k, v in time_alternated(calls, args.rounds).items()}
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    for k, v in times.items():
+        print(f"{k:<16} {1e3 * med[k]:9.1f} ms per sequence (alternated, {1e3 * v.min():.1f}-{1e3 * v.max():.1f} "
+              f"over {args.rounds} rounds)")
+    torch_best = "torch_autocast" if med["torch_autocast"] <= med["torch_to_bf16"] else "torch_to_bf16"
+    for pe_name, target in (("pe_bf16_all", 1.0), ("pe_bf16_span", 2.0)):
+        r = times[torch_best] / times[pe_name]
+        print(f"{torch_best} / {pe_name:<13} {med[torch_best] / med[pe_name]:.2f}  (target >= {target}; rounds "
+              f"{r.min():.2f}-{r.max():.2f}); pe rel. error vs float32 {runs[pe_name].precision_error:.2e}")
+    print(f"pe float32 / pe bf16 (all)     {med['pe_f32_all'] / med['pe_bf16_all']:.2f}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"args": vars(args), "cpu": cpu, "blas": blas, "bf16": pe.kernels.linear_bf16.info(),
+                       "seconds": med, "alternated_seconds": {k: v.tolist() for k, v in times.items()},
+                       "precision_error": {k: runs[k].precision_error for k in ("pe_bf16_all", "pe_bf16_span")}},
+                      f, indent=1)
 
 
 if __name__ == "__main__":

@@ -26,7 +26,8 @@ from typing import Any
 import numpy as np
 
 from .. import _validate as _v
-from ..models import Stack
+from ..kernels import linear_bf16
+from ..models import Stack, bf16_products
 from .decay import DecayFit, fit_decay
 from .propagate_inputs import position_mask, propagate_padded, resolve_injection, resolve_positions
 from .propagate_stages import (Metrics, NonFinite, Request, base_stream, baseline, check_request, kept_positions,
@@ -84,6 +85,8 @@ class Propagation:
     delta_positions: np.ndarray | None = None
     site: str | None = None
     write_directions: np.ndarray | None = None  # (K, d_model), for sites of another width
+    precision: str = "exact"
+    precision_error: float | None = None  # bf16: max relative error of the sample (see propagate)
 
     @property
     def K(self) -> int:
@@ -142,6 +145,8 @@ class Propagation:
         p = np.abs(self.projection[:, :, -1]).mean(axis=1)
         at = (f"hidden state {self.layer}" if self.site is None or self.layers.dtype.kind in "iu"
               else f"site {self.site} (between hidden states {self.layer} and {self.layer + 1})")
+        if self.precision != "exact":
+            kind += f", {self.precision} (rel. error {self.precision_error:.2g} vs float32 on direction 0)"
         return (f"Propagation({kind}, injected at {at} on {pos.size} of T = {self.T} "
                 f"positions ({span}), K = {self.K} directions x S = {self.S} scales [{sc}], hidden states "
                 f"{self.layers[0]:g}..{self.layers[-1]:g}, mean |projection| at the last token "
@@ -174,6 +179,8 @@ class Propagation:
             val = getattr(self, f.name)
             if f.name in ("deltas", "delta_positions") or (f.name == "write_directions" and val is None):
                 continue
+            if f.name in ("precision", "precision_error") and self.precision == "exact":
+                continue
             out[f.name] = val.tolist() if isinstance(val, np.ndarray) else val
         return out
 
@@ -193,6 +200,7 @@ def propagate(
     return_deltas: Any = False,
     progress: Callable[[int, int], None] | None = None,
     attention_mask: Any = None,
+    precision: str = "exact",
 ) -> Propagation:
     """Inject ``scale * v/|v|`` into hidden state ``layer`` and propagate it to the last block.
 
@@ -235,6 +243,13 @@ def propagate(
         Padding of ``input_ids`` (see :meth:`Stack.hidden_states`): the padding is
         stripped and each sequence propagated on its own (positions count real tokens);
         a batch (B, T) returns a list of B Propagations.
+    precision : {"exact", "bf16"}
+        "bf16": the weight products take bf16 operands with float32 accumulation
+        (:mod:`pyengine.kernels.linear_bf16`; float32 compute dtype only; attention heads,
+        norms and activations stay float32). The first direction (all scales) is then
+        propagated again in float32 and ``precision_error`` set to the larger of the
+        relative errors ``max|a - a_f32| / max|a_f32|`` of ``projection`` and ``delta_norm``
+        on it.
 
     Returns
     -------
@@ -243,7 +258,8 @@ def propagate(
     Raises
     ------
     TypeError, ValueError
-        A bad argument, named, before the baseline forward (``positions``,
+        A bad argument, named, before the baseline forward (``precision="bf16"`` where it
+        is refused: float64, a CPU without avx512_bf16 and amx_bf16, MKL not the BLAS) (``positions``,
         ``return_deltas`` and a site direction that the weights after the site send to
         zero right after it: they need the forward). ValueError when the perturbed
         stream (or the tangent) overflows to NaN or Inf, naming the hidden state and
@@ -252,18 +268,32 @@ def propagate(
     if not isinstance(model, Stack):
         raise TypeError(f"model must be a pyengine Stack or pretrained model; got {type(model).__name__}")
     inj = resolve_injection(layer, model.config)
+    precision = _v.choice("precision", precision, ("exact", "bf16"))
     if attention_mask is not None:
         kw = dict(linearized=linearized, mode=mode, dtype=dtype, batch_size=batch_size, return_deltas=return_deltas,
-                  progress=progress)
+                  progress=progress, precision=precision)
         return propagate_padded(lambda r: propagate(model, r, direction, scale, layer, positions, **kw),
                                 model, input_ids, attention_mask)
     req = check_request(model, inj, direction, scale, linearized=linearized, mode=mode, dtype=dtype,
                         batch_size=batch_size, progress=progress)
-    return propagate_request(model, input_ids, req, positions, return_deltas)
+    return propagate_request(model, input_ids, req, positions, return_deltas, precision=precision)
+
+
+def _sample_error(res: Propagation, ref: Propagation) -> float:
+    """max over ``projection`` and ``delta_norm`` of ``max|a - a_ref| / max|a_ref|`` on ``ref``'s perturbations.
+
+    ``ref`` propagated the first ``ref.N`` of ``res``'s perturbations (its first direction).
+    """
+    err = 0.0
+    for name in ("projection", "delta_norm"):
+        a, b = getattr(res, name)[:, : ref.N], getattr(ref, name)
+        scale = float(np.abs(b).max())
+        err = max(err, float(np.abs(a - b).max()) / scale if scale > 0 else float(np.abs(a).max()))
+    return err
 
 
 def propagate_request(model: Stack, input_ids: Any, req: Request, positions: Any = "all",
-                      return_deltas: Any = False) -> Propagation:
+                      return_deltas: Any = False, *, precision: str = "exact") -> Propagation:
     """:func:`propagate` of one sequence, its arguments already checked.
 
     ``req`` comes from :func:`~pyengine.analysis.propagate_stages.check_request`, or is
@@ -272,7 +302,15 @@ def propagate_request(model: Stack, input_ids: Any, req: Request, positions: Any
     shape, e.g. ``model.replace(eps=...)``). ``input_ids`` (checked by the forward),
     ``positions`` and ``return_deltas`` as propagate takes them. NaN or Inf in the
     propagated stream is one ValueError naming the block where it first appeared.
+    ``precision`` as :func:`propagate` takes it ("bf16": refused here with one line where
+    unavailable, and the result carries ``precision_error``).
     """
+    if _v.choice("precision", precision, ("exact", "bf16")) == "bf16":
+        linear_bf16.require(req.dt)
+        with bf16_products():
+            res = propagate_request(model, input_ids, req, positions, return_deltas)
+        ref = propagate_request(model, input_ids, req._replace(V=req.V[:1], progress=None), positions)
+        return dataclasses.replace(res, precision=precision, precision_error=_sample_error(res, ref))
     base = baseline(model, req, input_ids, positions)
     T, d = base.h.shape[1:]
     keep = kept_positions(return_deltas, T)

@@ -10,6 +10,10 @@ addresses. Anything else (NumPy on MKL, Accelerate or BLIS, an older OpenBLAS, s
 found) returns null pointers and the reason, and the kernels fall back to ``numpy.matmul``
 plus a separate epilogue pass. ``PYENGINE_BLAS=openblas`` (or ``mkl``) forces the choice.
 
+:func:`find_bf16` gives MKL's bf16 gemm (``cblas_gemm_bf16bf16f32`` pack and compute) for the
+opt-in bf16 kernels, only where MKL is the library found here and the CPU has AVX512-BF16 or
+AMX-BF16; otherwise the reason, which the bf16 kernels raise with.
+
 :func:`matmul_one_thread` is ``numpy.matmul`` with NumPy's OpenBLAS held to one thread for
 the call, for the block engine's small products between pyengine kernels.
 """
@@ -24,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["find", "matmul_one_thread"]
+__all__ = ["cpu_flags", "find", "find_bf16", "matmul_one_thread"]
 
 #: (sgemm, dgemm, ILP64) symbol names, in the order tried: NumPy >= 2's scipy_openblas64,
 #: the openblas64_ of NumPy 1.2x wheels, then LP64 builds.
@@ -109,16 +113,21 @@ def _find_mkl() -> tuple[int, int, int, bool, str] | str:
     return s, d, local, False, f"MKL {version} ({os.path.basename(path)}, sequential per tile in pyengine's threads)"
 
 
-def _cpu_vendor() -> str:
-    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...), or ``""`` if unknown."""
+def _cpuinfo(field: str) -> str:
+    """The first ``field : value`` of /proc/cpuinfo (``vendor_id``, ``flags``), or ``""`` if unknown."""
     try:
         with open("/proc/cpuinfo", encoding="ascii", errors="replace") as f:
             for line in f:
-                if line.startswith("vendor_id"):
+                if line.startswith(field):
                     return line.partition(":")[2].strip()
     except OSError:
         pass
     return ""
+
+
+def _cpu_vendor() -> str:
+    """The CPU's vendor string (``GenuineIntel``, ``AuthenticAMD``, ...), or ``""`` if unknown."""
+    return _cpuinfo("vendor_id")
 
 
 def find() -> tuple[int, int, int, bool, str]:
@@ -155,6 +164,40 @@ def find() -> tuple[int, int, int, bool, str]:
             return sa, da, local, ilp64, (
                 f"OpenBLAS {info.get('version')} ({s}, single-threaded per tile in pyengine's threads{note})")
     return 0, 0, 0, False, f"{none} (no CBLAS gemm symbols in {info['filepath']})"
+
+
+#: MKL's bf16 gemm (LP64, as the sgemm handed over): pack size, pack, compute.
+_BF16_NAMES = ("cblas_gemm_bf16bf16f32_pack_get_size", "cblas_gemm_bf16bf16f32_pack",
+               "cblas_gemm_bf16bf16f32_compute")
+#: CPU flags (/proc/cpuinfo) of the hardware bf16 dot products; one of them is required.
+BF16_FLAGS = ("avx512_bf16", "amx_bf16")
+
+
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (empty if unreadable)."""
+    return set(_cpuinfo("flags").split())
+
+
+def find_bf16(blas: str) -> tuple[int, int, int, str]:
+    """(pack_get_size, pack, compute addresses, description) of MKL's bf16 gemm; zeros and the reason if refused.
+
+    ``blas`` is :func:`find`'s description of the BLAS handed over: bf16 products need MKL
+    to be that BLAS (its sequential threading layer and per-thread count are what the
+    kernels rely on) and a CPU with AVX512-BF16 or AMX-BF16 (emulated bf16 would be slower
+    than float32, so it is refused rather than used).
+    """
+    if not blas.startswith("MKL"):
+        return 0, 0, 0, f"MKL is not the BLAS in use ({blas}); install the mkl extra on an Intel CPU"
+    flags = cpu_flags()
+    have = [f for f in BF16_FLAGS if f in flags]
+    if not have:
+        return 0, 0, 0, "the CPU has neither avx512_bf16 nor amx_bf16 (no hardware bf16 dot products)"
+    path = _mkl_path()
+    lib = ctypes.CDLL(path) if path else None
+    addr = [_address(lib, n) for n in _BF16_NAMES] if lib is not None else [0, 0, 0]
+    if not all(addr):
+        return 0, 0, 0, f"{path} lacks {', '.join(_BF16_NAMES)}"
+    return addr[0], addr[1], addr[2], f"{blas.split(' (')[0]} cblas_gemm_bf16bf16f32, packed weights ({', '.join(have)})"
 
 
 _lock = threading.Lock()

@@ -33,10 +33,13 @@ except ImportError as exc:
         path=exc.path,
     ) from exc
 
-__all__ = ["get_num_threads", "linear", "linear_act", "linear_blas_info", "linear_blas_ready", "linear_mul",
+__all__ = ["bf16_pack", "get_num_threads", "linear", "linear_act", "linear_act_bf16", "linear_bf16",
+           "linear_bf16_info", "linear_bf16_ready", "linear_blas_info",
+           "linear_blas_ready", "linear_mul", "linear_mul_bf16",
            "set_num_threads", "stream_copy"]
 
 _core.set_blas(*_blas.find())
+_core.set_blas_bf16(*_blas.find_bf16(_core.linear_blas_info()))
 
 
 def linear(x: np.ndarray, w: np.ndarray, b: np.ndarray | None, r: np.ndarray | None, out: np.ndarray) -> int:
@@ -88,3 +91,10 @@ get_num_threads = _core.get_num_threads
 stream_copy = _core.stream_copy
 linear_blas_info = _core.linear_blas_info
 linear_blas_ready = _core.linear_blas_ready
+linear_bf16_info = _core.linear_bf16_info
+linear_bf16_ready = _core.linear_bf16_ready
+# The bf16 products (pyengine.kernels.linear_bf16): no numpy fallback, they raise when refused.
+bf16_pack = _core.linear_bf16_pack
+linear_bf16 = _core.linear_bf16
+linear_act_bf16 = _core.linear_act_bf16
+linear_mul_bf16 = _core.linear_mul_bf16

@@ -27,7 +27,8 @@ results do not depend on how a scan is split into chunks, and a seed reproduces
 them bit for bit.
 
 The result classes are in :mod:`pyengine.linalg.results`, the solvers in
-:mod:`pyengine.linalg._solvers`, :func:`~pyengine.linalg.weights.weight_scan` in
+:mod:`pyengine.linalg._solvers`, the start vectors and chunks of a scan in
+:mod:`pyengine.linalg._scan`, :func:`~pyengine.linalg.weights.weight_scan` in
 :mod:`pyengine.linalg.weights`.
 """
 
@@ -41,10 +42,10 @@ import numpy as np
 from .. import _validate as _v
 from ..backends import check_name, resolve
 from ._lanczos import _lanczos
+from ._scan import _chunks, _empty_result, _seed_key, _slice_op, _start_vectors
 from ._solvers import LANCZOS_MAX_SUBSPACE, _power, _radius
 from .convert import as_batched_operator
 from .norm_jacobians import LayerNormJacobian, RMSNormJacobian, _NormJacobian, row_scales
-from .operators import BatchedOperator
 from .results import TOL, TOL_RADIUS, SpectralRadiusResult, SpectralResult
 
 __all__ = [
@@ -64,52 +65,10 @@ METHODS_NORM = ("power", "lanczos")
 METHODS_LN = ("exact", "power", "lanczos")
 
 
-# -- start vectors ----------------------------------------------------------------------
-def _seed_key(seed: Any) -> np.ndarray:
-    """The Philox key of ``seed`` (None: fresh entropy; otherwise a non-negative int)."""
-    return np.random.SeedSequence(_v.seed(seed)).generate_state(2, np.uint64)
-
-
-def _start_vectors(key: np.ndarray, first: int, count: int, n: int) -> np.ndarray:
-    """Unit Gaussian start vectors of operators ``first .. first+count-1``, (count, n) float64.
-
-    Each operator i owns a fixed stretch of the Philox stream (counter offset
-    ``i * per``), so its vector depends only on (seed, i), not on the chunk it is in.
-    """
-    raw_per = 4 * (-(-(n + (n & 1)) // 4))  # n rounded up to even, then to whole Philox blocks
-    bg = np.random.Philox(key=key, counter=first * (raw_per // 4))
-    raw = bg.random_raw(count * raw_per).reshape(count, raw_per)[:, : n + (n & 1)]
-    u = (raw >> np.uint64(11)).astype(np.float64) * 2.0**-53  # [0, 1)
-    rad = np.sqrt(-2.0 * np.log1p(-u[:, 0::2]))  # Box-Muller on (0, 1]
-    ang = 2.0 * np.pi * u[:, 1::2]
-    z = np.empty((count, n + (n & 1)))
-    z[:, 0::2], z[:, 1::2] = rad * np.cos(ang), rad * np.sin(ang)
-    z = z[:, :n]
-    z /= np.linalg.norm(z, axis=1, keepdims=True)
-    return z
-
-
-def _empty_result(shape, tol, method) -> dict[str, np.ndarray]:
-    return {
-        "sigma": np.zeros(shape), "lower": np.zeros(shape), "upper": np.full(shape, np.inf),
-        "residual": np.full(shape, np.inf), "iterations": np.zeros(shape, np.int64),
-        "converged": np.zeros(shape, bool), "method": np.full(shape, method, dtype="<U7"),
-    }
-
-
 # -- public: spectral_norm -----------------------------------------------------------
 def _default_chunk(method: str, width: int, itemsize: int, p: int) -> int:
     per = {"exact": width * 8, "power": 4 * width * 8, "lanczos": (2 * p + 8) * width * 8}[method]
     return max(1, SCAN_CHUNK_BYTES // per)
-
-
-def _chunks(total: int, size: int):
-    for lo in range(0, total, size):
-        yield lo, min(total, lo + size)
-
-
-def _slice_op(op: BatchedOperator, lo: int, hi: int) -> BatchedOperator:
-    return op if (lo, hi) == (0, op.batch) else op.take(np.arange(lo, hi))
 
 
 def spectral_norm(

@@ -5,7 +5,8 @@ literature switches (norm, placement, residual, layout, activation, causal mask,
 positions, grouped-query attention, a global gamma scale); :func:`expected_arrays`
 names the weight arrays a :class:`~pyengine.models.stack.Stack` with that config
 holds, and ``_check_arrays`` (used by the Stack, initialization and the pretrained
-readers) checks a set of them.
+readers) checks a set of them. The checks of the fields themselves are in
+:mod:`pyengine.models._config_checks`.
 
 Arrays of a Stack (d = d_model, H = n_heads, Hkv = n_kv_heads, dh = head_dim, by default d / H;
 H dh may differ from d, as in Qwen3 or Mistral-Nemo):
@@ -35,32 +36,20 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
-import numbers
 from collections.abc import Mapping
 from typing import Any
 
 import numpy as np
 
 from .. import _validate as _v
+from . import _config_checks as _checks
 
 __all__ = ["StackConfig", "expected_arrays"]
 
-_CHOICES = {
-    "norm": ("layernorm", "rmsnorm"),
-    "placement": ("pre", "post", "peri"),
-    "layout": ("sequential", "parallel", "parallel2"),
-    "activation": ("gelu", "gelu_tanh", "relu", "silu_gated", "gelu_tanh_gated"),
-    "positions": ("learned", "sinusoidal", "rotary", "none"),
-    "lm_head": ("none", "tied", "separate"),
-    "rope_scaling": ("none", "llama3", "longrope"),
-}
 #: Activations whose ``mlp.w_in`` is [gate | up] (width 2 d_mlp).
 GATED = ("silu_gated", "gelu_tanh_gated")
-_INTS = {"d_model": 2, "n_heads": 1, "n_kv_heads": 1, "d_mlp": 1, "n_layers": 1, "max_seq_len": 1, "vocab_size": 0,
-         "rotary_dim": 0, "rope_original_max_len": 1, "head_dim": 1}
 #: Fields written by :meth:`StackConfig.to_dict` only when not 0 (their default, the model without them).
 _LATER_ZERO = ("attn_scale", "attn_softcap", "logit_softcap")
-_BOOLS = ("residual", "causal", "final_norm", "bias", "embed_norm", "qk_norm")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -192,62 +181,7 @@ class StackConfig:
         def put(name: str, value: Any) -> None:
             object.__setattr__(self, name, value)
 
-        if self.d_mlp is None and isinstance(self.d_model, numbers.Integral):
-            put("d_mlp", 4 * int(self.d_model))
-        if self.n_kv_heads is None:
-            put("n_kv_heads", self.n_heads)
-        given = self.head_dim is not None
-        for name, low in _INTS.items():
-            val = getattr(self, name)
-            if name == "head_dim" and not given:
-                continue
-            if isinstance(val, bool) or not isinstance(val, numbers.Integral):
-                raise TypeError(f"StackConfig.{name} must be an int; got {val!r}")
-            if val < low:
-                raise ValueError(f"StackConfig.{name} must be >= {low}; got {val}")
-            put(name, int(val))
-        put("sliding_window", _windows(self.sliding_window, self.n_layers))
-        for name in _BOOLS:
-            if not isinstance(getattr(self, name), (bool, np.bool_)):
-                raise TypeError(f"StackConfig.{name} must be True or False; got {getattr(self, name)!r}")
-            put(name, bool(getattr(self, name)))
-        for name, allowed in _CHOICES.items():
-            _v.choice(f"StackConfig.{name}", getattr(self, name), allowed)
-        for name, positive in (("eps", False), ("gamma_scale", None), ("rope_base", True), ("rope_factor", True),
-                               ("rope_low_freq_factor", True), ("rope_high_freq_factor", True),
-                               ("rope_attention_factor", True), ("attn_scale", False),
-                               ("attn_softcap", False), ("logit_softcap", False)):
-            val = getattr(self, name)
-            if isinstance(val, bool) or not isinstance(val, numbers.Real) or not math.isfinite(val):
-                raise TypeError(f"StackConfig.{name} must be a finite real number; got {val!r}")
-            if (positive is False and val < 0) or (positive and val <= 0):
-                raise ValueError(f"StackConfig.{name} must be {'> 0' if positive else '>= 0'}; got {val}")
-            put(name, float(val))
-        if not given:
-            if self.d_model % self.n_heads:
-                raise ValueError(f"StackConfig.n_heads = {self.n_heads} must divide d_model = {self.d_model} "
-                                 "(or give head_dim)")
-            put("head_dim", self.d_model // self.n_heads)
-        if self.n_heads % self.n_kv_heads:
-            raise ValueError(f"StackConfig.n_kv_heads = {self.n_kv_heads} must divide n_heads = {self.n_heads}")
-        if self.lm_head != "none" and self.vocab_size == 0:
-            raise ValueError(f"StackConfig.lm_head = {self.lm_head!r} needs vocab_size > 0 (a vocabulary to read out)")
-        if self.positions == "rotary" and self.head_dim % 2:
-            raise ValueError(f"StackConfig.positions = 'rotary' needs an even head dim (head_dim); got {self.head_dim}")
-
-        if self.rotary_dim and (self.rotary_dim % 2 or self.rotary_dim > self.head_dim):
-            raise ValueError(f"StackConfig.rotary_dim = {self.rotary_dim} must be even and <= the head dim "
-                             f"{self.head_dim} (0: the whole head)")
-        if self.rope_scaling == "llama3" and self.rope_high_freq_factor <= self.rope_low_freq_factor:
-            raise ValueError("StackConfig.rope_high_freq_factor must exceed rope_low_freq_factor for 'llama3'")
-        self._check_longrope(put)
-        if any(self.window(k) for k in range(self.n_layers)) and not self.causal:
-            raise ValueError("StackConfig.sliding_window > 0 needs causal = True")
-        if self.layout == "parallel2" and self.placement != "pre":
-            raise ValueError("StackConfig.layout = 'parallel2' (two norms, GPT-NeoX) needs placement = 'pre'")
-        if self.placement == "peri" and self.layout != "sequential":
-            raise ValueError("StackConfig.placement = 'peri' (a norm on each sublayer's output) needs layout = "
-                             "'sequential'")
+        _checks.check_fields(self, put)
 
     def window(self, k: int) -> int:
         """The sliding window of block k (0: none)."""
@@ -258,21 +192,6 @@ class StackConfig:
     def score_scale(self) -> float:
         """The factor of the attention scores: ``attn_scale``, or ``1 / sqrt(head_dim)`` when it is 0."""
         return self.attn_scale or 1.0 / math.sqrt(self.head_dim)
-
-    def _check_longrope(self, put: Any) -> None:
-        """The two factor lists: tuples of rotary_dim/2 positive numbers for "longrope", else empty."""
-        pairs = (self.rotary_dim or self.head_dim) // 2
-        for name in ("rope_short_factor", "rope_long_factor"):
-            val = getattr(self, name)
-            if not isinstance(val, (tuple, list)) or not all(
-                    isinstance(x, numbers.Real) and not isinstance(x, bool) and math.isfinite(x) and x > 0
-                    for x in val):
-                raise TypeError(f"StackConfig.{name} must be a tuple of finite numbers > 0; got {val!r}")
-            want = pairs if self.rope_scaling == "longrope" else 0
-            if len(val) != want:
-                raise ValueError(f"StackConfig.{name} must hold {want} factor(s) (one per rotated pair for "
-                                 f"rope_scaling 'longrope', none otherwise); got {len(val)}")
-            put(name, tuple(float(x) for x in val))
 
     @property
     def head_dim_is_default(self) -> bool:
@@ -334,24 +253,6 @@ class StackConfig:
         except (json.JSONDecodeError, UnicodeDecodeError, TypeError) as exc:
             raise ValueError(f"StackConfig JSON is malformed: {exc}") from None
         return cls.from_dict(obj)
-
-
-def _windows(value: Any, n_layers: int) -> int | tuple[int, ...]:
-    """``sliding_window`` checked: an int >= 0, or a tuple (a JSON list) of n_layers of them (one
-    value for all collapses to that int, so equal models have equal configs)."""
-    def one(v: Any) -> int:
-        if isinstance(v, bool) or not isinstance(v, numbers.Integral):
-            raise TypeError(f"StackConfig.sliding_window must be an int or a tuple of ints; got {value!r}")
-        if v < 0:
-            raise ValueError(f"StackConfig.sliding_window must be >= 0; got {value!r}")
-        return int(v)
-
-    if not isinstance(value, (tuple, list)):
-        return one(value)
-    ws = tuple(one(v) for v in value)
-    if len(ws) != n_layers:
-        raise ValueError(f"StackConfig.sliding_window must have one window per layer ({n_layers}); got {len(ws)}")
-    return ws[0] if len(set(ws)) == 1 else ws
 
 
 def expected_arrays(config: StackConfig) -> dict[str, tuple[int, ...]]:

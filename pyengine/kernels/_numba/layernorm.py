@@ -455,6 +455,11 @@ def _dense_jacobian(x, gamma, centre, scale, c0, frozen, out):
 # --------------------------------------------------------------------------- #
 # Registered batch kernels: prange over chunks of rows (tokens) only. Row r prefetches
 # row nx = min(r + 1, n - 1); when r + 1 belongs to another thread that is harmless.
+# The JVP and VJP kernels of both norms share one shell (_tangent_batch). The forward
+# kernels keep their own: LayerNorm's row takes a per-thread scratch ``acc`` allocated at
+# the top of the prange body and a beta, and streams from STREAM_ROW_MIN_BYTES; a shared
+# shell would need a scratch and parameter-tuple adapter per norm plus a wrapper per norm
+# (the registry checks the parameter names), more code than the loop it would share.
 # --------------------------------------------------------------------------- #
 
 

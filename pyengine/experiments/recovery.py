@@ -246,18 +246,21 @@ def recovery(
     if eps_values is None:  # the model's eps, and eps comparable to the stream's mean square
         ms = float(np.median(ex.base_norm**2)) / cfg.d_model
         eps_values = sorted({cfg.eps, 1e-2 * ms, 1e-1 * ms, ms})
+    # a sweep value that is the model's own is the exact propagation at the protocol scale: its fit, not a rerun
+    fit_exact = ex.fit(read, j)
     stages.start("sweep: norm eps", 0.75, 0.9)
-    eps_sweep = stages.finish([(float(e), fit(model.replace(eps=float(e)))) for e in eps_values],
-                              functools.partial(_sweep_record, "eps"))
+    eps_sweep = stages.finish([(float(e), fit_exact if float(e) == cfg.eps else fit(model.replace(eps=float(e))))
+                               for e in eps_values], functools.partial(_sweep_record, "eps"))
     stages.start("sweep: gamma scale", 0.9, 1.0)
-    gamma_sweep = stages.finish([(float(g), fit(model.replace(gamma_scale=float(g)))) for g in gamma_values],
+    gamma_sweep = stages.finish([(float(g), fit_exact if float(g) == cfg.gamma_scale
+                                  else fit(model.replace(gamma_scale=float(g)))) for g in gamma_values],
                                 functools.partial(_sweep_record, "gamma_scale"))
     gap = _linear_gap(ex, li)
     rep = Recovery(
         model=name or type(model).__name__, config=cfg, text=text, ids=ids, layer=ex.layer, read=read,
         protocol_scale=float(sc[j]), exact=dataclasses.replace(ex, deltas=None, delta_positions=None),
         linear=dataclasses.replace(li, deltas=None, delta_positions=None),
-        fit_exact=ex.fit(read, j), fit_linear=li.fit(read, j),
+        fit_exact=fit_exact, fit_linear=li.fit(read, j),
         spectral_tokens=toks, rho=rho, sigma=sig, ones_residual=one, spectra_how=how, linear_gap=gap,
         linear_regime=_regime(sc, gap), no_residual=no_res, eps_sweep=eps_sweep, gamma_sweep=gamma_sweep,
         verdicts=[], seconds=stages.seconds, tokens=tokens, site=ex.site, spectra_skipped=not spectra,

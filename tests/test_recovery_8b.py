@@ -57,3 +57,28 @@ def test_recovery_on_two_8b_blocks_streams_and_estimates_its_time(tmp_path):
     predicted = float(at) + float(left) * (60 if unit == "min" else 1)
     final = float(re.search(r"\]\s+([\d.]+) s  done", r.stderr).group(1))
     assert final / 2 <= predicted <= 2 * final, (predicted, final)
+
+
+_MEMORY = textwrap.dedent("""
+    import resource, sys
+    from pyengine.experiments import recovery
+    from pyengine.models.pretrained import load_pretrained
+    m = load_pretrained(sys.argv[1], weights="mmap")
+    loaded = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    recovery(m, text=" ".join(f"w{i % 63}" for i in range(64)), layer=0, n_directions=4, positions="last",
+             scales=[6.0], spectra=False)
+    print(loaded * 1024, resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+""")
+
+
+def test_recovery_on_a_streamed_model_holds_few_blocks(tmp_path):
+    """d = 1024, 4 streamed blocks of 58 MiB in float32: the whole run (its six ablation models
+    included, each a model.replace of the streamed one) adds less than 4.5 blocks to the
+    resident peak after loading."""
+    folder = write_bf16_llama(str(tmp_path / "m"), d=1024, H=8, Hkv=2, L=4, n=4096, V=64)
+    word_tokenizer(folder, 63)
+    r = subprocess.run([sys.executable, "-c", _MEMORY, folder], capture_output=True, text=True, check=True,
+                       cwd=tmp_path)
+    loaded, peak = map(int, r.stdout.split())
+    block_f32 = 4 * (2 * 1024 * 1024 + 2 * 256 * 1024 + 3 * 1024 * 4096)
+    assert peak - loaded < 4.5 * block_f32, (loaded, peak)

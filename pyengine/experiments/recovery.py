@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -260,7 +261,7 @@ def recovery(
 
     fit = functools.partial(_fit, ids=ids, req=req._replace(S=sc[j:j + 1]), positions=positions, read=read)
     stages.start("ablation: no residual")
-    no_res = stages.finish(fit(model.replace(residual=False)), _fit_record)
+    no_res = stages.finish(fit(model, {"residual": False}), _fit_record)
     if eps_values is None:  # the model's eps, and eps comparable to the stream's mean square
         ms = float(np.median(ex.base_norm**2)) / cfg.d_model
         eps_values = sorted({cfg.eps, 1e-2 * ms, 1e-1 * ms, ms})
@@ -311,12 +312,12 @@ def _blocks_formed(spec: Any, n_layers: int, block: int) -> np.ndarray:
     return formed
 
 
-def _sweep(progress: Callable[[int, int], None], fit: Callable[[Stack], DecayFit], own: DecayFit, model: Stack,
+def _sweep(progress: Callable[[int, int], None], fit: Callable[..., DecayFit], own: DecayFit, model: Stack,
            field: str, values: list[float]) -> list[tuple[float, DecayFit]]:
     """The fit of ``model.replace(field=v)`` for each value (``own`` where v is the model's own)."""
     out = []
     for i, v in enumerate(values):
-        out.append((v, own if v == getattr(model.config, field) else fit(model.replace(**{field: v}))))
+        out.append((v, own if v == getattr(model.config, field) else fit(model, {field: v})))
         progress(i + 1, len(values))
     return out
 
@@ -371,9 +372,17 @@ def _spectra_record(block: int, toks: np.ndarray, out: tuple[Any, ...]) -> dict[
             **{key: v.tolist() for key, v in out[3].items()}}
 
 
-def _fit(m: Stack, *, ids: np.ndarray, req: Request, positions: Any, read: str) -> DecayFit:
-    """The decay fit at ``read`` of the exact propagation ``req`` (one scale) through ``m``."""
-    return propagate_request(m, ids, req, positions).fit(read)
+def _fit(model: Stack, change: dict[str, Any], *, ids: np.ndarray, req: Request, positions: Any, read: str
+         ) -> DecayFit:
+    """The decay fit at ``read`` of the exact propagation ``req`` (one scale) through
+    ``model.replace(**change)``. The replaced model is collected at once: a streamed model's
+    block cache refers back to its model, a cycle that reference counting leaves, so each
+    ablation's last block of weights (872 MB for an 8B block) would otherwise stay in memory."""
+    m = model.replace(**change)
+    out = propagate_request(m, ids, req, positions).fit(read)
+    del m
+    gc.collect()
+    return out
 
 
 def _fit_record(out: DecayFit) -> dict[str, Any]:

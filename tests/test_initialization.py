@@ -136,3 +136,57 @@ def test_orthogonal_is_the_sign_fixed_householder_q(shape):
     q, r = np.linalg.qr(np.random.default_rng(11).standard_normal(shape))
     np.testing.assert_allclose(w, q * np.sign(np.diag(r)), atol=1e-12)
     assert ini._haar_columns(np.ones((4, 2))).shape == (4, 2)  # rank-deficient: the Householder fallback
+
+
+def _whole_draws(cfg, scheme, seed, dtype, **opts):
+    """init_weights' arrays drawn the obvious way: each matrix in one float64 draw, concatenated, rounded."""
+    import zlib
+
+    std, std_res = 0.02, 0.02 / math.sqrt(2 * cfg.n_layers)
+    dh = cfg.head_dim
+
+    def mat(rng, fi, fo, s=std):
+        return ini.init_matrix(rng, scheme, fi, fo, gpt2_std=s, **opts)
+
+    out = {}
+    for name, shape in pe.models.config.expected_arrays(cfg).items():
+        rng = np.random.default_rng([seed, zlib.crc32(name.encode())])
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf in ("gamma", "q_norm", "k_norm"):
+            a = 1.0 + 0.1 * rng.standard_normal(shape)
+        elif leaf == "beta" or leaf.startswith("b_"):
+            a = 0.05 * rng.standard_normal(shape)
+        elif name.startswith("embed."):
+            a = rng.normal(0.0, std, shape)
+        elif name == "lm_head.weight":
+            a = mat(rng, cfg.d_model, cfg.vocab_size).T
+        elif leaf == "w_qkv":
+            a = np.concatenate([mat(rng, cfg.d_model, n * dh) for n in (cfg.n_heads, cfg.n_kv_heads, cfg.n_kv_heads)], 1)
+        elif leaf == "w_in" and cfg.activation == "silu_gated":
+            a = np.concatenate([mat(rng, cfg.d_model, cfg.d_mlp) for _ in range(2)], axis=1)
+        else:
+            a = mat(rng, *shape, std_res if leaf in ("w_o", "w_out") else std)
+        out[name] = a.astype(dtype)
+    return out
+
+
+@pytest.mark.parametrize("chunk", [1, 37, 1 << 19])
+@pytest.mark.parametrize("scheme", ["gpt2", "xavier_normal", "kaiming_uniform", "orthogonal", "spectral"])
+@pytest.mark.parametrize("activation", ["silu_gated", "gelu_tanh_gated"])
+def test_chunked_draws_are_the_whole_draws_bit_for_bit(monkeypatch, chunk, scheme, activation):
+    """init_weights draws elementwise schemes in row chunks (``_DRAW_CHUNK`` entries; 1: a row
+    at a time, 37: chunks shorter than a row, so one row each, or several rows); the values,
+    and the order in which q, k, v (gate, up) consume one generator, are those of whole draws."""
+    monkeypatch.setattr(ini, "_DRAW_CHUNK", chunk)
+    cfg = pe.StackConfig(d_model=24, n_heads=4, n_kv_heads=2, n_layers=2, d_mlp=40, vocab_size=19,
+                         activation=activation, bias=True, lm_head="separate", positions="learned",
+                         max_seq_len=11, qk_norm=True, norm="rmsnorm")
+    for dtype in (np.float32, np.float64):
+        got = pe.init_weights(cfg, scheme, seed=3, dtype=dtype, gamma_jitter=0.1, bias_std=0.05, mode="fan_out",
+                              nonlinearity="tanh").weights
+        want = _whole_draws(cfg, scheme, 3, dtype, mode="fan_out", nonlinearity="tanh", gain=None)
+        assert got.keys() == want.keys()
+        for k in want:
+            assert got[k].dtype == dtype and got[k].flags.c_contiguous and not got[k].flags.writeable
+            np.testing.assert_array_equal(got[k].view(f"u{got[k].itemsize}"), want[k].view(f"u{want[k].itemsize}"),
+                                          err_msg=k)

@@ -173,6 +173,21 @@ def test_fit_decay_recovers_a_known_rate():
         pe.fit_decay(np.ones((2, 2)))
 
 
+
+@pytest.mark.parametrize("n", [3, 4, 12, 33, 200])
+def test_fit_decay_interval_is_the_student_t_interval(n):
+    """The 95 % interval is slope +- t_{0.975, n-2} * se (the quantile as scipy.stats gives it)."""
+    from scipy import stats
+
+    k = np.arange(n, dtype=np.float64)
+    y = np.log(2.0) - 0.3 * k + 0.05 * np.random.default_rng(n).standard_normal(n)
+    f = pe.fit_decay(np.exp(y), k)
+    slope, icpt = np.polyfit(k, y, 1)
+    se = math.sqrt(float(((y - icpt - slope * k) ** 2).sum()) / (n - 2) / float(((k - k.mean()) ** 2).sum()))
+    half = float(stats.t.ppf(0.975, n - 2)) * se
+    assert f.rate_ci[1] - f.rate == pytest.approx(half, rel=1e-9)
+    assert (f.rate_ci[1] - f.rate_ci[0]) / 2 == pytest.approx(half, rel=1e-9)
+
 def test_removing_the_residual_changes_the_measured_rate():
     """With tiny block outputs (weights ~ 0, no norms' effect on the residual branch)
     the residual stack keeps delta (rate ~ 0), while without the residual the stream

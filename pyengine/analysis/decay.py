@@ -73,7 +73,7 @@ def fit_decay(values: Any, layers: Any | None = None) -> DecayFit:
     DecayFit
         NaN rate (and n_points < 2) when fewer than two values are > 0.
     """
-    from scipy import stats
+    from scipy.special import stdtrit  # scipy.stats.t.ppf's kernel, without importing scipy.stats
 
     y = np.abs(np.asarray(values, dtype=np.float64))
     if y.ndim != 1:
@@ -95,7 +95,7 @@ def fit_decay(values: Any, layers: Any | None = None) -> DecayFit:
     ss_res, ss_tot = float((resid**2).sum()), float(((y - ym) ** 2).sum())
     r2 = 1.0 - ss_res / ss_tot if ss_tot > 0 else 1.0
     if n > 2:
-        half = float(stats.t.ppf(0.975, n - 2)) * math.sqrt(ss_res / (n - 2) / sxx)
+        half = float(stdtrit(n - 2, 0.975)) * math.sqrt(ss_res / (n - 2) / sxx)
         ci = (-slope - half, -slope + half)
     else:
         ci = (nan, nan)

@@ -47,8 +47,9 @@ def write_stage(folder: str, index: int, stage: str, result: dict, provenance: d
 
         provenance = gather()
     doc = _clean({**(result if "stage" in result else {"stage": stage, **result}), "provenance": provenance})
+    text = json.dumps(doc, allow_nan=False)  # json.dump would take the slower pure-Python encoder
     with open(path + ".tmp", "w") as f:
-        json.dump(doc, f, allow_nan=False)
+        f.write(text)
     os.replace(path + ".tmp", path)
     return path
 
@@ -64,6 +65,8 @@ def _clean(x: Any) -> Any:
     if isinstance(x, (list, tuple)):
         return [_clean(v) for v in x]
     if isinstance(x, np.ndarray):
+        if x.dtype.kind in "biu" or (x.dtype.kind == "f" and np.isfinite(x).all()):
+            return x.tolist()  # nothing to clean: Python numbers, all finite
         return _clean(x.tolist())
     if isinstance(x, np.generic):
         x = x.item()

@@ -13,7 +13,10 @@ from ._provenance import block, model_fields
 from ._stages import Stages, write_stage
 from ._args import add_format_option, count_or_npy, non_negative, positions, positive, positive_float, positive_floats
 
-__all__ = ["add_parser", "load_model", "run", "write_stage"]
+__all__ = ["STREAM_BYTES", "add_parser", "load_model", "run", "write_stage"]
+
+#: ``--weights auto`` streams a model folder whose safetensors files hold more than this many bytes.
+STREAM_BYTES = 2 << 30
 
 
 def add_parser(subparsers) -> argparse.ArgumentParser:
@@ -46,6 +49,14 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     r.add_argument("--no-spectra", action="store_true",
                    help="skip the block Jacobian spectra (about half the default run's time); verdict (1) then "
                         "reads NOT RESOLVED (spectra skipped)")
+    r.add_argument("--spectra-layers", type=positions, default="all",
+                   help="blocks whose spectra are formed, by the hidden-state index k of their input: all (from "
+                        "the injection on), last, a:b or i,j,k, negative from the end (default all; a deep "
+                        "model's matrix-free spectra cost minutes a block: e.g. 2,15,31)")
+    r.add_argument("--weights", choices=["auto", "load", "mmap"], default="auto",
+                   help="a model folder's weights: read whole (load), or streamed a block at a time from the "
+                        "memory-mapped files (mmap; peak memory about one block); auto: mmap when the folder's "
+                        f"safetensors files exceed {STREAM_BYTES // 2**30} GiB (default auto)")
     r.add_argument("--probes", type=positive, default=64,
                    help="Rademacher probes of the linear model's trace and Frobenius estimates (default 64; "
                         ">= d_model: exact, d JVPs)")
@@ -58,9 +69,10 @@ def add_parser(subparsers) -> argparse.ArgumentParser:
     return r
 
 
-def load_model(name: str, seed: int = 0):
+def load_model(name: str, seed: int = 0, weights: str = "load"):
     """The built-in default ("default", weights seeded by ``seed``), a ``.npz`` Stack, or a
-    pretrained model by name or folder."""
+    pretrained model by name or folder (``weights`` "load", "mmap", or "auto": "mmap" for a
+    folder whose safetensors files exceed :data:`STREAM_BYTES`)."""
     from ..experiments import default_model
 
     if name == "default":
@@ -71,8 +83,19 @@ def load_model(name: str, seed: int = 0):
         return Stack.load(name), name
     from ..models.pretrained import load_pretrained
 
-    model = load_pretrained(name)
+    if weights == "auto":
+        weights = "mmap" if _safetensors_bytes(name) > STREAM_BYTES else "load"
+    model = load_pretrained(name, weights=weights)
     return model, getattr(model, "name", name)
+
+
+def _safetensors_bytes(path: str) -> int:
+    """Bytes of the .safetensors files of a folder (0 for anything else)."""
+    import os
+
+    if not os.path.isdir(path):
+        return 0
+    return sum(e.stat().st_size for e in os.scandir(path) if e.name.endswith(".safetensors") and e.is_file())
 
 
 def _array_sha256(a: np.ndarray) -> str:
@@ -115,7 +138,7 @@ def run(args: argparse.Namespace) -> int:
         raise ValueError("--site and --layer both name the injection point: give one")
     layer = args.site if args.site is not None else 2 if args.layer is None else args.layer
     # the default model is built by recovery itself, which then knows (and says) that its weights are seeded
-    model, name = (None, None) if args.model == "default" else load_model(args.model, args.seed)
+    model, name = (None, None) if args.model == "default" else load_model(args.model, args.seed, args.weights)
     _check_positions(model, args)
     synthetic = f"synthetic: default (seeded GPT-2-small-shaped pre-LN stack, seed {args.seed})"
     prov = block(args, seeds=[args.seed], dtype=args.dtype,
@@ -128,9 +151,10 @@ def run(args: argparse.Namespace) -> int:
         rep = recovery(model, text=args.text, layer=layer, scales=scales, protocol_scale=args.scale,
                        n_directions=4 if given else args.directions, directions=args.directions if given else None,
                        positions=args.positions, read=args.read,
-                       spectral_tokens=args.spectral_tokens, seed=args.seed, dtype=args.dtype, name=name,
+                       spectral_tokens=args.spectral_tokens, spectra_layers=args.spectra_layers, seed=args.seed,
+                       dtype=args.dtype, name=name,
                        spectra=not args.no_spectra, n_probes=args.probes,
-                       progress=Progress(args.progress, lines=True).stage, on_stage=stages)
+                       progress=Progress(args.progress, lines=True, eta=True).stage, on_stage=stages)
     print(format_table(rep))
     paths = write_report(rep, args.out, plots=not args.no_plots, fmt=args.format, provenance=prov)
     print(f"time: {rep.seconds['total']:.1f} s; wrote {', '.join(paths)}")

@@ -118,8 +118,12 @@ def _spectra(r: Recovery) -> str:
     what = "predicted: the decay rate is -mean log rho(A_k) over the blocks passed"
     if r.spectra_skipped:
         return f"(1) spectra: {NOT_RESOLVED} (spectra skipped): {what}; measured {_fmt_fit(fit)}; {gains}."
-    pred = float(-np.log(r.rho.max(axis=1)).mean())
-    rho_min, sig, one = float(r.rho.min()), r.sigma.max(axis=1), float(r.ones_residual.max())
+    formed = ~np.isnan(r.rho).all(axis=1)  # spectra_layers may leave blocks out (NaN rows)
+    if not formed.all():
+        what += f" whose spectra were formed ({int(formed.sum())} of {formed.size})"
+    rho, sigma, ones = r.rho[formed], r.sigma[formed], r.ones_residual[formed]
+    pred = float(-np.log(rho.max(axis=1)).mean())
+    rho_min, sig, one = float(rho.min()), sigma.max(axis=1), float(ones.max())
     if cfg.placement == "pre" and cfg.residual and cfg.norm == "layernorm":
         bound = (f"rho(A_k) >= 1 for every pre-LN residual block: each LayerNorm Jacobian annihilates the "
                  f"all-ones vector, so A_k 1 = 1 (measured max |A_k 1 - 1| = {one:.1e}); measured min rho = "

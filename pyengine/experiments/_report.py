@@ -131,6 +131,8 @@ def _linear_model_lines(rep: Recovery) -> list[str]:
 def _clean(o: Any) -> Any:
     """Plain JSON values: NumPy scalars and arrays become Python ones, NaN and inf None."""
     if isinstance(o, np.ndarray):
+        if o.dtype.kind in "biu" or (o.dtype.kind == "f" and np.isfinite(o).all()):
+            return o.tolist()  # nothing to clean: Python numbers, all finite
         o = o.tolist()
     elif isinstance(o, np.generic):
         o = o.item()
@@ -172,12 +174,13 @@ def write(rep: Recovery, folder: str, plots: bool = True, fmt: str = "png",
             name = "linearized" if run.linearized else "exact"
             inj = run.position_mask("injected")
             tok = rep.tokens if rep.tokens is not None else [""] * run.T
-            for i, k in enumerate(run.layers):
-                for n in range(run.N):
-                    for t in range(run.T):
-                        w.writerow([name, f"{k:g}", n // run.S, f"{run.scales[n % run.S]:g}", t, tok[t], int(inj[t]),
-                                    f"{run.cosine[i, n, t]:.9g}", f"{run.projection[i, n, t]:.9g}",
-                                    f"{run.norm_ratio[i, n, t]:.9g}", f"{run.delta_norm[i, n, t]:.9g}"])
+            # the metrics formatted column by column from Python floats (rows in C order of (L', N, T))
+            cols = [[f"{x:.9g}" for x in m.ravel().tolist()]
+                    for m in (run.cosine, run.projection, run.norm_ratio, run.delta_norm)]
+            S = run.S
+            keys = [(name, f"{k:g}", n // S, f"{run.scales[n % S]:g}", t, tok[t], int(inj[t]))
+                    for k in run.layers for n in range(run.N) for t in range(run.T)]
+            w.writerows([*key, *vals] for key, *vals in zip(keys, *cols))
     paths.append(p)
     if plots:
         paths.append(save(figure(rep), os.path.join(folder, "recovery"), fmt))

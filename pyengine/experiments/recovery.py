@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import gc
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,6 +51,7 @@ from ..analysis.propagate_stages import Request
 from ..analysis.token_spectra import token_jacobian_spectra
 from ..models.site_blocks import site_width
 from ._recovery_result import Recovery, _linear_gap, _regime
+from ._recovery_stages import SPECTRA_PASSES, Stages
 from ._recovery_verdicts import protocol as _protocol
 from ._recovery_verdicts import verdicts
 from ._report import LINEAR_TOL, _clean
@@ -109,6 +111,7 @@ def recovery(
     positions: Any = "all",
     read: str = "last",
     spectral_tokens: Any = "last",
+    spectra_layers: Any = "all",
     eps_values: Sequence[float] | None = None,
     gamma_values: Sequence[float] = (0.5, 1.0, 2.0),
     seed: int = 0,
@@ -152,11 +155,20 @@ def recovery(
     spectra : bool
         Form the block Jacobians' spectra (prediction 1); when False the stage is skipped,
         and the report says so.
+    spectra_layers : "all", "last", int, slice or sequence of ints
+        The blocks whose spectra are formed, by the hidden-state index k of their input
+        (negative counts from the end, as ``positions``); each must be >= the injection's
+        block. Default "all": every block from the injection on. The others' rows of
+        ``rho``, ``sigma`` and ``ones_residual`` are NaN, and prediction (1) averages over
+        the blocks formed.
     n_probes : int
         Rademacher probes of the linear model (``n_probes >= d_model``: exact, d JVPs).
     dtype : float32 or float64
         Compute dtype of the propagations.
     progress : callable(fraction, stage), optional
+        ``fraction``: the estimated share of the run's time done, from the measured time per
+        block of each stage (see :mod:`pyengine.experiments._recovery_stages`); it may step
+        back when a stage turns out slower than estimated.
     on_stage : callable(stage, result), optional
         Called when a stage has finished, with its name and its result as plain JSON-ready
         values, NaN and inf as None (``pyengine recovery`` writes each to the output folder at once, so an
@@ -167,7 +179,7 @@ def recovery(
     seed = _v.int_seed(seed)
     spectra = _v.flag("spectra", spectra)
     n_probes = _v.count("n_probes", n_probes)
-    stages = _Stages(_v.callback(progress, "progress"), _v.callback(on_stage, "on_stage"))
+    progress, on_stage = _v.callback(progress, "progress"), _v.callback(on_stage, "on_stage")
     protocol_scale = _v.real("protocol_scale", protocol_scale, low=0, low_open=True)
     scales = _v.as_array("scales", scales, np.float64)
     if scales.ndim != 1 or not np.isfinite(scales).all():
@@ -208,6 +220,7 @@ def recovery(
     inj = resolve_injection(layer, cfg)  # a site name: its block, and the directions' width
     width = cfg.d_model if inj.site is None else site_width(cfg, inj.site)
     block = _v.index_of("layer", inj.layer, cfg.n_layers, "a hidden-state index: the input of a block")
+    formed = _blocks_formed(spectra_layers, cfg.n_layers, block)
     given = directions is not None
     if directions is None:
         n = _v.count("n_directions", n_directions)
@@ -222,42 +235,51 @@ def recovery(
     tokens = token_strings(model, ids)
     record = functools.partial(_propagation_record, ids if ids.ndim == 1 else None, tokens, read, j)
 
-    cb = stages.start("exact propagation", 0.0, 0.35)
+    n_eps = 3 if eps_values is None else sum(float(e) != cfg.eps for e in eps_values)
+    stages = Stages(progress, on_stage, {
+        "exact propagation": ("forward", 2), "linearized propagation": ("jvp", 2), "linear model": ("linear", 2),
+        "block Jacobian spectra": ("spectra", SPECTRA_PASSES * formed.size if spectra else 0),
+        "ablation: no residual": ("forward", 2), "sweep: norm eps": ("forward", 2 * n_eps),
+        "sweep: gamma scale": ("forward", 2 * sum(float(g) != cfg.gamma_scale for g in gamma_values))}, t_start)
+    cb = stages.start("exact propagation")
     ex = stages.finish(propagate_request(model, ids, req._replace(progress=cb), positions, read_at), record)
-    cb = stages.start("linearized propagation", 0.35, 0.45)
+    cb = stages.start("linearized propagation")
     li = stages.finish(propagate_request(model, ids, req._replace(linearized=True, progress=cb), positions, read_at),
                        record)
-    stages.start("linear model", 0.45, 0.5)
+    stages.start("linear model")
     scaling = stages.finish(scaling_fit(model, ids, block, int(read_at[-1]), n_probes=n_probes, seed=seed,
                                         dtype=req.dt, mode=req.mode), _scaling_record)
     split = {run: tuple(x.mean(axis=(1, 2)) for x in uniform_split(p.deltas[:, j::sc.size]))
              for run, p in (("exact", ex), ("linear", li))}  # (L,) each: protocol scale, mean over K and read-out
-    cb = stages.start("block Jacobian spectra", 0.5, 0.7)
+    cb = stages.start("block Jacobian spectra")
     if spectra:
-        rho, sig, one, how = stages.finish(_spectra(model, ids, block, toks, cb),
+        rho, sig, one, how = stages.finish(_spectra(model, ids, block, toks, cb, formed),
                                       functools.partial(_spectra_record, block, toks))
     else:
         rho, sig, one = stages.finish(tuple(np.empty((0, toks.size)) for _ in range(3)), _skipped_record)
         how = None
 
     fit = functools.partial(_fit, ids=ids, req=req._replace(S=sc[j:j + 1]), positions=positions, read=read)
-    stages.start("ablation: no residual", 0.7, 0.75)
-    no_res = stages.finish(fit(model.replace(residual=False)), _fit_record)
+    stages.start("ablation: no residual")
+    no_res = stages.finish(fit(model, {"residual": False}), _fit_record)
     if eps_values is None:  # the model's eps, and eps comparable to the stream's mean square
         ms = float(np.median(ex.base_norm**2)) / cfg.d_model
         eps_values = sorted({cfg.eps, 1e-2 * ms, 1e-1 * ms, ms})
-    stages.start("sweep: norm eps", 0.75, 0.9)
-    eps_sweep = stages.finish([(float(e), fit(model.replace(eps=float(e)))) for e in eps_values],
+    # a sweep value that is the model's own is the exact propagation at the protocol scale: its fit, not a rerun
+    fit_exact = ex.fit(read, j)
+    eps_values = [float(e) for e in eps_values]
+    stages.plan_stage("sweep: norm eps", "forward", 2 * sum(e != cfg.eps for e in eps_values))
+    eps_sweep = stages.finish(_sweep(stages.start("sweep: norm eps"), fit, fit_exact, model, "eps", eps_values),
                               functools.partial(_sweep_record, "eps"))
-    stages.start("sweep: gamma scale", 0.9, 1.0)
-    gamma_sweep = stages.finish([(float(g), fit(model.replace(gamma_scale=float(g)))) for g in gamma_values],
+    gamma_sweep = stages.finish(_sweep(stages.start("sweep: gamma scale"), fit, fit_exact, model, "gamma_scale",
+                                       [float(g) for g in gamma_values]),
                                 functools.partial(_sweep_record, "gamma_scale"))
     gap = _linear_gap(ex, li)
     rep = Recovery(
         model=name or type(model).__name__, config=cfg, text=text, ids=ids, layer=ex.layer, read=read,
         protocol_scale=float(sc[j]), exact=dataclasses.replace(ex, deltas=None, delta_positions=None),
         linear=dataclasses.replace(li, deltas=None, delta_positions=None),
-        fit_exact=ex.fit(read, j), fit_linear=li.fit(read, j),
+        fit_exact=fit_exact, fit_linear=li.fit(read, j),
         spectral_tokens=toks, rho=rho, sigma=sig, ones_residual=one, spectra_how=how, linear_gap=gap,
         linear_regime=_regime(sc, gap), no_residual=no_res, eps_sweep=eps_sweep, gamma_sweep=gamma_sweep,
         verdicts=[], seconds=stages.seconds, tokens=tokens, site=ex.site, spectra_skipped=not spectra,
@@ -266,40 +288,38 @@ def recovery(
     rep.verdicts = _verdicts(rep)
     rep.protocol = _protocol(rep, default_weights, given)
     stages.seconds["total"] = time.perf_counter() - t_start
-    stages.say(1.0, "done")
+    stages.done()
     return rep
 
 
 # --------------------------------------------------------------------------- the stages
 
 
-class _Stages:
-    """Progress, timing and ``on_stage`` records of the stages of one :func:`recovery` run."""
-
-    def __init__(self, progress: Progress | None, on_stage: Callable[[str, dict[str, Any]], None] | None) -> None:
-        self.say = progress or _quiet
-        self.keep = on_stage or _quiet
-        self.seconds: dict[str, float] = {}
-        self.stage, self.t0 = "", 0.0
-
-    def start(self, stage: str, frac0: float, frac1: float) -> Callable[[int, int], None]:
-        """Begin ``stage`` (progress ``frac0``); returns the progress(done, total) of its work."""
-        self.stage, self.t0 = stage, time.perf_counter()
-        self.say(frac0, stage)
-        return functools.partial(self._step, stage, frac0, frac1)
-
-    def _step(self, stage: str, frac0: float, frac1: float, done: int, total: int) -> None:
-        self.say(frac0 + (frac1 - frac0) * done / max(total, 1), stage)
-
-    def finish(self, out: Any, record: Callable[[Any], dict[str, Any]]) -> Any:
-        """End the stage begun last: time it, hand ``record(out)`` to on_stage; returns ``out``."""
-        self.seconds[self.stage] = time.perf_counter() - self.t0
-        self.keep(self.stage, _clean({"stage": self.stage, "seconds": self.seconds[self.stage], **record(out)}))
-        return out
+def _blocks_formed(spec: Any, n_layers: int, block: int) -> np.ndarray:
+    """The hidden-state indices k (>= ``block``) whose block's spectra ``spectra_layers`` asks for."""
+    if isinstance(spec, str) and spec == "all":
+        return np.arange(block, n_layers)
+    try:
+        formed = resolve_positions(spec, n_layers)
+    except ValueError as exc:
+        msg = str(exc).replace("tokens", "blocks").replace("a sequence of T", "a stack of n_layers").replace(
+            "T = ", "n_layers = ")
+        raise ValueError(f"spectra_layers {msg[len('positions '):] if msg.startswith('positions ') else msg}") \
+            from None
+    if formed[0] < block:
+        raise ValueError(f"spectra_layers must name blocks from the injection on (hidden-state index >= {block}); "
+                         f"got {formed[0]}")
+    return formed
 
 
-def _quiet(*args: Any) -> None:
-    """No progress lines, no stage records."""
+def _sweep(progress: Callable[[int, int], None], fit: Callable[..., DecayFit], own: DecayFit, model: Stack,
+           field: str, values: list[float]) -> list[tuple[float, DecayFit]]:
+    """The fit of ``model.replace(field=v)`` for each value (``own`` where v is the model's own)."""
+    out = []
+    for i, v in enumerate(values):
+        out.append((v, own if v == getattr(model.config, field) else fit(model, {field: v})))
+        progress(i + 1, len(values))
+    return out
 
 
 def _propagation_record(ids: np.ndarray | None, tokens: list[str] | None, read: str, j: int, p: Propagation
@@ -309,24 +329,27 @@ def _propagation_record(ids: np.ndarray | None, tokens: list[str] | None, read: 
             "fit": p.fit(read, j).to_dict()}
 
 
-def _spectra(model: Stack, ids: np.ndarray, block: int, toks: np.ndarray, progress: Callable[[int, int], None]
-             ) -> tuple[Any, ...]:
+def _spectra(model: Stack, ids: np.ndarray, block: int, toks: np.ndarray, progress: Callable[[int, int], None],
+             formed: np.ndarray) -> tuple[Any, ...]:
     """(n_blocks, R) rho and sigma_max of the diagonal Jacobian blocks at ``toks`` (float64)
-    of every block from ``block`` on, ``|A 1 - 1|_inf``, and how each was found: a dict of
-    (n_blocks, R) arrays ``rho_method``, ``sigma_method`` (str), ``rho_converged`` and
+    of every block from ``block`` on (NaN but for the blocks ``formed``, by hidden-state index),
+    ``|A 1 - 1|_inf``, and how each was found: a dict of (n_blocks, R) arrays ``rho_method``,
+    ``sigma_method`` (str; "skipped" for the blocks not formed), ``rho_converged`` and
     ``sigma_converged`` (bool); see :func:`pyengine.analysis.token_jacobian_spectra`."""
     h = model.hidden_states(ids, dtype=np.float64)
-    parts = []
-    n = model.config.n_layers - block
-    for i, k in enumerate(range(block, model.config.n_layers)):
-        parts.append(token_jacobian_spectra(model, h[k], k, toks))
-        progress(i + 1, n)
-    how = {"rho_method": np.stack([p.radius.method for p in parts]),
-           "sigma_method": np.stack([p.norm.method for p in parts]),
-           "rho_converged": np.stack([p.radius.converged for p in parts]),
-           "sigma_converged": np.stack([p.norm.converged for p in parts])}
-    return (np.stack([p.rho for p in parts]), np.stack([p.sigma for p in parts]),
-            np.stack([p.ones_residual for p in parts]), how)
+    n, R = model.config.n_layers - block, toks.size
+    rho, sig, one = (np.full((n, R), np.nan) for _ in range(3))
+    how = {"rho_method": np.full((n, R), "skipped", dtype=object), "sigma_method": np.full((n, R), "skipped", object),
+           "rho_converged": np.ones((n, R), bool), "sigma_converged": np.ones((n, R), bool)}
+    for i, k in enumerate(formed):
+        p = token_jacobian_spectra(model, h[k], int(k), toks)
+        row = k - block
+        rho[row], sig[row], one[row] = p.rho, p.sigma, p.ones_residual
+        how["rho_method"][row], how["sigma_method"][row] = p.radius.method, p.norm.method
+        how["rho_converged"][row], how["sigma_converged"][row] = p.radius.converged, p.norm.converged
+        progress(i + 1, formed.size)
+    how["rho_method"], how["sigma_method"] = how["rho_method"].astype(str), how["sigma_method"].astype(str)
+    return rho, sig, one, how
 
 
 def _scaling_record(out: Any) -> dict[str, Any]:
@@ -349,9 +372,17 @@ def _spectra_record(block: int, toks: np.ndarray, out: tuple[Any, ...]) -> dict[
             **{key: v.tolist() for key, v in out[3].items()}}
 
 
-def _fit(m: Stack, *, ids: np.ndarray, req: Request, positions: Any, read: str) -> DecayFit:
-    """The decay fit at ``read`` of the exact propagation ``req`` (one scale) through ``m``."""
-    return propagate_request(m, ids, req, positions).fit(read)
+def _fit(model: Stack, change: dict[str, Any], *, ids: np.ndarray, req: Request, positions: Any, read: str
+         ) -> DecayFit:
+    """The decay fit at ``read`` of the exact propagation ``req`` (one scale) through
+    ``model.replace(**change)``. The replaced model is collected at once: a streamed model's
+    block cache refers back to its model, a cycle that reference counting leaves, so each
+    ablation's last block of weights (872 MB for an 8B block) would otherwise stay in memory."""
+    m = model.replace(**change)
+    out = propagate_request(m, ids, req, positions).fit(read)
+    del m
+    gc.collect()
+    return out
 
 
 def _fit_record(out: DecayFit) -> dict[str, Any]:

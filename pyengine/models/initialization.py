@@ -305,19 +305,45 @@ def init_matrix(
         init_variance(s, fan_in, fan_out, **opts)  # checks mode, nonlinearity, gain
         z = _draw32(rng, _FAMILY32[s], _draw_shape(s, *shape))
         return _from_draw32(z, s, *shape, inplace=True, **opts)
-    if s == "gpt2":
-        return rng.normal(0.0, gpt2_std, shape)
-    if s in ("xavier_normal", "kaiming_normal"):
-        return rng.normal(0.0, math.sqrt(init_variance(s, fan_in, fan_out, **opts)), shape)
-    if s in ("xavier_uniform", "kaiming_uniform", "torch_default"):
-        a = _uniform_bound(s, fan_in, fan_out, mode, nonlinearity, gain)
-        return rng.uniform(-a, a, shape)
+    if s not in ("orthogonal", "spectral"):
+        return _draw64(rng, s, fan_in, fan_out, shape, **opts)
     g = math.sqrt(_gain2(s, gain, nonlinearity))
     if s == "orthogonal":
         q = _haar_columns(rng.standard_normal(_draw_shape(s, *shape)))
         return g * (q if shape[0] >= shape[1] else q.T)
     w = rng.standard_normal(shape, dtype=dt).astype(np.float64, copy=False)  # spectral
     return (w * (g * math.sqrt(fan_out / fan_in) / _sigma_max(w, rng))).astype(dt, copy=False)
+
+
+#: float64 entries drawn at a time by :func:`init_weights` (4 MiB): an elementwise scheme's
+#: draws are cast into the stored array chunk by chunk, never held whole in float64.
+_DRAW_CHUNK = 1 << 19
+
+
+def _draw64(rng: np.random.Generator, s: str, fan_in: int, fan_out: int, shape: tuple[int, ...], *,
+            mode: str = "fan_in", nonlinearity: str = "relu", gain: float | None = None, gpt2_std: float = 0.02
+            ) -> np.ndarray:
+    """``shape`` float64 entries of the elementwise scheme ``s`` of a (fan_in, fan_out) matrix."""
+    if s == "gpt2":
+        return rng.normal(0.0, gpt2_std, shape)
+    opts = {"mode": mode, "nonlinearity": nonlinearity, "gain": gain}
+    if s in ("xavier_normal", "kaiming_normal"):
+        return rng.normal(0.0, math.sqrt(init_variance(s, fan_in, fan_out, **opts)), shape)
+    a = _uniform_bound(s, fan_in, fan_out, mode, nonlinearity, gain)
+    return rng.uniform(-a, a, shape)
+
+
+def _fill(out: np.ndarray, rng: np.random.Generator, s: str, **opts: Any) -> None:
+    """``out[...] = init_matrix(rng, s, *out.shape, **opts)`` (float64, rounded to out's dtype).
+    Elementwise schemes draw row chunks: the generator consumes its stream in order, so the
+    values are those of one draw of the whole matrix, without its float64 transient."""
+    fan_in, fan_out = out.shape
+    if s in ("orthogonal", "spectral"):
+        out[...] = init_matrix(rng, s, fan_in, fan_out, **opts)
+        return
+    rows = max(1, _DRAW_CHUNK // max(fan_out, 1))
+    for r in range(0, fan_in, rows):
+        out[r:r + rows] = _draw64(rng, s, fan_in, fan_out, (min(rows, fan_in - r), fan_out), **opts)
 
 
 def init_weights(
@@ -367,28 +393,27 @@ def init_weights(
     std, std_res = 0.02, 0.02 / math.sqrt(2 * c.n_layers)
     opts = {"mode": mode, "nonlinearity": nonlinearity, "gain": gain}
 
-    def mat(rng: np.random.Generator, fan_in: int, fan_out: int, s: float = std) -> np.ndarray:
-        return init_matrix(rng, scheme, fan_in, fan_out, gpt2_std=s, **opts)
-
     arrays: dict[str, np.ndarray] = {}
     for name, shape in expected_arrays(c).items():
         rng = np.random.default_rng([int(seed), zlib.crc32(name.encode())])
         leaf = name.rsplit(".", 1)[-1]
         if leaf in ("gamma", "q_norm", "k_norm"):
-            a = 1.0 + gamma_jitter * rng.standard_normal(shape)
-        elif leaf == "beta" or leaf.startswith("b_"):
-            a = bias_std * rng.standard_normal(shape)
-        elif name.startswith("embed."):
-            a = rng.normal(0.0, std, shape)
+            arrays[name] = (1.0 + gamma_jitter * rng.standard_normal(shape)).astype(dt)
+            continue
+        if leaf == "beta" or leaf.startswith("b_"):
+            arrays[name] = (bias_std * rng.standard_normal(shape)).astype(dt)
+            continue
+        a = arrays[name] = np.empty(shape, dt)
+        if name.startswith("embed."):
+            _fill(a, rng, "gpt2", gpt2_std=std)
         elif name == "lm_head.weight":  # a (d -> vocab) projection, stored (vocab, d)
-            a = mat(rng, c.d_model, c.vocab_size).T
-        elif leaf == "w_qkv":
-            a = np.concatenate([mat(rng, c.d_model, n * dh) for n in (H, Hkv, Hkv)], axis=1)
-        elif leaf == "w_in" and c.activation == "silu_gated":
-            a = np.concatenate([mat(rng, c.d_model, c.d_mlp) for _ in range(2)], axis=1)
-        else:  # w_o, w_in, w_out
-            a = mat(rng, shape[0], shape[1], std_res if leaf in ("w_o", "w_out") else std)
-        arrays[name] = a.astype(dt)
+            _fill(a.T, rng, scheme, gpt2_std=std, **opts)
+        else:  # w_qkv (q, k, v drawn in turn), w_in (gated: gate, then up), w_o, w_out
+            parts = ((H * dh, Hkv * dh, Hkv * dh) if leaf == "w_qkv" else (c.d_mlp, c.d_mlp)
+                     if leaf == "w_in" and c.activation == "silu_gated" else (shape[1],))
+            sd = std_res if leaf in ("w_o", "w_out") else std
+            for j0, j1 in zip(np.cumsum((0,) + parts[:-1]), np.cumsum(parts)):
+                _fill(a[:, j0:j1], rng, scheme, gpt2_std=sd, **opts)
     new = Stack.__new__(Stack)
-    new._init(c, _check_arrays(c, arrays, "init_weights"))
+    new._init(c, _check_arrays(c, arrays, "init_weights", copy=False))
     return new

@@ -1,7 +1,7 @@
-"""The model commands on the newer families: ``pyengine recovery``, ``spectral`` and ``positions``
-with ``--model`` a tiny transformers-made Gemma 2 or Phi-3 (head_dim apart from d / H, sliding
-windows, per layer for Gemma 2) given as a folder or as a hub id in a temporary cache; the reports
-hold finite numbers and name the model and its family."""
+"""The model commands on every family: ``pyengine recovery`` with ``--model`` a folder of each, and
+a Gemma 2 and a Phi-3 (head_dim apart from d / H, sliding windows, per layer for Gemma 2) as a hub
+id in a temporary cache; ``spectral`` and ``positions`` on those two folders. The reports hold
+finite numbers and name the model and its family."""
 
 from __future__ import annotations
 
@@ -9,12 +9,13 @@ import json
 import math
 
 import pytest
-from test_load_sources import _cache_model, _model, save_with_tokenizer
+from test_load_sources import FAMILIES, _cache_model, _model, save_with_tokenizer
 
 from pyengine import cli
 
 TEXT = "the cat sat on the mat and the dog sat on the cat"
 WORDS = ["[UNK]", "the", "cat", "sat", "on", "mat", "and", "dog"]
+ARCHITECTURE = {"llama3": "llama", "qwen2_sliding": "qwen2", "qwen3_hd8": "qwen3"}  # the model_type of a test family
 
 
 def _vocab():
@@ -28,8 +29,7 @@ def _finite(values):
 
 
 @pytest.mark.fidelity
-@pytest.mark.parametrize("family", ["gemma2", "phi3"])
-@pytest.mark.parametrize("source", ["folder", "hub"])
+@pytest.mark.parametrize("source, family", [("folder", f) for f in FAMILIES] + [("hub", "gemma2"), ("hub", "phi3")])
 def test_recovery_runs_on_the_family(request, tmp_path, monkeypatch, family, source):
     pytest.importorskip("transformers")
     if source == "hub":
@@ -44,10 +44,11 @@ def test_recovery_runs_on_the_family(request, tmp_path, monkeypatch, family, sou
                      "--no-plots", "--progress", "never", "--out", str(out)]) == 0
     rep = json.loads((out / "recovery.json").read_text())
     prov = rep["provenance"]
-    assert prov["model"] == name and prov["architecture"] == family
+    assert prov["model"] == name and prov["architecture"] == ARCHITECTURE.get(family, family)
     assert list(prov["weights_sha256"]) == ["model.safetensors"]
     cfg = rep["config"]
-    assert cfg["n_heads"] * cfg["head_dim"] != cfg["d_model"] and cfg["sliding_window"]
+    if family in ("gemma2", "phi3"):
+        assert cfg["n_heads"] * cfg["head_dim"] != cfg["d_model"] and cfg["sliding_window"]
     assert len(rep["ids"]) == 13 and 0 not in rep["ids"]
     rows = rep["table"]
     assert [r["layer"] for r in rows] == list(range(1, cfg["n_layers"] + 1))

@@ -1,11 +1,12 @@
 """How an output was made: the ``provenance`` block of every JSON file pyengine writes.
 
 :func:`provenance` gathers, as plain JSON values: the package version and, when pyengine
-runs from a git checkout, its commit; the command line; the seeds; the model's name and
-the SHA-256 of each of its weight files; the dtype; the backend asked for and which
-backends load; the BLAS behind the products (as ``pyengine backends`` reports it); the
-thread counts; the time (UTC) and the machine. Gathering it never raises for lack of git,
-of ``/proc/cpuinfo`` or of the compiled extension: such a field is ``None`` or says why.
+runs from a git checkout, its commit; the command line; the seeds; the model's name, its
+architecture (a pretrained model's family) and the SHA-256 of each of its weight files; the
+dtype; the backend asked for and which backends load; the BLAS behind the products (as
+``pyengine backends`` reports it); the thread counts; the time (UTC) and the machine.
+Gathering it never raises for lack of git, of ``/proc/cpuinfo`` or of the compiled
+extension: such a field is ``None`` or says why.
 
 Foundation module: it imports only other root modules, and those lazily.
 """
@@ -27,8 +28,8 @@ from ._version import __version__
 __all__ = ["KEYS", "file_hashes", "file_sha256", "git_commit", "machine", "provenance", "weight_files"]
 
 #: The keys of every provenance block, in order (``extra`` is added only when given).
-KEYS = ("version", "git_commit", "argv", "seeds", "model", "weights_sha256", "dtype", "backend", "blas",
-        "threads", "time_utc", "machine")
+KEYS = ("version", "git_commit", "argv", "seeds", "model", "architecture", "weights_sha256", "dtype", "backend",
+        "blas", "threads", "time_utc", "machine")
 
 #: Bytes read at a time when hashing a weight file.
 CHUNK = 1 << 20
@@ -173,7 +174,7 @@ def file_hashes(files: Iterable[str | os.PathLike[str]]) -> dict[str, str | None
     return out
 
 
-def provenance(*, seeds: Any = None, model: str | None = None,
+def provenance(*, seeds: Any = None, model: str | None = None, architecture: str | None = None,
                weight_files: Iterable[str | os.PathLike[str]] = (), dtype: Any = None, backend: str | None = None,
                extra: Mapping[str, Any] | None = None, argv: Sequence[str] | None = None) -> dict[str, Any]:
     """The provenance block of an output (JSON values only).
@@ -184,6 +185,9 @@ def provenance(*, seeds: Any = None, model: str | None = None,
         The seeds the output depends on (as given).
     model : str, optional
         The model's name ("synthetic ..." for a seeded synthetic model).
+    architecture : str, optional
+        The model's family, as its reader names it ("gpt2", "llama", "gemma2", "phi3", ...;
+        comma-separated for several models); None for a synthetic or saved Stack.
     weight_files : iterable of path
         The files the model's weights were read from; each is hashed (SHA-256, cached).
     dtype : str or numpy dtype, optional
@@ -199,7 +203,7 @@ def provenance(*, seeds: Any = None, model: str | None = None,
     -------
     dict
         The keys of :data:`KEYS` (and ``"extra"`` when given): ``version`` (str),
-        ``git_commit`` (str or None), ``argv`` (list of str), ``seeds``, ``model``,
+        ``git_commit`` (str or None), ``argv`` (list of str), ``seeds``, ``model``, ``architecture``,
         ``weights_sha256`` ({file name: hex digest or None if unreadable}), ``dtype``,
         ``backend`` ({"requested", "available", "unavailable"}), ``blas`` ({"cpp_products":
         the C++ products' BLAS in words, "libraries": every BLAS library loaded, as
@@ -217,6 +221,7 @@ def provenance(*, seeds: Any = None, model: str | None = None,
         "argv": list(sys.argv if argv is None else argv),
         "seeds": _plain(seeds),
         "model": model,
+        "architecture": architecture,
         "weights_sha256": file_hashes(weight_files),
         "dtype": None if dtype is None else np.dtype(dtype).name,
         "backend": block,

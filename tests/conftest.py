@@ -39,3 +39,14 @@ def compiled(request) -> str:
 @pytest.fixture(params=DTYPES, ids=lambda t: np.dtype(t).name, scope="session")
 def dtype(request):
     return request.param
+
+
+@pytest.fixture
+def hub_cache(tmp_path, monkeypatch):
+    """An empty Hugging Face hub cache folder, set as HF_HUB_CACHE for the test."""
+    pytest.importorskip("huggingface_hub")
+    cache = tmp_path / "hf"
+    cache.mkdir()
+    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
+    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
+    return cache

@@ -129,6 +129,14 @@ def _tiny(family):
     if family == "mistral":  # window 4 < the 10 tokens
         return tr.MistralConfig(sliding_window=4, head_dim=hd if hd != 4 else None, tie_word_embeddings=False, **kw), \
             tr.MistralForCausalLM
+    if family == "gemma2":  # per-layer windows, soft-capping; 4 heads of 8 span 32 != hidden_size 16
+        from test_gemma2 import _tiny as gemma2
+        return gemma2(head_dim=8), tr.Gemma2ForCausalLM
+    if family == "phi3":  # fused projections, rotary on 6 of 12 features, 2 heads of 12 span 24 != 16
+        return tr.Phi3Config(hidden_size=16, num_attention_heads=2, num_key_value_heads=1, num_hidden_layers=2,
+                             intermediate_size=24, head_dim=12, partial_rotary_factor=0.5, sliding_window=4,
+                             pad_token_id=0, bos_token_id=1, eos_token_id=2, tie_word_embeddings=False, **common), \
+            tr.Phi3ForCausalLM
     return tr.GemmaConfig(head_dim=hd, hidden_activation="gelu_pytorch_tanh", **kw), tr.GemmaForCausalLM
 
 

@@ -9,7 +9,9 @@ import pytest
 import pyengine as pe
 from pyengine.models.pretrained import load_pretrained, locate_pretrained
 
-FAMILIES = ["gpt2", "gpt_neox", "llama3", "qwen2", "gemma", "mistral", "qwen2_sliding", "qwen3", "bert"]
+# every family; gemma2, phi3 and qwen3_hd8 have a head_dim apart from d / H
+FAMILIES = ["gpt2", "gpt_neox", "llama3", "qwen2", "gemma", "mistral", "qwen2_sliding", "qwen3", "qwen3_hd8",
+            "gemma2", "phi3", "bert"]
 
 
 def _model(family, seed=0):
@@ -24,7 +26,7 @@ def _model(family, seed=0):
 
         cfg, cls = _tiny(family)
     torch.manual_seed(seed)
-    model = cls._from_config(cfg)
+    model = cls._from_config(cfg, attn_implementation="eager")  # soft-capped scores need eager (Gemma 2)
     with torch.no_grad():
         for p in model.parameters():
             if p.dim() == 1:
@@ -105,28 +107,24 @@ def test_live_model_keeps_a_tokenizer_copy():
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 
 
-def _cache_model(cache, repo_id, model):
-    """``model`` (with a word-level tokenizer.json) in the hub cache layout under ``cache``."""
+def save_with_tokenizer(folder, model, vocab=None):
+    """``model.save_pretrained(folder)`` and a word-level tokenizer.json of ``vocab`` (word -> id,
+    default {"[UNK]": 0, "the": 1}); returns ``folder``."""
     tokenizers = pytest.importorskip("tokenizers")
-    repo = cache / ("models--" + repo_id.replace("/", "--"))
-    snap = repo / "snapshots" / COMMIT
-    model.save_pretrained(snap)
-    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel({"[UNK]": 0, "the": 1}, unk_token="[UNK]"))
+    model.save_pretrained(folder)
+    tok = tokenizers.Tokenizer(tokenizers.models.WordLevel(vocab or {"[UNK]": 0, "the": 1}, unk_token="[UNK]"))
     tok.pre_tokenizer = tokenizers.pre_tokenizers.Whitespace()
-    tok.save(str(snap / "tokenizer.json"))
+    tok.save(str(folder / "tokenizer.json"))
+    return folder
+
+
+def _cache_model(cache, repo_id, model, vocab=None):
+    """``model`` (with a word-level tokenizer.json) in the hub cache layout under ``cache``."""
+    repo = cache / ("models--" + repo_id.replace("/", "--"))
+    snap = save_with_tokenizer(repo / "snapshots" / COMMIT, model, vocab)
     (repo / "refs").mkdir()
     (repo / "refs" / "main").write_text(COMMIT)
     return snap
-
-
-@pytest.fixture
-def hub_cache(tmp_path, monkeypatch):
-    pytest.importorskip("huggingface_hub")
-    cache = tmp_path / "hf"
-    cache.mkdir()
-    monkeypatch.delenv("HUGGINGFACE_HUB_CACHE", raising=False)
-    monkeypatch.setenv("HF_HUB_CACHE", str(cache))
-    return cache
 
 
 def test_hub_id_resolves_from_the_cache_offline(hub_cache, tmp_path, monkeypatch):
@@ -141,6 +139,30 @@ def test_hub_id_resolves_from_the_cache_offline(hub_cache, tmp_path, monkeypatch
     (tmp_path / "hf").rename(tmp_path / "hub")
     assert locate_pretrained("tiny-org/tiny-llama")[1] == str(tmp_path / "hub" / "models--tiny-org--tiny-llama"
                                                               / "snapshots" / COMMIT)
+
+
+@pytest.mark.fidelity
+@pytest.mark.parametrize("family", FAMILIES)
+def test_hub_id_of_every_family_matches_transformers(hub_cache, family):
+    import torch
+
+    model = _model(family)
+    _cache_model(hub_cache, f"tiny-org/tiny-{family}", model)
+    got = load_pretrained(f"tiny-org/tiny-{family}")
+    assert got.name == f"tiny-org/tiny-{family}" and got.tokenizer is not None
+    _same(got, pe.from_hf(model))
+    if family.endswith(("_hd8", "gemma2", "phi3")):
+        assert got.config.n_heads * got.config.head_dim != got.config.d_model
+    ids = np.array([3, 17, 5, 60, 1, 42, 9, 33, 2, 11])
+    with torch.no_grad():
+        out = model(torch.tensor(ids)[None], output_hidden_states=True)
+    theirs, hs = [t[0].numpy() for t in out.hidden_states], got.hidden_states(ids, final_norm=True)
+    assert len(hs) == len(theirs)
+    for k, (a, b) in enumerate(zip(hs, theirs)):
+        assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(b), f"hidden state {k}"
+    if family != "bert":  # a causal LM: its logits too (Gemma 2's soft-capped)
+        lt = out.logits[0].numpy()
+        assert np.linalg.norm(got.logits(ids) - lt) <= 1e-4 * np.linalg.norm(lt)
 
 
 def test_hub_id_not_in_the_cache_says_where_it_looked(hub_cache):

@@ -158,9 +158,10 @@ def test_git_commit_of_a_checkout_or_none(tmp_path, monkeypatch):
 
 
 def test_provenance_fields_are_json_values():
-    block = prov.provenance(seeds=(np.int64(3), 4), model="m", dtype=np.float64, backend="numba",
-                            extra={"grid": (1, 2)}, argv=["x"])
+    block = prov.provenance(seeds=(np.int64(3), 4), model="m", architecture="phi3", dtype=np.float64,
+                            backend="numba", extra={"grid": (1, 2)}, argv=["x"])
     assert block["seeds"] == [3, 4] and block["dtype"] == "float64" and block["extra"] == {"grid": [1, 2]}
+    assert block["architecture"] == "phi3" and prov.provenance()["architecture"] is None
     assert block["backend"]["requested"] == "numba" and block["argv"] == ["x"]
     assert json.loads(json.dumps(block, allow_nan=False)) == block
     assert prov.provenance()["argv"] == sys.argv

@@ -16,7 +16,8 @@ ARGV = "provenance_argv"
 
 
 def model_fields(model: Any, name: str | None = None, *, synthetic: str | None = None) -> dict[str, Any]:
-    """``{"model": ..., "weight_files": [...]}`` for :func:`block`.
+    """``{"model": ..., "weight_files": [...]}`` for :func:`block`, with ``"architecture"`` (the
+    family) for a pretrained model.
 
     ``model`` is a loaded model (a :class:`~pyengine.models.PretrainedModel` knows the
     folder or file of its weights), a ``.npz`` path, or None with ``synthetic`` naming a
@@ -26,7 +27,8 @@ def model_fields(model: Any, name: str | None = None, *, synthetic: str | None =
         return {"model": name or os.path.basename(os.fspath(model)), "weight_files": [os.fspath(model)]}
     source = getattr(model, "source", None)
     if model is not None and source is not None:
-        return {"model": name or getattr(model, "name", None), "weight_files": weight_files(source)}
+        return {"model": name or getattr(model, "name", None), "weight_files": weight_files(source),
+                "architecture": getattr(model, "architecture", None)}
     return {"model": name or synthetic, "weight_files": []}
 
 

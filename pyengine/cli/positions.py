@@ -61,7 +61,9 @@ def run(args: argparse.Namespace) -> int:
         models = [(m, load_pretrained(m)) for m in args.model]
     if models:
         fields = [model_fields(m, name) for name, m in models]
+        archs = [f.get("architecture") for f in fields]
         prov = block(args, seeds=[args.seed], model=", ".join(f["model"] for f in fields),
+                     architecture=", ".join(a or "none" for a in archs) if any(archs) else None,
                      weight_files=[p for f in fields for p in f["weight_files"]], inputs=(args.corpus,))
     else:
         prov = block(args, seeds=[args.seed], inputs=(args.corpus,),

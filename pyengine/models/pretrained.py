@@ -68,7 +68,9 @@ class PretrainedModel(Tokenizing, Stack):
         The known name, or the folder/file name.
     source : str
         The folder or file the weights came from.
-    architecture : {"bert", "llama"}
+    architecture : str
+        The family: the folder's ``model_type`` ("bert", "gpt2", "gpt_neox", "llama", "mistral",
+        "qwen2", "qwen3", "gemma", "gemma2", "phi3"), or "llama" for a GGUF file.
     tokenizer : tokenizers.Tokenizer or None
         Padding and truncation off; adds no special tokens (see :meth:`tokenize`).
     """

@@ -272,3 +272,18 @@ def test_stages_report_progress_and_records_in_order():
     np.testing.assert_array_equal(again.directions, r.exact.directions)
     np.testing.assert_array_equal(again.projection, r.exact.projection)
     np.testing.assert_allclose(r.exact.directions, unit, rtol=1e-15)
+
+
+@pytest.mark.parametrize("norm", ["layernorm", "rmsnorm"])
+def test_linear_model_line_claims_J1_equal_1_only_for_pre_ln_stacks(norm):
+    """The report states the structural J_k 1 = 1 for a pre-LN residual stack only; an RMSNorm
+    stack gets the measured drift without the claim (its Jacobian does not annihilate 1)."""
+    st = _stack(n_layers=3, norm=norm)
+    rep = recovery(st, ids=np.arange(40, 48), layer=1, scales=[0.5], n_directions=2, eps_values=[1e-5],
+                   gamma_values=[1.0], spectra=False, dtype=np.float64)
+    text = pe.experiments.format_table(rep)
+    claims = "every LayerNorm Jacobian annihilates 1" in text
+    assert claims == (norm == "layernorm")
+    assert ("does not annihilate 1 by construction" in text) == (norm == "rmsnorm")
+    if norm == "rmsnorm":
+        assert rep.scaling.ones_drift.max() > 1e-3  # the drift the report prints is real

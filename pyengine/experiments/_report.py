@@ -100,6 +100,15 @@ def format_table(rep: Recovery) -> str:
     return "\n".join(lines)
 
 
+def _ones_line(cfg: Any, drift: float) -> str:
+    """What the stack's structure says about J_k 1, and the measured drift."""
+    if cfg.placement == "pre" and cfg.residual and cfg.norm == "layernorm":
+        return ("every LayerNorm Jacobian annihilates 1, so in a pre-LN residual stack J_k 1 = 1: a uniform "
+                f"delta passes every branch unseen (measured max |J_k 1 - 1| = {drift:.1e})")
+    return (f"this stack ({cfg.placement}-{cfg.norm}, residual {'on' if cfg.residual else 'off'}) does not "
+            f"annihilate 1 by construction: measured max |J_k 1 - 1| = {drift:.1e}")
+
+
 def _linear_model_lines(rep: Recovery) -> list[str]:
     """The linear model's table: the scaling fit of J_k and the uniform split of delta."""
     sc, un = rep.scaling, rep.uniform
@@ -110,9 +119,7 @@ def _linear_model_lines(rep: Recovery) -> list[str]:
     lines = [f"linear model: J_k = d h_k / d h_{sc.layer} at token {sc.token} (diagonal block, d = {sc.d}) fitted by "
              f"alpha I + beta 11^T/d ({est}); unexpl: the fraction of |J_k|_F^2 the fit leaves; "
              f"|unif|, |rest|: norms of mean(delta) 1 and delta - mean(delta) 1 (exact, scale "
-             f"{rep.protocol_scale:g}, read-out); every LayerNorm Jacobian annihilates 1, so in a pre-LN residual "
-             f"stack J_k 1 = 1: a uniform delta passes every branch unseen (measured max |J_k 1 - 1| = "
-             f"{float(np.nanmax(sc.ones_drift)):.1e})",
+             f"{rep.protocol_scale:g}, read-out); {_ones_line(rep.config, float(np.nanmax(sc.ones_drift)))}",
              f"{'k':>3}{'alpha':>18}{'beta':>18}{'unexpl':>20}{'|unif|':>11}{'|rest|':>11}"]
     u, r = (x.copy() for x in un["exact"])
     if not float(rep.exact.layers[0]).is_integer():  # row 0 of a site injection is the site, not h_layer

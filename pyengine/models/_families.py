@@ -71,6 +71,14 @@ class _Reader:
         self.known.add(full)
         return self.st.get(full, shape, self.dtype)
 
+    def linear(self, *parts: tuple[str, int, int]) -> np.ndarray:
+        """HF Linear weights ``(name, out, in)`` stacked along their outputs, in a Stack's (in, out) layout."""
+        full = [(self.pre + name, (o, i)) for name, o, i in parts]
+        self.known.update(name for name, _ in full)
+        if hasattr(self.st, "linear"):  # one pass, no intermediate copies (safetensors files)
+            return self.st.linear(full, self.dtype)
+        return _t(np.concatenate([self.st.get(name, s, self.dtype) for name, s in full]))
+
     def has(self, name: str, prefixed: bool = True) -> bool:
         return (self.pre + name if prefixed else name) in self.st.names
 
@@ -251,14 +259,13 @@ def llama_like(hf: dict[str, Any], st: Shards, where: str, dtype: Any, layers: A
         get.known.add("lm_head.weight")
     for k in range(L) if layers is None else layers:
         p, b = f"layers.{k}.", f"blocks.{k}."
-        q, kk, v = (get(p + f"self_attn.{x}_proj.weight", m * dh, d) for x, m in (("q", H), ("k", Hkv), ("v", Hkv)))
-        w[b + "attn.w_qkv"] = np.ascontiguousarray(np.concatenate([q, kk, v]).T)
-        w[b + "attn.w_o"] = _t(get(p + "self_attn.o_proj.weight", d, H * dh))
+        w[b + "attn.w_qkv"] = get.linear(*((p + f"self_attn.{x}_proj.weight", m * dh, d)
+                                            for x, m in (("q", H), ("k", Hkv), ("v", Hkv))))
+        w[b + "attn.w_o"] = get.linear((p + "self_attn.o_proj.weight", d, H * dh))
         if family == "qwen3":  # RMSNorm of each query and key head (dh,)
             w[b + "attn.q_norm"], w[b + "attn.k_norm"] = (get(p + f"self_attn.{x}_norm.weight", dh) for x in "qk")
-        w[b + "mlp.w_in"] = np.ascontiguousarray(np.concatenate([get(p + "mlp.gate_proj.weight", n, d),
-                                                                 get(p + "mlp.up_proj.weight", n, d)]).T)
-        w[b + "mlp.w_out"] = _t(get(p + "mlp.down_proj.weight", d, n))
+        w[b + "mlp.w_in"] = get.linear((p + "mlp.gate_proj.weight", n, d), (p + "mlp.up_proj.weight", n, d))
+        w[b + "mlp.w_out"] = get.linear((p + "mlp.down_proj.weight", d, n))
         w[b + "norm1.gamma"] = norm(get(p + "input_layernorm.weight", d))
         w[b + "norm2.gamma"] = norm(get(p + "post_attention_layernorm.weight", d))
         if qkv_bias:  # Qwen2 (or attention_bias): biases on q, k, v only; the Stack's other biases are exact zeros
@@ -292,6 +299,11 @@ class _Names:
             raise self.st.lacks(name)
         self.read.add(name)
         return np.broadcast_to(np.zeros((), dtype), shape)
+
+    def linear(self, parts: list[tuple[str, tuple[int, int]]], dtype: Any = np.float32) -> np.ndarray:
+        for name, s in parts:
+            self.get(name, s, dtype)
+        return np.broadcast_to(np.zeros((), dtype), (parts[0][1][1], sum(s[0] for _, s in parts)))
 
 
 #: Tensors a checkpoint may carry that no reader uses (buffers: rotary frequencies, causal masks).

@@ -63,17 +63,16 @@ def test_random_access_order_and_values(folder, full, dtype):
     for k in order:
         assert same(lazy.block_weights(k, dtype), full.block_weights(k, dtype)), k
         finish_reads()  # the record in a fixed order (a read-ahead would run on while the caller reads)
-    # each miss reads the block in the caller, each read starts the next block's on a thread; a block
-    # that was read ahead is not read again
+    # each miss reads the block in the caller, each read starts the next block's (after the last, the
+    # first) on a thread; a block that was read ahead is not read again
     expect, ahead = [], None
     for i, k in enumerate(order):
         if i and k == order[i - 1]:
             continue
         if k != ahead:
             expect.append((k, True))
-        ahead = k + 1 if k + 1 < L else None
-        if ahead is not None:
-            expect.append((ahead, False))
+        ahead = (k + 1) % L
+        expect.append((ahead, False))
     assert reads == expect
 
 
@@ -130,7 +129,7 @@ def test_reader_error_raised_in_caller(tmp_path, full):
     with pytest.raises(ValueError, match="contains NaN"):  # in a sweep, read ahead again
         lazy.hidden_states(ids)
     finish_reads()
-    assert reads[3:] == [(0, True), (1, False), (2, False)]
+    assert reads[3:] == [(0, True), (1, False), (2, False)]  # block 0: the read ahead after 3 was dropped
     assert same(lazy.block_weights(3), full.block_weights(3))  # the model keeps working
     assert same(lazy.block_weights(0), full.block_weights(0))
     finish_reads()

@@ -3,9 +3,18 @@
 The safetensors files stay memory-mapped; the global arrays (embeddings, final norm,
 LM head) are read once, and block k's arrays are read, converted to the compute dtype
 and gamma-scaled when block k runs (``Stack._params(dtype)[0][k]``, which every block
-method goes through), then dropped when another block is needed. Peak memory is the
-activations, the globals and about one block of weights in the compute dtype (plus the
-page cache the kernel may keep for the mapped files, which it can drop at will).
+method goes through), then dropped when another block is needed.
+
+Reading a block is one pass per weight: :func:`pyengine.kernels.widen.bf16_transpose_into`
+widens bf16 (a shift), transposes and places each HF Linear weight in its columns of the
+Stack's stacked array, inside a buffer of a pool of two that is reused (``_Pooled``); the
+NumPy route it replaces made five passes (uint32 copy, shift, finiteness check,
+concatenation, transposed copy), of which the transposed copy and the uint32 copy were
+three quarters of the time (docs/performance.md has the breakdown). While block k runs,
+block k + 1 (after the last block, the first) is read on a daemon thread
+(:class:`StreamedBlocks`), the kernels releasing the GIL. Peak memory is the activations,
+the globals and about two blocks of weights in the compute dtype (plus the page cache the
+kernel may keep for the mapped files, which it can drop at will).
 """
 
 from __future__ import annotations
@@ -85,8 +94,8 @@ class _Pooled:
 
 
 class StreamedBlocks(Sequence):
-    """Block weight dicts read on demand: the block asked for, and (``ahead``) the next one
-    read on a background thread meanwhile, so that at most two blocks are held.
+    """Block weight dicts read on demand: the block asked for, and (``ahead``) the next one (after
+    the last, the first) read on a background thread meanwhile, so that at most two blocks are held.
 
     The stacked Linear weights of a block live in a buffer of a pool of two, reused when no
     array of the block it held is referenced any more (its reference count, so a block the
@@ -115,11 +124,12 @@ class StreamedBlocks(Sequence):
         if self._last is None or self._last[0] != k:
             self._last = None  # drop the previous block before reading the next
             self._last = (k, self._take(k))
-            if self._ahead_on and k + 1 < len(self):
+            if self._ahead_on and len(self) > 1:
                 if self._stale is not None:
                     self._stale.join()
                     self._stale = None
-                self._ahead = _Ahead(self._read, k + 1)
+                # after the last block, the first: a sweep over the blocks is usually followed by another
+                self._ahead = _Ahead(self._read, (k + 1) % len(self))
         return self._last[1]
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:

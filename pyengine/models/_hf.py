@@ -18,6 +18,7 @@ from typing import Any
 import numpy as np
 
 from .. import _validate as _v
+from ..kernels.widen import bf16_transpose_into
 from .config import StackConfig
 
 #: The one command that installs pretrained-model support (see the README).
@@ -109,20 +110,39 @@ class Safetensors:
 
         F16 and BF16 are widened exactly (BF16: its 16 bits are the top half of a float32).
         """
+        def convert(kind: str, m: np.ndarray) -> np.ndarray:
+            if kind == "BF16":
+                return (m.astype(np.uint32) << 16).view(np.float32).astype(dtype, copy=False)
+            return np.array(m, dtype=dtype)
+
+        a = self._convert(name, shape, convert)
+        _v.finite(f"weights file {self.path!r}: tensor {name!r}", a)
+        return a
+
+    def get_t_into(self, name: str, shape: tuple[int, int], out: np.ndarray, col: int) -> None:
+        """Tensor ``name`` of shape (o, i), checked as by :meth:`get`, written transposed into
+        ``out[:, col:col + o]`` in ``out``'s dtype: BF16 in one pass (:func:`bf16_transpose_into`)."""
+        def convert(kind: str, m: np.ndarray) -> bool:
+            if kind == "BF16" and m.size:
+                return bf16_transpose_into(m, out, col)
+            dst = out[:, col:col + shape[0]]
+            np.copyto(dst, m.T, casting="unsafe")
+            return bool(np.isfinite(dst).all())
+
+        if not self._convert(name, shape, convert):
+            self.get(name, shape, out.dtype)  # the message naming the first Inf or NaN
+
+    def _convert(self, name: str, shape: tuple[int, ...], convert: Callable[[str, np.ndarray], Any]) -> Any:
+        """``convert(kind, memory map)`` of tensor ``name``, checked for shape and dtype; a file damaged
+        since its header was checked gives a ValueError naming the file and the tensor."""
         where = f"weights file {self.path!r}"
         kind = float_kind(self.info, name, shape, where)
         try:
             if os.path.getsize(self.path) != self.size:
                 raise OSError(f"the file changed size since its header was checked ({self.size} bytes then)")
-            m = self.raw(name)
-            if kind == "BF16":
-                a = (m.astype(np.uint32) << 16).view(np.float32).astype(dtype, copy=False)
-            else:
-                a = np.array(m, dtype=dtype)
-        except (OSError, ValueError) as exc:  # a file damaged since the check
+            return convert(kind, self.raw(name))
+        except (OSError, ValueError) as exc:
             raise ValueError(f"{where}: tensor {name!r} cannot be read ({type(exc).__name__}: {exc})") from None
-        _v.finite(f"{where}: tensor {name!r}", a)
-        return a
 
 
 def float_kind(info: dict[str, tuple[str, tuple[int, ...]]], name: str, shape: tuple[int, ...], where: str) -> str:
@@ -188,6 +208,28 @@ class Shards:
         if name not in self.owner:
             raise self.lacks(name)
         return self.files[self.owner[name]].get(name, shape, dtype)
+
+    def linear(self, parts: list[tuple[str, tuple[int, int]]], dtype: Any = np.float32,
+               out: np.ndarray | None = None) -> np.ndarray:
+        """HF ``Linear`` weights ``[(name, (o_j, i)), ...]`` stacked along their outputs, as one array
+        of shape (i, sum o_j) in a Stack's layout (the transpose of their concatenation), checked as
+        by :meth:`get`; written into ``out`` (C-contiguous, that shape and ``dtype``) when given."""
+        i = parts[0][1][1]
+        if any(s[1] != i for _, s in parts):
+            raise ValueError(f"{self.where}: weights {[n for n, _ in parts]} do not share an input size")
+        shape = (i, sum(s[0] for _, s in parts))
+        if out is None:
+            out = np.empty(shape, dtype)
+            out.fill(0)  # pages touched in order first: a first touch in the transposed order costs far more
+        elif out.shape != shape or out.dtype != np.dtype(dtype):
+            raise ValueError(f"out must have shape {shape} and dtype {np.dtype(dtype)}; got {out.shape}, {out.dtype}")
+        col = 0
+        for name, s in parts:
+            if name not in self.owner:
+                raise self.lacks(name)
+            self.files[self.owner[name]].get_t_into(name, s, out, col)
+            col += s[0]
+        return out
 
 
 def num(src: dict[str, Any], key: str, where: str, real: bool = False, default: Any = None) -> Any:

@@ -60,6 +60,14 @@ class _Reader:
         self.known.add(full)
         return self.st.get(full, shape, self.dtype)
 
+    def linear(self, *parts: tuple[str, int, int]) -> np.ndarray:
+        """HF Linear weights ``(name, out, in)`` stacked along their outputs, in a Stack's (in, out) layout."""
+        full = [(self.pre + name, (o, i)) for name, o, i in parts]
+        self.known.update(name for name, _ in full)
+        if hasattr(self.st, "linear"):  # one pass, no intermediate copies (safetensors files)
+            return self.st.linear(full, self.dtype)
+        return _t(np.concatenate([self.st.get(name, s, self.dtype) for name, s in full]))
+
     def has(self, name: str, prefixed: bool = True) -> bool:
         return (self.pre + name if prefixed else name) in self.st.names
 
@@ -96,12 +104,11 @@ def llama_dims(hf: dict[str, Any], where: str) -> tuple[int, ...]:
 def llama_layer(get: _Reader, k: int, d: int, H: int, Hkv: int, dh: int, n: int) -> dict[str, np.ndarray]:
     """Layer k's attention (q, k, v, o) and gated MLP (gate, up, down) projections as block k's arrays."""
     p, b = f"layers.{k}.", f"blocks.{k}."
-    q, kk, v = (get(p + f"self_attn.{x}_proj.weight", m * dh, d) for x, m in (("q", H), ("k", Hkv), ("v", Hkv)))
-    return {b + "attn.w_qkv": np.ascontiguousarray(np.concatenate([q, kk, v]).T),
-            b + "attn.w_o": _t(get(p + "self_attn.o_proj.weight", d, H * dh)),
-            b + "mlp.w_in": np.ascontiguousarray(np.concatenate([get(p + "mlp.gate_proj.weight", n, d),
-                                                                 get(p + "mlp.up_proj.weight", n, d)]).T),
-            b + "mlp.w_out": _t(get(p + "mlp.down_proj.weight", d, n))}
+    return {b + "attn.w_qkv": get.linear(*((p + f"self_attn.{x}_proj.weight", m * dh, d)
+                                           for x, m in (("q", H), ("k", Hkv), ("v", Hkv)))),
+            b + "attn.w_o": get.linear((p + "self_attn.o_proj.weight", d, H * dh)),
+            b + "mlp.w_in": get.linear((p + "mlp.gate_proj.weight", n, d), (p + "mlp.up_proj.weight", n, d)),
+            b + "mlp.w_out": get.linear((p + "mlp.down_proj.weight", d, n))}
 
 
 class _Names:
@@ -116,3 +123,8 @@ class _Names:
             raise self.st.lacks(name)
         self.read.add(name)
         return np.broadcast_to(np.zeros((), dtype), shape)
+
+    def linear(self, parts: list[tuple[str, tuple[int, int]]], dtype: Any = np.float32) -> np.ndarray:
+        for name, s in parts:
+            self.get(name, s, dtype)
+        return np.broadcast_to(np.zeros((), dtype), (parts[0][1][1], sum(s[0] for _, s in parts)))

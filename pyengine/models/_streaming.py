@@ -3,9 +3,18 @@
 The safetensors files stay memory-mapped; the global arrays (embeddings, final norm,
 LM head) are read once, and block k's arrays are read, converted to the compute dtype
 and gamma-scaled when block k runs (``Stack._params(dtype)[0][k]``, which every block
-method goes through), then dropped when another block is needed. Peak memory is the
-activations, the globals and about one block of weights in the compute dtype (plus the
-page cache the kernel may keep for the mapped files, which it can drop at will).
+method goes through), then dropped when another block is needed.
+
+Reading a block is one pass per weight: :func:`pyengine.kernels.widen.bf16_transpose_into`
+widens bf16 (a shift), transposes and places each HF Linear weight in its columns of the
+Stack's stacked array, inside a buffer of a pool of two that is reused (``_Pooled``); the
+NumPy route it replaces made five passes (uint32 copy, shift, finiteness check,
+concatenation, transposed copy), of which the transposed copy and the uint32 copy were
+three quarters of the time (docs/performance.md has the breakdown). While block k runs,
+block k + 1 (after the last block, the first) is read on a daemon thread
+(:class:`StreamedBlocks`), the kernels releasing the GIL. Peak memory is the activations,
+the globals and about two blocks of weights in the compute dtype (plus the page cache the
+kernel may keep for the mapped files, which it can drop at will).
 """
 
 from __future__ import annotations
@@ -13,7 +22,10 @@ from __future__ import annotations
 import copy
 import dataclasses
 import functools
-from collections.abc import Iterator, Sequence
+import math
+import sys
+import threading
+from collections.abc import Callable, Iterator, Sequence
 from typing import Any
 
 import numpy as np
@@ -23,13 +35,84 @@ from .config import StackConfig, expected_arrays
 
 __all__ = ["StreamedBlocks", "streamed"]
 
+#: Buffers a StreamedBlocks keeps for reuse: the block in use and the one read ahead.
+_POOL = 2
+#: Alignment (bytes) of each array carved from a buffer.
+_ALIGN = 64
+
+
+class _Ahead(threading.Thread):
+    """Block ``k`` read on a daemon thread; :meth:`result` waits and re-raises its error in the caller."""
+
+    def __init__(self, read: Callable[[int], dict[str, np.ndarray]], k: int) -> None:
+        super().__init__(name=f"pyengine-read-ahead-{k}", daemon=True)
+        self.k, self._read = k, read
+        self._out: dict[str, np.ndarray] | None = None
+        self._error: BaseException | None = None
+        self.start()
+
+    def run(self) -> None:
+        try:
+            self._out = self._read(self.k)
+        except BaseException as exc:  # noqa: BLE001 - handed to the thread that asks for the block
+            self._error = exc
+        finally:
+            self._read = None  # type: ignore[assignment]  # the model is not kept alive by a finished thread
+
+    def result(self) -> dict[str, np.ndarray]:
+        self.join()
+        if self._error is not None:
+            raise self._error
+        assert self._out is not None
+        return self._out
+
+
+class _Pooled:
+    """Shards whose stacked Linear weights (``linear``) are carved from one buffer of the pool,
+    taken on first use; every other read is passed through."""
+
+    def __init__(self, st: _hf.Shards, take: Callable[[], np.ndarray]) -> None:
+        self.st, self._take, self._buf, self._used = st, take, None, 0
+        self.names = st.names
+
+    def get(self, name: str, shape: tuple[int, ...], dtype: Any = np.float32) -> np.ndarray:
+        return self.st.get(name, shape, dtype)
+
+    def lacks(self, name: str) -> ValueError:
+        return self.st.lacks(name)
+
+    def linear(self, parts: list[tuple[str, tuple[int, int]]], dtype: Any = np.float32) -> np.ndarray:
+        if self._buf is None:
+            self._buf = self._take()
+        shape = (parts[0][1][1], sum(s[0] for _, s in parts))
+        step = _ALIGN // self._buf.itemsize
+        start, n = -(-self._used // step) * step, math.prod(shape)
+        if self._buf.dtype != np.dtype(dtype) or start + n > self._buf.size:
+            return self.st.linear(parts, dtype)
+        self._used = start + n
+        return self.st.linear(parts, dtype, out=self._buf[start:start + n].reshape(shape))
+
 
 class StreamedBlocks(Sequence):
-    """Block weight dicts read on demand; only the last one read is kept."""
+    """Block weight dicts read on demand: the block asked for, and (``ahead``) the next one (after
+    the last, the first) read on a background thread meanwhile, so that at most two blocks are held.
 
-    def __init__(self, model: Any, dtype: np.dtype) -> None:
-        self._model, self._dtype = model, dtype
+    The stacked Linear weights of a block live in a buffer of a pool of two, reused when no
+    array of the block it held is referenced any more (its reference count, so a block the
+    caller kept, or any view of it, is never overwritten; a new buffer is made instead).
+    """
+
+    def __init__(self, model: Any, dtype: np.dtype, ahead: bool = True) -> None:
+        self._model, self._dtype, self._ahead_on = model, dtype, ahead
         self._last: tuple[int, dict[str, np.ndarray]] | None = None
+        self._ahead: _Ahead | None = None  # the read of the next block
+        self._stale: _Ahead | None = None  # a read that was not used; joined before the next one starts
+        self._pool: list[np.ndarray] = []
+        self._idle_refs = 0
+        self._lock = threading.Lock()
+        step = _ALIGN // 4
+        self._size = sum(-(-math.prod(s) // step) * step for n, s in expected_arrays(model.config).items()
+                         if n.startswith("blocks.0.") and len(s) == 2)
 
     def __len__(self) -> int:
         return self._model.config.n_layers
@@ -40,12 +123,44 @@ class StreamedBlocks(Sequence):
         k = range(len(self))[k]
         if self._last is None or self._last[0] != k:
             self._last = None  # drop the previous block before reading the next
-            self._last = (k, self._model._read_block(k, self._dtype))
+            self._last = (k, self._take(k))
+            if self._ahead_on and len(self) > 1:
+                if self._stale is not None:
+                    self._stale.join()
+                    self._stale = None
+                # after the last block, the first: a sweep over the blocks is usually followed by another
+                self._ahead = _Ahead(self._read, (k + 1) % len(self))
         return self._last[1]
 
     def __iter__(self) -> Iterator[dict[str, np.ndarray]]:
         for k in range(len(self)):
             yield self[k]
+
+    def _take(self, k: int) -> dict[str, np.ndarray]:
+        ahead, self._ahead = self._ahead, None
+        if ahead is None:
+            return self._read(k)
+        self._stale = ahead  # kept (and joined) until the next read-ahead, even if the wait is interrupted
+        if ahead.k == k:
+            return ahead.result()
+        return self._read(k)  # random access: the other read ends on its own, its block is dropped
+
+    def _read(self, k: int) -> dict[str, np.ndarray]:
+        return self._model._read_block(k, self._dtype, _Pooled(self._model._st, self._buffer))
+
+    def _buffer(self) -> np.ndarray:
+        """A buffer of the pool that nothing else references, or a new one (kept if the pool has room)."""
+        with self._lock:
+            for i in range(len(self._pool)):
+                if sys.getrefcount(self._pool[i]) <= self._idle_refs:
+                    return self._pool[i]
+            if len(self._pool) == _POOL:
+                self._pool.pop(0)  # held by its users; they keep it alive
+            self._pool.append(np.empty(self._size, self._model._read_dtype(self._dtype)))
+            # touched in order: a first touch of the fresh pages in the kernel's transposed order costs far more
+            self._pool[-1].fill(0)
+            self._idle_refs = sys.getrefcount(self._pool[-1])
+            return self._pool[-1]
 
 
 def _prepare(arrays: dict[str, np.ndarray], dtype: np.dtype, gamma_scale: float) -> dict[str, np.ndarray]:
@@ -73,15 +188,21 @@ def streamed(cls: type) -> type:
             self._init(cfg, _check_arrays_subset(cfg, glob, expected, f"weights from {where!r}"))
             self._hf, self._st, self._where, self._storage = hf, st, where, storage
 
-        def _read_block(self, k: int, dtype: np.dtype) -> dict[str, np.ndarray]:
-            _, arrays = _families.read_family(self._hf, self._st, self._where, self._storage, layers=(k,),
-                                              glob=False)
+        def _read_block(self, k: int, dtype: np.dtype, st: Any = None) -> dict[str, np.ndarray]:
+            _, arrays = _families.read_family(self._hf, self._st if st is None else st, self._where,
+                                              self._read_dtype(dtype), layers=(k,), glob=False)
             pre = f"blocks.{k}."
             expected = {n[len(pre):]: s for n, s in expected_arrays(self._config).items() if n.startswith(pre)}
             block = {n[len(pre):]: a for n, a in arrays.items()}
             if set(block) != set(expected) or any(block[n].shape != s for n, s in expected.items()):
                 raise ValueError(f"{self._where}: block {k}'s arrays do not match the config")
             return _prepare(block, dtype, self._config.gamma_scale)
+
+        def _read_dtype(self, dtype: np.dtype) -> np.dtype:
+            """The dtype a block is read in for computing in ``dtype``: the compute dtype itself (one
+            conversion, straight into the final layout) unless it is wider than the storage dtype, whose
+            rounding of a wider file (F64 into float32) the loaded model has and must be kept."""
+            return dtype if dtype.itemsize <= self._storage.itemsize else self._storage
 
         def _params(self, dtype: np.dtype) -> tuple[Any, dict[str, np.ndarray]]:
             if dtype not in self._prepared:

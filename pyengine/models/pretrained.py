@@ -197,8 +197,9 @@ def load_pretrained(name_or_path: str | os.PathLike[str], dtype: Any = np.float3
         Storage dtype of the weights of an HF folder (float64 keeps a float64 checkpoint exact).
     weights : {"load", "mmap"}
         "mmap" (HF folders of the decoder families): the files stay memory-mapped and each
-        block's weights are read and converted when that block runs, then dropped; peak
-        memory is about one block of weights plus the globals and the activations.
+        block's weights are read and converted when that block runs, the next block's on a
+        background thread meanwhile, then dropped; peak memory is about two blocks of
+        weights plus the globals and the activations.
 
     Returns
     -------

@@ -25,6 +25,7 @@ __all__ = [
     "fma_pjit",
     "inline",
     "jit",
+    "nogil_jit",
     "pjit",
 ]
 
@@ -45,6 +46,11 @@ jit = functools.partial(numba.njit, cache=True, fastmath=FASTMATH, error_model="
 #: (no ``nogil``): Numba's default ``workqueue`` threading layer aborts the process
 #: when two Python threads enter parallel kernels at the same time.
 pjit = functools.partial(jit, parallel=True)
+
+#: Serial kernels that release the GIL, for work a background Python thread does while
+#: the main thread computes (reading streamed weights); serial, so they never enter the
+#: threading layer that :data:`pjit` kernels share.
+nogil_jit = functools.partial(jit, nogil=True)
 
 if numba.config.DISABLE_JIT:  # pragma: no cover - only in the NUMBA_DISABLE_JIT=1 CI job
 

@@ -118,12 +118,14 @@ PYENGINE_ALWAYS_INLINE void act_row(const T* xr, index_t d, T* o) {
     }
 }
 
-template <class T>
+// FloatGeluTanh: gelu_tanh all in float (GeluTanhFloat), for the bf16 products' epilogue.
+template <bool FloatGeluTanh = false, class T>
 void act_row(Act act, const T* xr, index_t d, T* o) {
     using namespace activations_detail;
+    using GeluT = std::conditional_t<FloatGeluTanh, GeluTanhFloat, GeluTanh>;
     switch (act) {
         case Act::gelu: act_row<Gelu>(xr, d, o); break;
-        case Act::gelu_tanh: act_row<GeluTanh>(xr, d, o); break;
+        case Act::gelu_tanh: act_row<GeluT>(xr, d, o); break;
         case Act::relu: act_row<Relu>(xr, d, o); break;
         case Act::none:
             if (o != xr) std::copy(xr, xr + d, o);
@@ -254,6 +256,7 @@ struct GemmProduct {
     const T* w;
     index_t k, n;
     static constexpr bool full_width = false;  // any column tile
+    static constexpr bool float_gelu_tanh = false;
     void operator()(index_t r0, index_t r1, index_t c0, index_t c1, T beta, T* dst, index_t ldc) const {
         gemm<T>(blas, r1 - r0, c1 - c0, k, x + r0 * k, k, w + c0, n, beta, dst, ldc);
     }
@@ -285,7 +288,7 @@ std::int64_t linear_act_with(const LinearBlas& blas, const P& prod, const T* b, 
         for (index_t i = r0; i < r1; ++i) {
             T* p = dst + i * n + c0;
             fl[i * fs] = bias_residual_row(p, c1 - c0, b == nullptr ? nullptr : b + c0, static_cast<const T*>(nullptr));
-            act_row(act, p, c1 - c0, out + i * n + c0);
+            act_row<P::float_gelu_tanh>(act, p, c1 - c0, out + i * n + c0);
         }
     });
 }

@@ -102,6 +102,27 @@ def test_linear_act_and_mul_bf16_match_reference():
     assert np.all(np.abs(out - ref * c) <= ACC_RTOL * scale * np.abs(c) + 1e-30)
 
 
+def _gelu_tanh64(u):
+    u = u.astype(np.float64)
+    with np.errstate(over="ignore"):  # u (1 + tanh y) / 2 as u sigmoid(2 y): no cancellation for u << 0
+        return u / (1.0 + np.exp(-2.0 * np.sqrt(2.0 / np.pi) * (u + 0.044715 * u**3)))
+
+
+@needs_bf16
+def test_linear_act_bf16_gelu_tanh_epilogue_in_float():
+    """gelu_tanh all in float (its argument too): within 2e-7 |y| relative, y = 2 sqrt(2/pi) (u + 0.044715 u^3)."""
+    kernel = linear_bf16.kernel("linear_act_bf16")
+    # u = b exactly (x = 0): a sweep through the tail, the flush below e^-87 and huge values
+    grid = np.concatenate([np.linspace(-14.0, 14.0, 4093), [0.0, -1e30, 1e30]]).astype(np.float32)
+    x0, u, out = np.zeros((2, 8), np.float32), np.empty((2, grid.size), np.float32), np.empty((2, grid.size), np.float32)
+    assert kernel(x0, linear_bf16.pack(np.ones((8, grid.size), np.float32)).data, grid, "gelu_tanh", u, out) == 0
+    np.testing.assert_array_equal(u[0], grid)
+    want = _gelu_tanh64(grid)
+    np.testing.assert_array_equal(out[:, -3:], np.float32([[0.0, -0.0, 1e30]] * 2))
+    y = 2.0 * np.sqrt(2.0 / np.pi) * np.abs(grid.astype(np.float64) * (1.0 + 0.044715 * grid.astype(np.float64) ** 2))
+    assert np.all(np.abs(out - want) <= (1e-6 + 2e-7 * np.minimum(y, 87.0)) * np.abs(want) + 1e-36)
+
+
 @needs_bf16
 def test_linear_bf16_same_bits_on_any_thread_count():
     x, w, b = _operands(N=1000, k=64, n=48)

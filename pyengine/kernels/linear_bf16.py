@@ -5,7 +5,8 @@ instructions): ``w`` is rounded to bf16 and packed by MKL once (:func:`pack`, ke
 caller next to the float32 weight), each row tile of ``x`` is rounded to bf16 (round to
 nearest even) as it is packed, the products are summed in float32, and the epilogue of
 :mod:`pyengine.kernels.linear` (bias, residual, activation, coefficient) runs in float32 on
-the float32 result. Compiled kernels only (``"cpp"``): ``linear_bf16``, ``linear_act_bf16``,
+the float32 result (``gelu_tanh`` with float arithmetic throughout, its argument too:
+relative error <= 1e-5, at half the cost of ``linear_act``'s, whose argument is in double). Compiled kernels only (``"cpp"``): ``linear_bf16``, ``linear_act_bf16``,
 ``linear_mul_bf16`` take the float32 arguments of ``linear``, ``linear_act``, ``linear_mul``
 with the packed weight in place of ``w``.
 

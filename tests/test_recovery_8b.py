@@ -36,8 +36,10 @@ def word_tokenizer(folder: str, n_words: int) -> None:
 def test_recovery_on_two_8b_blocks_streams_and_estimates_its_time(tmp_path):
     """Two Llama-3-8B-shaped blocks (d 4096, GQA 32/8, d_mlp 14336; 0.9 GB of bf16, 1.7 GB of float32
     weights), streamed; K = 8 directions injected at the last of T = 128 tokens. The run's peak RSS
-    stays under 4 GiB (two blocks of float32 weights plus the activations), and the time left
-    printed when the second stage starts puts the end within a factor 2 of the actual end."""
+    stays under 4 GiB (two blocks of float32 weights plus the activations); the time left printed
+    when the second stage starts does not underestimate the end by more than 2x nor overestimate
+    it by more than 3x (the first stage pays the cold reads), and once a warm forward stage has been
+    measured the estimate is within 1.5x."""
     folder = write_bf16_llama(str(tmp_path / "m"), d=4096, H=32, Hkv=8, L=2, n=14336, V=256, shards=2)
     word_tokenizer(folder, 255)
     text = " ".join(f"w{(7 * i) % 255}" for i in range(128))
@@ -51,12 +53,19 @@ def test_recovery_on_two_8b_blocks_streams_and_estimates_its_time(tmp_path):
     rss = int(re.search(r"peak_rss_kib (\d+)", r.stderr).group(1)) * 1024
     print(f"wall {wall:.1f} s, peak RSS {rss / 2**30:.2f} GiB\n{r.stderr}")
     assert rss < 4 * 2**30
-    lines = [m.groups() for m in re.finditer(r"\]\s+([\d.]+) s  (.+?)  \(about ([\d.]+) (s|min) left\)", r.stderr)]
-    assert lines and lines[0][1] == "linearized propagation", r.stderr
-    at, _, left, unit = lines[0]
-    predicted = float(at) + float(left) * (60 if unit == "min" else 1)
+    lines = {m.group(2): m.groups() for m in
+             re.finditer(r"\]\s+([\d.]+) s  (.+?)  \(about ([\d.]+) (s|min) left\)", r.stderr)}
     final = float(re.search(r"\]\s+([\d.]+) s  done", r.stderr).group(1))
-    assert final / 2 <= predicted <= 2 * final, (predicted, final)
+
+    def predicted(stage):
+        at, _, left, unit = lines[stage]
+        return float(at) + float(left) * (60 if unit == "min" else 1)
+
+    # the first estimate rests on the first stage alone, which pays the cold reads of the weights
+    # (and the compile of the reader): on the safe side, at most 3x
+    assert final / 2 <= predicted("linearized propagation") <= 3 * final, (lines, final)
+    # once a warm forward stage has been measured (the ablation), within 1.5x
+    assert final / 1.5 <= predicted("sweep: norm eps") <= 1.5 * final, (lines, final)
 
 
 _MEMORY = textwrap.dedent("""

@@ -165,3 +165,21 @@ def test_threads_end_and_model_is_freed(folder):
     del lazy
     gc.collect()
     assert gone == [True]
+
+
+def test_replace_copies_share_the_two_buffers(folder, full):
+    """A replace copy (an ablation: another eps) takes over the original's two buffers instead of
+    making two more: the original releases the blocks it holds, and both stay exact."""
+    lazy = load_pretrained(folder, weights="mmap")
+    h = full.embed(np.arange(6) % full.config.vocab_size).astype(np.float32)
+    want = full.block_forward(1, h)
+    np.testing.assert_array_equal(lazy.block_forward(1, h), want)
+    finish_reads()
+    pool = lazy._params(np.dtype(np.float32))[0]._pool
+    before = [id(b) for b in pool]
+    copy = lazy.replace(eps=1e-3)
+    np.testing.assert_array_equal(copy.block_forward(1, h), full.replace(eps=1e-3).block_forward(1, h))
+    np.testing.assert_array_equal(copy.block_forward(2, h), full.replace(eps=1e-3).block_forward(2, h))
+    finish_reads()
+    assert copy._params(np.dtype(np.float32))[0]._pool is pool and [id(b) for b in pool] == before
+    np.testing.assert_array_equal(lazy.block_forward(1, h), want)  # the original reads its block again

@@ -18,7 +18,6 @@ from typing import Any
 import numpy as np
 
 from .. import _validate as _v
-from ..kernels.widen import bf16_transpose_into
 from .config import StackConfig
 
 #: The one command that installs pretrained-model support (see the README).
@@ -122,6 +121,8 @@ class Safetensors:
     def get_t_into(self, name: str, shape: tuple[int, int], out: np.ndarray, col: int) -> None:
         """Tensor ``name`` of shape (o, i), checked as by :meth:`get`, written transposed into
         ``out[:, col:col + o]`` in ``out``'s dtype: BF16 in one pass (:func:`bf16_transpose_into`)."""
+        from ..kernels.widen import bf16_transpose_into  # here: `import pyengine` loads no Numba
+
         def convert(kind: str, m: np.ndarray) -> bool:
             if kind == "BF16" and m.size:
                 return bf16_transpose_into(m, out, col)

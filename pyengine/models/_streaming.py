@@ -20,7 +20,6 @@ kernel may keep for the mapped files, which it can drop at will).
 from __future__ import annotations
 
 import copy
-import dataclasses
 import functools
 import math
 import sys
@@ -39,6 +38,8 @@ __all__ = ["StreamedBlocks", "streamed"]
 _POOL = 2
 #: Alignment (bytes) of each array carved from a buffer.
 _ALIGN = 64
+#: sys.getrefcount of a pool's buffer that nothing else references: the pool's list and the call's argument.
+_IDLE_REFS = 2
 
 
 class _Ahead(threading.Thread):
@@ -99,7 +100,10 @@ class StreamedBlocks(Sequence):
 
     The stacked Linear weights of a block live in a buffer of a pool of two, reused when no
     array of the block it held is referenced any more (its reference count, so a block the
-    caller kept, or any view of it, is never overwritten; a new buffer is made instead).
+    caller kept, or any view of it, is never overwritten; a new buffer is made instead). The
+    pool is the model's, shared with its ``replace``/``astype`` copies, which release the
+    blocks the original holds (:meth:`release`): a sequence of ablation copies reuses two
+    buffers instead of holding two each.
     """
 
     def __init__(self, model: Any, dtype: np.dtype, ahead: bool = True) -> None:
@@ -107,9 +111,8 @@ class StreamedBlocks(Sequence):
         self._last: tuple[int, dict[str, np.ndarray]] | None = None
         self._ahead: _Ahead | None = None  # the read of the next block
         self._stale: _Ahead | None = None  # a read that was not used; joined before the next one starts
-        self._pool: list[np.ndarray] = []
-        self._idle_refs = 0
-        self._lock = threading.Lock()
+        self._pool: list[np.ndarray] = model._pools.setdefault(model._read_dtype(dtype), [])
+        self._lock: threading.Lock = model._pool_lock
         step = _ALIGN // 4
         self._size = sum(-(-math.prod(s) // step) * step for n, s in expected_arrays(model.config).items()
                          if n.startswith("blocks.0.") and len(s) == 2)
@@ -136,6 +139,13 @@ class StreamedBlocks(Sequence):
         for k in range(len(self)):
             yield self[k]
 
+    def release(self) -> None:
+        """Drop the blocks held (the one in use, the one read ahead), so that their buffers can be reused."""
+        for read in (self._ahead, self._stale):
+            if read is not None:
+                read.join()
+        self._last = self._ahead = self._stale = None
+
     def _take(self, k: int) -> dict[str, np.ndarray]:
         ahead, self._ahead = self._ahead, None
         if ahead is None:
@@ -152,14 +162,13 @@ class StreamedBlocks(Sequence):
         """A buffer of the pool that nothing else references, or a new one (kept if the pool has room)."""
         with self._lock:
             for i in range(len(self._pool)):
-                if sys.getrefcount(self._pool[i]) <= self._idle_refs:
+                if sys.getrefcount(self._pool[i]) <= _IDLE_REFS:
                     return self._pool[i]
             if len(self._pool) == _POOL:
                 self._pool.pop(0)  # held by its users; they keep it alive
             self._pool.append(np.empty(self._size, self._model._read_dtype(self._dtype)))
             # touched in order: a first touch of the fresh pages in the kernel's transposed order costs far more
             self._pool[-1].fill(0)
-            self._idle_refs = sys.getrefcount(self._pool[-1])
             return self._pool[-1]
 
 
@@ -187,6 +196,9 @@ def streamed(cls: type) -> type:
             expected = {n: s for n, s in expected_arrays(cfg).items() if not n.startswith("blocks.")}
             self._init(cfg, _check_arrays_subset(cfg, glob, expected, f"weights from {where!r}"))
             self._hf, self._st, self._where, self._storage = hf, st, where, storage
+            # read dtype -> the buffers of StreamedBlocks (shared with the replace/astype copies)
+            self._pools: dict[np.dtype, list[np.ndarray]] = {}
+            self._pool_lock = threading.Lock()
 
         def _read_block(self, k: int, dtype: np.dtype, st: Any = None) -> dict[str, np.ndarray]:
             _, arrays = _families.read_family(self._hf, self._st if st is None else st, self._where,
@@ -217,11 +229,12 @@ def streamed(cls: type) -> type:
             return arrays
 
         def replace(self, **changes: Any) -> Any:
-            cfg = dataclasses.replace(self._config, **changes)
+            cfg = self._config.replace(**changes)
             if expected_arrays(cfg) != expected_arrays(self._config):
                 raise ValueError("a streamed model can only change config fields that keep the same arrays")
             new = copy.copy(self)
             new._config, new._prepared = cfg, {}
+            self._release()
             return new
 
         def astype(self, dtype: Any) -> Any:
@@ -229,7 +242,13 @@ def streamed(cls: type) -> type:
             new._storage = np.dtype(dtype)
             new._weights = {n: a.astype(dtype) for n, a in self._weights.items()}
             new._prepared = {}
+            self._release()
             return new
+
+        def _release(self) -> None:
+            """Drop the blocks this model holds, so that a copy sharing its buffer pool can reuse them."""
+            for blocks, _ in self._prepared.values():
+                blocks.release()
 
         def save(self, path: Any) -> None:
             raise TypeError("a streamed model is not saved to .npz; load it with weights='load' first")

@@ -31,10 +31,11 @@ def _files(out):
         return []
 
 
-def _interrupt(tmp_path, ready, what):
-    """Start a 2-worker scan into tmp_path/D, send SIGINT to its process group once ``ready(proc)``
-    holds, and check the end: within DEADLINE_S, exit status 130, one line, no traceback."""
-    cmd = [sys.executable, "-m", "pyengine", "scan", "norms", "--points", str(POINTS), "--tokens", "2000", "--d",
+def _interrupt(tmp_path, ready, what, points=POINTS):
+    """Start a 2-worker scan of ``points`` points into tmp_path/D, send SIGINT to its process group
+    once ``ready(proc)`` holds, and check the end: within DEADLINE_S, exit status 130, one line, no
+    traceback."""
+    cmd = [sys.executable, "-m", "pyengine", "scan", "norms", "--points", str(points), "--tokens", "2000", "--d",
            "512", "--chunk", "1", "--workers", "2", "--progress", "never", "--out", str(tmp_path / "D")]
     proc = subprocess.Popen(cmd, cwd=tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             start_new_session=True)
@@ -98,5 +99,7 @@ def test_ctrl_c_while_the_cluster_starts(tmp_path, after_s):
             first.append(time.monotonic())
         return bool(first) and time.monotonic() - first[0] >= after_s
 
-    line = _interrupt(tmp_path, ready, f"{after_s} s after the first worker started")
+    # 8x the points: on a quiet machine the 16-point scan can be over 1 s after its first worker
+    # appears, so that the signal would find the interpreter shutting down, not the cluster starting
+    line = _interrupt(tmp_path, ready, f"{after_s} s after the first worker started", points=8 * POINTS)
     assert "point" in line

@@ -36,8 +36,10 @@ def word_tokenizer(folder: str, n_words: int) -> None:
 def test_recovery_on_two_8b_blocks_streams_and_estimates_its_time(tmp_path):
     """Two Llama-3-8B-shaped blocks (d 4096, GQA 32/8, d_mlp 14336; 0.9 GB of bf16, 1.7 GB of float32
     weights), streamed; K = 8 directions injected at the last of T = 128 tokens. The run's peak RSS
-    stays under 4 GiB (two blocks of float32 weights plus the activations); the time left printed
-    when the second stage starts does not underestimate the end by more than 2x nor overestimate
+    stays under 4.75 GiB: the pool's two blocks of float32 weights (1.7 GB, shared by the ablation
+    copies, which would otherwise add two blocks each: 5.3 GiB), the mapped bf16 pages (0.9 GB),
+    the activations and the interpreter (measured 3.7 GiB in a development checkout, 4.1 GiB in a
+    clean install); the time left printed when the second stage starts does not underestimate the end by more than 2x nor overestimate
     it by more than 3x (the first stage pays the cold reads), and once a warm forward stage has been
     measured the estimate is within 1.5x."""
     folder = write_bf16_llama(str(tmp_path / "m"), d=4096, H=32, Hkv=8, L=2, n=14336, V=256, shards=2)
@@ -52,7 +54,7 @@ def test_recovery_on_two_8b_blocks_streams_and_estimates_its_time(tmp_path):
     assert r.returncode == 0, r.stderr
     rss = int(re.search(r"peak_rss_kib (\d+)", r.stderr).group(1)) * 1024
     print(f"wall {wall:.1f} s, peak RSS {rss / 2**30:.2f} GiB\n{r.stderr}")
-    assert rss < 4 * 2**30
+    assert rss < 4.75 * 2**30
     lines = {m.group(2): m.groups() for m in
              re.finditer(r"\]\s+([\d.]+) s  (.+?)  \(about ([\d.]+) (s|min) left\)", r.stderr)}
     final = float(re.search(r"\]\s+([\d.]+) s  done", r.stderr).group(1))

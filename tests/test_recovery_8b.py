@@ -39,9 +39,9 @@ def test_recovery_on_two_8b_blocks_streams_and_estimates_its_time(tmp_path):
     stays under 4.75 GiB: the pool's two blocks of float32 weights (1.7 GB, shared by the ablation
     copies, which would otherwise add two blocks each: 5.3 GiB), the mapped bf16 pages (0.9 GB),
     the activations and the interpreter (measured 3.7 GiB in a development checkout, 4.1 GiB in a
-    clean install); the time left printed when the second stage starts does not underestimate the end by more than 2x nor overestimate
-    it by more than 3x (the first stage pays the cold reads), and once a warm forward stage has been
-    measured the estimate is within 1.5x."""
+    clean install); the time left printed when the second stage starts does not underestimate the
+    end by more than 2x nor overestimate it by more than 3x (the first stage pays the cold reads),
+    and once a warm forward stage has been measured the estimate is within 1.5x."""
     folder = write_bf16_llama(str(tmp_path / "m"), d=4096, H=32, Hkv=8, L=2, n=14336, V=256, shards=2)
     word_tokenizer(folder, 255)
     text = " ".join(f"w{(7 * i) % 255}" for i in range(128))
